@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Builds the sandbox-host guest kernel (an uncompressed vmlinux with a PVH entry) from Debian's
+# linux-source-6.12 and caches it keyed by a hash of its config, so a second run is instant.
+#   guest-kernel/build.sh            build (or reuse) and print the path of vmlinux
+# Environment: SANDBOX_HOST_CACHE (cache root), JOBS (parallel make jobs, default: all cores).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+. "$root/scripts/cache-dir.sh"
+
+arch=${1:-x86_64}
+if [ "$arch" != x86_64 ]; then
+  echo "guest-kernel: only x86_64 builds on this machine; see guest-kernel/README.md for aarch64" >&2
+  exit 2
+fi
+fragment="$here/$arch.config"
+tarball=/usr/src/linux-source-6.12.tar.xz
+log() { printf '[guest-kernel %s] %s\n' "$(date +%T)" "$*" >&2; }
+
+if [ ! -f "$tarball" ] || ! command -v flex >/dev/null || ! command -v bison >/dev/null || ! command -v bc >/dev/null; then
+  log "installing linux-source-6.12 and the kernel build dependencies"
+  bash "$root/scripts/install-deps.sh" >&2
+fi
+
+src_version=$(dpkg-query -W -f='${Version}' linux-source-6.12 2>/dev/null || stat -c %s "$tarball")
+key=$( { cat "$fragment" "$here/build.sh"; echo "$src_version"; } | sha256sum | cut -c1-16)
+cache=$(sandbox_cache_dir)
+out="$cache/kernel/$arch-$key"
+if [ -f "$out/vmlinux" ]; then
+  log "cached: $out/vmlinux"
+  echo "$out/vmlinux"
+  exit 0
+fi
+
+work="$cache/kernel-build"
+tree="$work/linux-source-6.12"
+mkdir -p "$work"
+if [ "$(cat "$work/.extracted" 2>/dev/null)" != "$src_version" ]; then
+  log "extracting $tarball (linux-source $src_version)"
+  rm -rf "$tree"
+  tar -xJf "$tarball" -C "$work"
+  echo "$src_version" > "$work/.extracted"
+fi
+
+cd "$tree"
+log "configuring: tinyconfig + $(basename "$fragment")"
+make -s tinyconfig >/dev/null
+scripts/kconfig/merge_config.sh -m .config "$fragment" >/dev/null
+make -s olddefconfig >/dev/null
+
+# Every option the fragment asks for must have survived olddefconfig: a silently dropped option
+# (a typo, a missing dependency) would give a kernel that boots but lacks a feature.
+bad=0
+while IFS= read -r line; do
+  case "$line" in
+    CONFIG_*=n) opt=${line%%=*}; grep -q "^$opt=" .config && { log "option $opt is set, fragment wants it off"; bad=1; } ;;
+    CONFIG_*=*) grep -qx "$line" .config || { log "option ${line%%=*} did not take (wanted ${line#*=}; got: $(grep "^${line%%=*}=\|^# ${line%%=*} is not set" .config || echo absent))"; bad=1; } ;;
+  esac
+done < <(grep -E '^CONFIG_' "$fragment")
+[ "$bad" = 0 ] || { log "the config fragment did not apply cleanly; fix $fragment"; exit 1; }
+
+jobs=${JOBS:-$(nproc)}
+log "building vmlinux with $jobs jobs (about 3 minutes on 2 cores); progress every 100 objects"
+start=$(date +%s)
+n=0
+make -j"$jobs" vmlinux 2>&1 | while IFS= read -r line; do
+  case "$line" in
+    *" CC "*|*" AS "*|*" LD "*|*" AR "*)
+      n=$((n + 1))
+      [ $((n % 100)) -eq 0 ] && log "$n objects, $(( $(date +%s) - start ))s" ;;
+    *error*|*Error*|*warning:*) printf '%s\n' "$line" >&2 ;;
+  esac
+done
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "make vmlinux failed"; exit 1; }
+log "built in $(( $(date +%s) - start ))s"
+
+mkdir -p "$cache/kernel"
+tmp=$(mktemp -d "$cache/kernel/.tmp.XXXXXX")
+cp vmlinux "$tmp/vmlinux"
+cp .config "$tmp/config"
+rm -rf "$out"
+mv "$tmp" "$out"
+log "vmlinux: $out/vmlinux ($(du -h "$out/vmlinux" | cut -f1))"
+echo "$out/vmlinux"

@@ -1,0 +1,191 @@
+//! Running a process: spawn in its own process group, stream its output under the window, feed
+//! its stdin, enforce its timeout on the whole group, report how it ended.
+
+use std::io::{self, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use sandbox_protocol::message::{code, ExecRequest, ExitStatus};
+use sandbox_protocol::Kind;
+
+use crate::reaper::{Reaper, Status};
+use crate::server::{kill_group, StreamCtx};
+use crate::transfer::Download;
+
+/// PATH of every exec unless the request sets its own.
+const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// How long output pipes may stay open after a kill before the agent stops waiting for them
+/// (a process that left the group with `setsid` can hold them open forever).
+const DRAIN_AFTER_KILL: Duration = Duration::from_secs(5);
+
+pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
+    let mut cmd = match command(&req) {
+        Ok(c) => c,
+        Err(msg) => return ctx.fail(code::BAD_REQUEST, msg),
+    };
+    let started = Instant::now();
+    let (mut child, status_rx) = match reaper.spawn(&mut cmd) {
+        Ok(x) => x,
+        Err(e) => return ctx.fail(code::SPAWN_FAILED, format!("cannot start `{}`: {e}", program(&req))),
+    };
+    let pgid = child.id() as i32;
+    ctx.pgid.store(pgid, Ordering::SeqCst);
+    if ctx.cancelled.load(Ordering::SeqCst) {
+        kill_group(pgid, libc::SIGKILL);
+    }
+
+    let upload = ctx.take_upload();
+    if let (Some(mut stdin), Some(mut upload)) = (child.stdin.take(), upload) {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut open = true;
+            loop {
+                let n = match upload.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                // Once the process stops reading, keep draining so the host is never stuck.
+                if open && stdin.write_all(&buf[..n]).is_err() {
+                    open = false;
+                }
+            }
+        });
+    }
+
+    let (done_tx, done_rx) = channel::<()>();
+    let mut pumps = 0;
+    for (pipe, kind) in [
+        (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), Kind::Stdout),
+        (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), Kind::Stderr),
+    ] {
+        if let Some(pipe) = pipe {
+            let dl = Download::new(ctx.out.clone(), ctx.id, kind, ctx.credit.clone());
+            let done = done_tx.clone();
+            std::thread::spawn(move || {
+                pump(pipe, dl);
+                let _ = done.send(());
+            });
+            pumps += 1;
+        }
+    }
+    drop(done_tx);
+
+    let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
+    let mut timed_out = false;
+    let status = loop {
+        let r = match deadline {
+            Some(d) => status_rx.recv_timeout(d.saturating_duration_since(Instant::now())),
+            None => status_rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match r {
+            Ok(s) => break Some(s),
+            Err(RecvTimeoutError::Timeout) if !timed_out => {
+                timed_out = true;
+                kill_group(pgid, libc::SIGKILL);
+            }
+            Err(_) => break None,
+        }
+    };
+    let duration_ms = started.elapsed().as_millis() as u64;
+
+    // Output is complete when every writer of the pipes is gone. Processes left in the group
+    // keep them open (as with ssh); the timeout, if any, still applies to them.
+    let mut killed_at: Option<Instant> = timed_out.then(Instant::now);
+    while pumps > 0 {
+        let wait = match (killed_at, deadline) {
+            (Some(k), _) => (k + DRAIN_AFTER_KILL).saturating_duration_since(Instant::now()),
+            (None, Some(d)) => d.saturating_duration_since(Instant::now()),
+            (None, None) => Duration::from_secs(3600),
+        };
+        match done_rx.recv_timeout(wait) {
+            Ok(()) => pumps -= 1,
+            Err(RecvTimeoutError::Timeout) if killed_at.is_none() => {
+                if deadline.is_some() {
+                    kill_group(pgid, libc::SIGKILL);
+                    killed_at = Some(Instant::now());
+                }
+            }
+            Err(_) => break,
+        }
+    }
+
+    let (exit_code, signal) = match status {
+        Some(Status::Exited(c)) => (Some(c), None),
+        Some(Status::Signaled(s)) => (None, Some(s)),
+        None => (None, None),
+    };
+    let exit = ExitStatus { exit_code, signal, timed_out, duration_ms };
+    ctx.out.send_json(Kind::Exit, ctx.id, &exit);
+}
+
+fn pump(mut pipe: Box<dyn Read + Send>, mut dl: Download) {
+    let mut buf = vec![0u8; sandbox_protocol::DATA_CHUNK];
+    loop {
+        match pipe.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if dl.send_now(&buf[..n]).is_err() {
+                    // Cancelled: dropping the pipe gives the writer EPIPE.
+                    return;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn program(req: &ExecRequest) -> &str {
+    match (&req.argv, &req.command) {
+        (Some(argv), _) => argv.first().map_or("", String::as_str),
+        _ => "/bin/sh",
+    }
+}
+
+fn command(req: &ExecRequest) -> Result<Command, String> {
+    let mut cmd = match (&req.argv, &req.command) {
+        (Some(_), Some(_)) => return Err("give either argv or command, not both".into()),
+        (None, None) => return Err("give argv or command".into()),
+        (Some(argv), None) => {
+            let Some((prog, args)) = argv.split_first() else {
+                return Err("argv is empty".into());
+            };
+            let mut c = Command::new(prog);
+            c.args(args);
+            c
+        }
+        (None, Some(line)) => {
+            let mut c = Command::new("/bin/sh");
+            c.arg("-c").arg(line);
+            c
+        }
+    };
+    let cwd = req.cwd.as_deref().unwrap_or("/workspace");
+    if !Path::new(cwd).is_dir() {
+        return Err(format!("working directory {cwd} does not exist or is not a directory"));
+    }
+    if let Some(bad) = req.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
+        return Err(format!("environment variable name `{bad}` is not valid"));
+    }
+    if req.env.values().any(|v| v.contains('\0')) {
+        return Err("environment variable values cannot contain NUL".into());
+    }
+    cmd.env_clear()
+        .env("PATH", BASE_PATH)
+        .env("HOME", "/root")
+        .env("USER", "root")
+        .env("LANG", "C.UTF-8")
+        .env("TERM", "dumb")
+        .envs(&req.env)
+        .current_dir(cwd)
+        .process_group(0)
+        .stdin(if req.stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(cmd)
+}

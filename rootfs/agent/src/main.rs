@@ -1,0 +1,73 @@
+//! sandbox-agent: the process inside each sandbox guest that serves the host's requests.
+//!
+//! It runs as PID 1 of the stock image (after `/init` has mounted the filesystems) or is started
+//! by the full image's init. It opens its channel to the host (a virtio-serial port or a vsock
+//! port, chosen by `sandbox.channel=` on the kernel command line or `--channel`), announces itself
+//! with `READY` and then serves frames until the host asks it to shut down.
+
+mod archive;
+mod channel;
+mod credit;
+mod exec;
+mod files;
+mod outbox;
+mod reaper;
+mod server;
+mod transfer;
+
+use std::process::ExitCode;
+
+use channel::ChannelSpec;
+
+/// Agent version reported in `READY`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+fn main() -> ExitCode {
+    let spec = match channel_spec() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandbox-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let reaper = reaper::Reaper::start();
+    loop {
+        let conn = match channel::open(&spec) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("sandbox-agent: cannot open channel {spec}: {e}; retrying");
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                continue;
+            }
+        };
+        server::serve(conn, &spec, &reaper);
+        // The host went away (EOF): every stream has been cancelled. Wait for it to come back.
+        if spec.is_serial() {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+/// The channel from `--channel X` or else `sandbox.channel=X` on the kernel command line,
+/// defaulting to the virtio-serial port.
+fn channel_spec() -> Result<ChannelSpec, String> {
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--channel" => {
+                let v = args.next().ok_or("--channel needs a value, e.g. serial:sandbox.agent")?;
+                return v.parse();
+            }
+            "--version" => {
+                println!("sandbox-agent {VERSION}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument `{other}`; use --channel or --version")),
+        }
+    }
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    match cmdline.split_whitespace().find_map(|w| w.strip_prefix("sandbox.channel=")) {
+        Some(v) => v.parse(),
+        None => Ok(ChannelSpec::Serial(sandbox_protocol::SERIAL_PORT_NAME.to_owned())),
+    }
+}

@@ -1,0 +1,140 @@
+//! The VMM trait: what the rest of sandbox-host needs from a virtual machine backend.
+//!
+//! It is deliberately lifecycle-level (start, talk, wait, stop), as Kata's runtime is over its
+//! hypervisors: QEMU is another process and our KVM VMM is threads in this one, so a finer trait
+//! (vCPUs, devices) would fit only one of them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// What to boot. Built by the caller from a sandbox's spec and its image.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// Short unique name, used in file names and logs.
+    pub id: String,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    pub vcpus: u8,
+    /// Uncompressed kernel (`vmlinux` with a PVH note on x86_64).
+    pub kernel: PathBuf,
+    /// Initramfs, if the image has one.
+    pub initrd: Option<PathBuf>,
+    /// Disks in order (`/dev/vda`, `/dev/vdb`, ...).
+    pub disks: Vec<Disk>,
+    /// Extra kernel command-line words, after the backend's own.
+    pub cmdline: Vec<String>,
+    /// A directory that belongs to this VM alone; the backend puts its sockets there and
+    /// removes it on stop.
+    pub state_dir: PathBuf,
+}
+
+/// A raw disk image. Never probed for a format: the guest may have written anything into it.
+#[derive(Debug, Clone)]
+pub struct Disk {
+    /// File on the host.
+    pub path: PathBuf,
+    /// Whether the guest may write to it.
+    pub read_only: bool,
+}
+
+/// The agent channel of a started VM, as a read half and a write half.
+pub struct Channel {
+    /// Bytes from the guest agent.
+    pub read: Box<dyn AsyncRead + Unpin + Send>,
+    /// Bytes to the guest agent.
+    pub write: Box<dyn AsyncWrite + Unpin + Send>,
+}
+
+/// A VM that a backend started, with its agent channel.
+pub struct StartedVm {
+    /// Control of the VM.
+    pub vm: Box<dyn Vm>,
+    /// The byte stream to the agent.
+    pub channel: Channel,
+}
+
+/// How and why a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmExit {
+    /// One line for a person: what ended the VM.
+    pub reason: String,
+    /// Whether the host asked for it (a stop), as opposed to the guest or a failure.
+    pub requested: bool,
+    /// The last lines the guest (and the VMM) printed.
+    pub console: Vec<String>,
+}
+
+/// Why a VM could not be started.
+#[derive(Debug, Error)]
+pub enum VmError {
+    /// A program the backend needs is not installed.
+    #[error("{0}")]
+    MissingProgram(String),
+    /// The spec cannot be booted as given.
+    #[error("invalid VM spec: {0}")]
+    InvalidSpec(String),
+    /// The VMM could not be started.
+    #[error("starting the VM failed: {0}")]
+    Start(String),
+    /// The VM ended before its agent channel was up.
+    #[error("the VM stopped while starting: {}{}", .0.reason, console_suffix(&.0.console))]
+    DiedEarly(VmExit),
+    /// Host I/O around the VM failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl VmError {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        VmError::Io { context: context.into(), source }
+    }
+}
+
+/// " Last console lines: a | b" when there are any.
+pub fn console_suffix(lines: &[String]) -> String {
+    let lines: Vec<&str> = lines.iter().map(String::as_str).filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        String::new()
+    } else {
+        format!(". Last console lines: {}", lines[lines.len().saturating_sub(8)..].join(" | "))
+    }
+}
+
+/// A virtual machine backend.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// `qemu` or `kvm`, as the API reports it.
+    fn name(&self) -> &'static str;
+    /// The accelerator in use (`kvm`, `hvf`, `tcg`).
+    fn accel(&self) -> String;
+    /// Starts a VM and returns it once its agent channel is connected (not yet ready).
+    async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError>;
+}
+
+/// A running (or ended) VM.
+#[async_trait]
+pub trait Vm: Send + Sync {
+    /// How it ended, if it has.
+    fn exit(&self) -> Option<VmExit>;
+    /// Resolves when it ends.
+    async fn wait(&self) -> VmExit;
+    /// Ends it: asks the VMM to quit, forces it after `grace`, and removes every file of the VM.
+    /// Returns once nothing of it is left. Calling it on an ended VM only cleans up.
+    async fn stop(&self, grace: Duration) -> VmExit;
+    /// The last `n` console lines.
+    fn console_tail(&self, n: usize) -> Vec<String>;
+    /// The host process of the VM, if it is a separate one (QEMU).
+    fn pid(&self) -> Option<u32>;
+}

@@ -1,0 +1,118 @@
+//! Settings the VMM layer reads from the environment, and where sandbox-host keeps its files.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// A setting with a value it does not accept.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{var} must be one of {allowed}; it is `{value}`. Fix it in the environment or in .env")]
+pub struct ConfigError {
+    /// The variable.
+    pub var: &'static str,
+    /// Its value.
+    pub value: String,
+    /// What it may be.
+    pub allowed: &'static str,
+}
+
+/// Root of what sandbox-host builds and keeps: `SANDBOX_HOST_CACHE`, else
+/// `$XDG_CACHE_HOME/sandbox-host`, else `~/.cache/sandbox-host` (as `scripts/cache-dir.sh`).
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = non_empty_env("SANDBOX_HOST_CACHE") {
+        return d.into();
+    }
+    if let Some(d) = non_empty_env("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("sandbox-host");
+    }
+    let home = non_empty_env("HOME").unwrap_or_else(|| "/tmp".into());
+    PathBuf::from(home).join(".cache/sandbox-host")
+}
+
+/// The image store: `SANDBOX_HOST_IMAGE_DIR`, else `<cache>/images`.
+pub fn image_dir() -> PathBuf {
+    non_empty_env("SANDBOX_HOST_IMAGE_DIR").map_or_else(|| cache_dir().join("images"), PathBuf::from)
+}
+
+/// Where running sandboxes keep their files: `SANDBOX_HOST_STATE_DIR`, else `<cache>/state`.
+pub fn state_dir() -> PathBuf {
+    non_empty_env("SANDBOX_HOST_STATE_DIR").map_or_else(|| cache_dir().join("state"), PathBuf::from)
+}
+
+fn non_empty_env(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|v| !v.is_empty())
+}
+
+/// `SANDBOX_HOST_QEMU_ACCEL`: the accelerator of the QEMU backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccelSetting {
+    /// kvm when `/dev/kvm` can really boot a guest, hvf on macOS, else tcg with a warning.
+    Auto,
+    /// Hardware virtualisation on Linux.
+    Kvm,
+    /// Hardware virtualisation on macOS.
+    Hvf,
+    /// Software emulation: always works, slowly.
+    Tcg,
+}
+
+impl AccelSetting {
+    /// Parses the variable's value (empty means `auto`).
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        match value.trim() {
+            "" | "auto" => Ok(Self::Auto),
+            "kvm" => Ok(Self::Kvm),
+            "hvf" => Ok(Self::Hvf),
+            "tcg" => Ok(Self::Tcg),
+            other => Err(ConfigError { var: "SANDBOX_HOST_QEMU_ACCEL", value: other.into(), allowed: "auto, kvm, hvf, tcg" }),
+        }
+    }
+
+    /// Reads `SANDBOX_HOST_QEMU_ACCEL`.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::parse(&std::env::var("SANDBOX_HOST_QEMU_ACCEL").unwrap_or_default())
+    }
+}
+
+/// `SANDBOX_HOST_VMM`: which backend runs the VMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmmSetting {
+    /// The KVM backend when it can boot a guest, else QEMU.
+    Auto,
+    /// The in-process KVM backend only.
+    Kvm,
+    /// The QEMU backend only.
+    Qemu,
+}
+
+impl VmmSetting {
+    /// Parses the variable's value (empty means `auto`).
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        match value.trim() {
+            "" | "auto" => Ok(Self::Auto),
+            "kvm" => Ok(Self::Kvm),
+            "qemu" => Ok(Self::Qemu),
+            other => Err(ConfigError { var: "SANDBOX_HOST_VMM", value: other.into(), allowed: "auto, kvm, qemu" }),
+        }
+    }
+
+    /// Reads `SANDBOX_HOST_VMM`.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::parse(&std::env::var("SANDBOX_HOST_VMM").unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_settings_and_names_the_variable_on_error() {
+        assert_eq!(AccelSetting::parse(""), Ok(AccelSetting::Auto));
+        assert_eq!(AccelSetting::parse("tcg"), Ok(AccelSetting::Tcg));
+        let e = AccelSetting::parse("fast").unwrap_err().to_string();
+        assert!(e.contains("SANDBOX_HOST_QEMU_ACCEL") && e.contains("`fast`"), "{e}");
+        assert_eq!(VmmSetting::parse("qemu"), Ok(VmmSetting::Qemu));
+        assert!(VmmSetting::parse("krun").unwrap_err().to_string().contains("SANDBOX_HOST_VMM"));
+    }
+}

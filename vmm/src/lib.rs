@@ -1,0 +1,16 @@
+//! The VMM layer of sandbox-host: a lifecycle-level trait over virtual machine backends, the
+//! QEMU backend, the image store, and booting a sandbox (VM + agent channel) on any backend.
+//!
+//! The API and the `run` command only see [`Backend`] and [`Vm`]; the QEMU backend spawns
+//! `qemu-system-*`, the KVM backend (issue 3) runs the VMM in-process. Both hand back the same
+//! agent channel, so everything above the trait works on either.
+
+pub mod backend;
+pub mod config;
+pub mod image;
+pub mod qemu;
+pub mod sandbox;
+
+pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
+pub use image::{Image, ImageError, ImageStore};
+pub use sandbox::{boot, BootError, Sandbox};

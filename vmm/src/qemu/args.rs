@@ -1,0 +1,206 @@
+//! The QEMU command line, as a pure function of the VM spec, so every argument set (x86_64
+//! `microvm`, aarch64 `virt`, each accelerator) is unit-tested without running QEMU.
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use sandbox_protocol::SERIAL_PORT_NAME;
+
+use crate::backend::VmSpec;
+
+/// Guest architecture, which picks the QEMU binary and machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `qemu-system-x86_64 -M microvm`.
+    X86_64,
+    /// `qemu-system-aarch64 -M virt`.
+    Aarch64,
+}
+
+impl Arch {
+    /// The architecture of this host, which is the guest's.
+    pub fn host() -> Arch {
+        if cfg!(target_arch = "aarch64") { Arch::Aarch64 } else { Arch::X86_64 }
+    }
+
+    /// The QEMU system emulator for it.
+    pub fn qemu_program(self) -> &'static str {
+        match self {
+            Arch::X86_64 => "qemu-system-x86_64",
+            Arch::Aarch64 => "qemu-system-aarch64",
+        }
+    }
+}
+
+/// QEMU accelerator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Linux hardware virtualisation.
+    Kvm,
+    /// macOS hardware virtualisation.
+    Hvf,
+    /// Software emulation.
+    Tcg,
+}
+
+impl Accel {
+    /// The name QEMU (and the API) uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Hvf => "hvf",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// Kernel command line shared by both architectures: console, no reboot loop (`reboot=t` with
+/// `-no-reboot` makes a guest restart end QEMU), panic ends the VM at once, and what the guest's
+/// init and agent read.
+pub fn kernel_cmdline(arch: Arch, spec: &VmSpec) -> String {
+    let console = match arch {
+        Arch::X86_64 => "console=ttyS0 reboot=t i8042.noaux i8042.nomux i8042.dumbkbd",
+        Arch::Aarch64 => "console=ttyAMA0",
+    };
+    let mut words = vec![
+        console.to_string(),
+        "panic=-1".into(),
+        "quiet".into(),
+        format!("sandbox.memory_mib={}", spec.memory_mib),
+        format!("sandbox.channel=serial:{SERIAL_PORT_NAME}"),
+    ];
+    words.extend(spec.cmdline.iter().cloned());
+    words.join(" ")
+}
+
+/// The full argument list (program not included).
+pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
+    let mut push = |s: &str| a.push(s.into());
+    match arch {
+        Arch::X86_64 => {
+            // microvm: virtio-mmio only, no PCI, no ACPI (our kernel has none, and without ACPI
+            // QEMU lists the virtio-mmio devices on the kernel command line).
+            let mut machine = "microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on".to_string();
+            if accel == Accel::Kvm {
+                // With KVM's in-kernel irqchip the legacy PIT/PIC are not needed.
+                machine.push_str(",pit=off,pic=off");
+            }
+            push("-M");
+            push(&machine);
+        }
+        Arch::Aarch64 => {
+            push("-M");
+            push("virt,highmem=on");
+        }
+    }
+    push("-accel");
+    push(accel.as_str());
+    push("-cpu");
+    push(if accel == Accel::Tcg { "max" } else { "host" });
+    push("-m");
+    push(&spec.memory_mib.to_string());
+    push("-smp");
+    push(&spec.vcpus.to_string());
+    for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio"] {
+        push(s);
+    }
+    push("-kernel");
+    a.push(spec.kernel.clone().into());
+    if let Some(initrd) = &spec.initrd {
+        a.push("-initrd".into());
+        a.push(initrd.clone().into());
+    }
+    a.push("-append".into());
+    a.push(kernel_cmdline(arch, spec).into());
+
+    // The agent channel: QEMU connects to the host's listening socket before the guest runs.
+    let mut chardev = OsString::from("socket,id=agent,path=");
+    chardev.push(escape_commas(agent_socket.as_os_str()));
+    a.extend(["-chardev".into(), chardev]);
+    for s in ["-device", "virtio-serial-device", "-device"] {
+        a.push(s.into());
+    }
+    a.push(format!("virtserialport,chardev=agent,name={SERIAL_PORT_NAME}").into());
+    // Entropy for getrandom() early in the guest (Node.js and Python ask for it at start).
+    a.extend(["-device".into(), "virtio-rng-device".into()]);
+
+    for (i, disk) in spec.disks.iter().enumerate() {
+        // format=raw always: a guest-written image must never be probed for a format.
+        let mut drive = OsString::from("file=");
+        drive.push(escape_commas(disk.path.as_os_str()));
+        drive.push(format!(",if=none,id=disk{i},format=raw,readonly={}", if disk.read_only { "on" } else { "off" }));
+        a.extend(["-drive".into(), drive]);
+        a.extend(["-device".into(), format!("virtio-blk-device,drive=disk{i}").into()]);
+    }
+    a
+}
+
+/// QEMU option values separate with commas; a literal comma is written twice.
+fn escape_commas(s: &std::ffi::OsStr) -> OsString {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let mut out = Vec::with_capacity(s.len());
+    for &b in s.as_bytes() {
+        out.push(b);
+        if b == b',' {
+            out.push(b',');
+        }
+    }
+    OsString::from_vec(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Disk;
+    use std::path::PathBuf;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            id: "t".into(),
+            memory_mib: 4096,
+            vcpus: 2,
+            kernel: "/img/vmlinux".into(),
+            initrd: Some("/img/initramfs.cpio".into()),
+            disks: vec![Disk { path: PathBuf::from("/d/base,1.ext4"), read_only: true }],
+            cmdline: vec!["extra=1".into()],
+            state_dir: "/s".into(),
+        }
+    }
+
+    fn joined(arch: Arch, accel: Accel) -> String {
+        qemu_args(arch, accel, &spec(), Path::new("/s/agent.sock"))
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn x86_64_tcg_microvm() {
+        let s = joined(Arch::X86_64, Accel::Tcg);
+        assert!(s.starts_with("-M microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on -accel tcg -cpu max -m 4096 -smp 2 "), "{s}");
+        assert!(!s.contains("pit=off"));
+        assert!(s.contains("-kernel /img/vmlinux -initrd /img/initramfs.cpio -append console=ttyS0 reboot=t"));
+        assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
+        assert!(s.contains("-chardev socket,id=agent,path=/s/agent.sock -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
+        assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0"));
+        assert!(s.contains("-no-reboot") && s.contains("-nodefaults"));
+    }
+
+    #[test]
+    fn x86_64_kvm_drops_legacy_timers() {
+        let s = joined(Arch::X86_64, Accel::Kvm);
+        assert!(s.contains("pit=off,pic=off -accel kvm -cpu host"), "{s}");
+    }
+
+    #[test]
+    fn aarch64_hvf_virt() {
+        let s = joined(Arch::Aarch64, Accel::Hvf);
+        assert!(s.starts_with("-M virt,highmem=on -accel hvf -cpu host -m 4096 -smp 2"), "{s}");
+        assert!(s.contains("-append console=ttyAMA0 panic=-1"));
+        assert!(!s.contains("microvm") && !s.contains("ttyS0"));
+        assert!(s.contains("virtio-serial-device") && s.contains("virtio-blk-device,drive=disk0"));
+        assert_eq!(Arch::Aarch64.qemu_program(), "qemu-system-aarch64");
+    }
+}

@@ -1,0 +1,137 @@
+//! The QEMU backend: each VM is a `qemu-system-*` process (`-M microvm` on x86_64, `-M virt` on
+//! aarch64) with the agent channel on a virtio-serial port connected to a Unix socket of ours.
+//! It works everywhere QEMU does: with KVM, with HVF on macOS, and with TCG (slowly) elsewhere.
+
+mod accel;
+pub mod args;
+mod process;
+
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+
+pub use accel::{resolve_accel, AccelChoice};
+pub use args::{Accel, Arch};
+
+use crate::backend::{Backend, StartedVm, VmError, VmSpec};
+use crate::config::AccelSetting;
+use crate::image::ImageStore;
+
+/// Longest path a Unix socket address holds (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// The QEMU backend, with its accelerator chosen.
+#[derive(Debug, Clone)]
+pub struct QemuBackend {
+    arch: Arch,
+    accel: Accel,
+    program: PathBuf,
+    warning: Option<String>,
+}
+
+impl QemuBackend {
+    /// Finds QEMU and picks the accelerator for `setting` (probing KVM for `auto`).
+    pub async fn new(setting: AccelSetting, store: &ImageStore) -> Result<QemuBackend, VmError> {
+        let arch = Arch::host();
+        let program = find_qemu(arch)?;
+        let choice = resolve_accel(setting, arch, &program, store).await;
+        Ok(QemuBackend { arch, accel: choice.accel, program, warning: choice.warning })
+    }
+
+    /// A backend with a fixed accelerator and program, for tests and the KVM probe.
+    pub fn with(arch: Arch, accel: Accel, program: PathBuf) -> QemuBackend {
+        QemuBackend { arch, accel, program, warning: None }
+    }
+
+    /// Why the accelerator is not the best one, when it is not (e.g. TCG fallback).
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
+    }
+
+    /// The accelerator.
+    pub fn accel_kind(&self) -> Accel {
+        self.accel
+    }
+}
+
+/// Finds `qemu-system-<arch>` and `qemu-img` on PATH, or says, in the operator guide's words,
+/// that they are missing.
+pub fn find_qemu(arch: Arch) -> Result<PathBuf, VmError> {
+    let missing = |what: &str| {
+        VmError::MissingProgram(format!(
+            "the sandbox host has no {what} on its PATH. Install QEMU on the machine of the sandbox host \
+             (Debian: apt-get install qemu-system-x86 qemu-utils; macOS: brew install qemu), \
+             then stop the sandbox host and start it again"
+        ))
+    };
+    let system = which(arch.qemu_program()).ok_or_else(|| missing(arch.qemu_program()))?;
+    which("qemu-img").ok_or_else(|| missing("qemu-img"))?;
+    Ok(system)
+}
+
+/// The first executable called `name` on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false))
+}
+
+#[async_trait]
+impl Backend for QemuBackend {
+    fn name(&self) -> &'static str {
+        "qemu"
+    }
+
+    fn accel(&self) -> String {
+        self.accel.as_str().to_string()
+    }
+
+    async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
+        validate(&spec)?;
+        make_state_dir(&spec.state_dir)?;
+        let sock = spec.state_dir.join("agent.sock");
+        let args = args::qemu_args(self.arch, self.accel, &spec, &sock);
+        let started = process::spawn(&self.program, args, &spec).await;
+        if started.is_err() {
+            let _ = std::fs::remove_dir_all(&spec.state_dir);
+        }
+        started
+    }
+}
+
+fn validate(spec: &VmSpec) -> Result<(), VmError> {
+    if spec.vcpus == 0 || spec.vcpus > 64 {
+        return Err(VmError::InvalidSpec(format!("vcpus must be 1 to 64, not {}", spec.vcpus)));
+    }
+    if spec.memory_mib < 128 {
+        return Err(VmError::InvalidSpec(format!("memory_mib must be at least 128, not {}", spec.memory_mib)));
+    }
+    let sock_len = spec.state_dir.join("agent.sock").as_os_str().len();
+    if sock_len > MAX_SOCKET_PATH {
+        return Err(VmError::InvalidSpec(format!(
+            "the state directory {} is too long for a Unix socket path ({sock_len} > {MAX_SOCKET_PATH} bytes); \
+             set SANDBOX_HOST_STATE_DIR to a shorter directory",
+            spec.state_dir.display()
+        )));
+    }
+    for p in std::iter::once(&spec.kernel).chain(spec.initrd.iter()) {
+        if !p.is_file() {
+            return Err(VmError::InvalidSpec(format!("{} does not exist", p.display())));
+        }
+    }
+    Ok(())
+}
+
+fn make_state_dir(dir: &Path) -> Result<(), VmError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if dir.exists() {
+        return Err(VmError::InvalidSpec(format!("the VM state directory {} already exists", dir.display())));
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| VmError::io(format!("creating {}", dir.display()), e))
+}
