@@ -79,6 +79,8 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     let mut timed_out = false;
     let status = loop {
         let r = match deadline {
+            // Killed: its status follows at once (a process stuck in the kernel gets a bound).
+            _ if timed_out => status_rx.recv_timeout(DRAIN_AFTER_KILL),
             Some(d) => status_rx.recv_timeout(d.saturating_duration_since(Instant::now())),
             None => status_rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };

@@ -103,9 +103,12 @@ async fn probe(arch: Arch, program: &Path, kernel: &Path, initrd: Option<PathBuf
             r = client.wait_ready(Duration::from_millis(200)) => match r {
                 Ok(_) => break Ok(()),
                 Err(sandbox_protocol::client::ClientError::Timeout(_)) => {}
-                Err(e) => break Err(format!("the KVM probe guest lost its channel ({e})")),
+                Err(e) => match tokio::time::timeout(Duration::from_secs(1), vm.wait()).await {
+                    Ok(exit) => break Err(stopped(&exit)),
+                    Err(_) => break Err(format!("the KVM probe guest lost its channel ({e})")),
+                },
             },
-            exit = vm.wait() => break Err(format!("the KVM probe guest stopped: {}", exit.reason)),
+            exit = vm.wait() => break Err(stopped(&exit)),
         }
         if vm.console_tail(50).iter().any(|l| l.contains("KVM internal error") || l.contains("emulation failure")) {
             break Err("/dev/kvm cannot run a Linux guest here (KVM internal error: emulation failure)".into());
@@ -132,8 +135,20 @@ async fn probe(arch: Arch, program: &Path, kernel: &Path, initrd: Option<PathBuf
         }
         Err(e) => Err(e),
     };
+    // Whatever went wrong, an emulation failure in the console is the real reason.
+    let outcome = outcome.map_err(|why| {
+        if vm.console_tail(50).iter().any(|l| l.contains("KVM internal error") || l.contains("emulation failure")) {
+            "/dev/kvm cannot run a Linux guest here (KVM internal error: emulation failure)".to_string()
+        } else {
+            why
+        }
+    });
     vm.stop(Duration::from_millis(500)).await;
     outcome
+}
+
+fn stopped(exit: &crate::backend::VmExit) -> String {
+    format!("QEMU with KVM could not boot a guest: {}{}", exit.reason, crate::backend::console_suffix(&exit.console))
 }
 
 fn probe_key(program: &Path, kernel: &Path, initrd: Option<&Path>) -> u64 {

@@ -88,18 +88,18 @@ pub async fn spawn(program: &Path, args: Vec<std::ffi::OsString>, spec: &VmSpec)
 
 async fn pump(mut r: impl AsyncRead + Unpin, console: Arc<Mutex<ConsoleLog>>, prefix: &'static str) {
     let mut buf = vec![0u8; 16 * 1024];
+    let mut line_start = true;
     loop {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
                 let mut log = console.lock().unwrap_or_else(|e| e.into_inner());
-                if prefix.is_empty() {
-                    log.write(&buf[..n]);
-                } else {
-                    for line in buf[..n].split_inclusive(|&b| b == b'\n') {
+                for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
+                    if line_start {
                         log.write(prefix.as_bytes());
-                        log.write(line);
                     }
+                    log.write(piece);
+                    line_start = piece.ends_with(b"\n");
                 }
             }
         }

@@ -1,0 +1,121 @@
+//! Shared fixtures of the end-to-end tests: booting a real sandbox on the stock image, and
+//! skipping (loudly) where that cannot be done.
+#![allow(missing_docs)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sandbox_protocol::client::{Client, ExecEvent};
+use sandbox_protocol::message::{ExecRequest, ExitStatus};
+use sandbox_vmm::config::{self, AccelSetting};
+use sandbox_vmm::qemu::QemuBackend;
+use sandbox_vmm::{ImageStore, Sandbox, VmSpec};
+
+/// A booted sandbox and the temporary directory that holds its state.
+pub struct TestVm {
+    pub sandbox: Sandbox,
+    pub state_dir: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+/// Says why a test cannot run here. Under `SANDBOX_HOST_REQUIRE_E2E=1` (CI) that is a failure:
+/// CI must run every test that can run.
+pub fn skip(why: &str) {
+    if std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1") {
+        panic!("test cannot run but SANDBOX_HOST_REQUIRE_E2E=1: {why}");
+    }
+    eprintln!("skipped: {why}");
+}
+
+/// Boots the stock image on the QEMU backend (accelerator from the environment, `auto` by
+/// default). `None` after printing "skipped" if QEMU or the image is missing.
+pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
+    let store = ImageStore::new(config::image_dir());
+    let image = match store.resolve("stock") {
+        Ok(i) => i,
+        Err(e) => {
+            skip(&format!("{e}"));
+            return None;
+        }
+    };
+    let accel = AccelSetting::from_env().expect("SANDBOX_HOST_QEMU_ACCEL is valid");
+    let backend = match QemuBackend::new(accel, &store).await {
+        Ok(b) => b,
+        Err(e) => {
+            skip(&format!("{e}"));
+            return None;
+        }
+    };
+    let tmp = tempfile::Builder::new().prefix("sbx-e2e").tempdir_in("/tmp").expect("tempdir");
+    let state_dir = tmp.path().join("vm");
+    let spec = VmSpec {
+        id: "e2e".into(),
+        memory_mib,
+        vcpus,
+        kernel: image.kernel,
+        initrd: image.initrd,
+        disks: vec![],
+        cmdline: vec![],
+        state_dir: state_dir.clone(),
+    };
+    let sandbox = sandbox_vmm::boot(&backend, spec, Duration::from_secs(180)).await.expect("the stock image boots");
+    Some(TestVm { sandbox, state_dir, _tmp: tmp })
+}
+
+/// Everything an exec produced.
+#[derive(Debug, Default)]
+pub struct Output {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub status: Option<ExitStatus>,
+}
+
+impl Output {
+    pub fn stdout_str(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+}
+
+/// Runs a shell command and collects its output.
+pub async fn sh(client: &Client, command: &str) -> Output {
+    run(client, ExecRequest { command: Some(command.into()), cwd: Some("/".into()), ..Default::default() }).await
+}
+
+/// Runs a request without stdin and collects its output.
+pub async fn run(client: &Client, req: ExecRequest) -> Output {
+    let exec = client.exec(&req).await.expect("exec starts");
+    collect(exec.output).await
+}
+
+/// Collects an exec's output until its exit.
+pub async fn collect(mut output: sandbox_protocol::client::ExecOutput) -> Output {
+    let mut out = Output::default();
+    while let Some(ev) = output.next().await {
+        match ev.expect("exec output") {
+            ExecEvent::Stdout(b) => out.stdout.extend_from_slice(&b),
+            ExecEvent::Stderr(b) => out.stderr.extend_from_slice(&b),
+            ExecEvent::Exit(s) => out.status = Some(s),
+        }
+    }
+    out
+}
+
+/// Hex SHA-256.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so tests need no randomness source.
+pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
