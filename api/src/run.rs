@@ -65,8 +65,8 @@ pub async fn run(args: RunArgs) -> ExitCode {
 
 async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
     let store = ImageStore::new(config::image_dir());
-    let image = store.resolve(&args.image).map_err(|e| e.to_string())?;
     let selected = backend_select::select(&store).await?;
+    let image = store.resolve(&args.image).map_err(|e| e.to_string())?;
     if let Some(w) = &selected.warning {
         tracing::warn!("{w}");
     }

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Brings a machine to the point where sandbox-host runs: Debian packages, the guest kernel, the
+# stock image and the sandbox-host binary. Every step is cached; a second run takes seconds.
+# Prints the path of the sandbox-host binary on its last line.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+. "$root/scripts/cache-dir.sh"
+cache=$(sandbox_cache_dir)
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
+log() { printf '[prepare %s] %s\n' "$(date +%T)" "$*" >&2; }
+
+command -v cargo >/dev/null || { log "cargo is not installed: install Rust (https://rustup.rs) and run this again"; exit 1; }
+bash "$root/scripts/install-deps.sh" >&2
+bash "$root/rootfs/build-stock.sh" >/dev/null
+log "building sandbox-host"
+(cd "$root" && cargo build --quiet -p sandbox-host) >&2
+echo "$CARGO_TARGET_DIR/debug/sandbox-host"
