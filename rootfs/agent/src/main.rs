@@ -51,19 +51,16 @@ fn main() -> ExitCode {
 /// The channel from `--channel X` or else `sandbox.channel=X` on the kernel command line,
 /// defaulting to the virtio-serial port.
 fn channel_spec() -> Result<ChannelSpec, String> {
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--channel" => {
-                let v = args.next().ok_or("--channel needs a value, e.g. serial:sandbox.agent")?;
-                return v.parse();
-            }
-            "--version" => {
-                println!("sandbox-agent {VERSION}");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument `{other}`; use --channel or --version")),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        [] => {}
+        ["--channel", v] => return v.parse(),
+        ["--channel"] => return Err("--channel needs a value, e.g. serial:sandbox.agent".into()),
+        ["--version"] => {
+            println!("sandbox-agent {VERSION}");
+            std::process::exit(0);
         }
+        other => return Err(format!("unknown arguments {other:?}; use --channel <spec> or --version")),
     }
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     match cmdline.split_whitespace().find_map(|w| w.strip_prefix("sandbox.channel=")) {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -213,13 +213,12 @@ impl Server {
             return;
         }
         let takes_upload = matches!(kind, Kind::ArchivePut | Kind::FilePut);
-        let (inbox, upload_rx): (Option<Sender<Vec<u8>>>, Option<Receiver<Vec<u8>>>) =
-            if takes_upload || kind == Kind::Exec {
-                let (tx, rx) = channel();
-                (Some(tx), Some(rx))
-            } else {
-                (None, None)
-            };
+        let (inbox, upload_rx) = if takes_upload || kind == Kind::Exec {
+            let (tx, rx) = channel::<Vec<u8>>();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
         let allowance = Arc::new(AtomicU64::new(INITIAL_WINDOW.into()));
         let entry = Entry {
             credit: Arc::new(Credit::new(INITIAL_WINDOW)),

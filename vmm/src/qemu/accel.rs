@@ -66,10 +66,9 @@ async fn kvm_boots(arch: Arch, program: &Path, store: &ImageStore) -> Result<(),
     let image = store.resolve(STOCK).map_err(|e| format!("/dev/kvm could not be checked: {e}"))?;
     let key = probe_key(program, &image.kernel, image.initrd.as_deref());
     let record_path = crate::config::cache_dir().join("probe/qemu-kvm.json");
-    if let Some(r) = std::fs::read(&record_path).ok().and_then(|b| serde_json::from_slice::<ProbeRecord>(&b).ok()) {
-        if r.key == key {
-            return if r.ok { Ok(()) } else { Err(r.reason) };
-        }
+    let cached = std::fs::read(&record_path).ok().and_then(|b| serde_json::from_slice::<ProbeRecord>(&b).ok());
+    if let Some(r) = cached.filter(|r| r.key == key) {
+        return if r.ok { Ok(()) } else { Err(r.reason) };
     }
     let result = probe(arch, program, &image.kernel, image.initrd.clone()).await;
     let record = ProbeRecord { key, ok: result.is_ok(), reason: result.clone().err().unwrap_or_default() };

@@ -229,9 +229,10 @@ fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
 }
 
 fn remove_state_dir(dir: &Path) {
-    if let Err(e) = std::fs::remove_dir_all(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             tracing::warn!(dir = %dir.display(), error = %e, "could not remove the VM's state directory");
         }
+        _ => {}
     }
 }
