@@ -64,12 +64,15 @@ pub async fn run(args: RunArgs) -> ExitCode {
 }
 
 async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
+    let t = std::time::Instant::now();
     let store = ImageStore::new(config::image_dir());
     let selected = backend_select::select(&store).await?;
+    tracing::info!(select_ms = t.elapsed().as_millis() as u64, backend = selected.backend.name(), accel = %selected.backend.accel(), "backend selected");
     let image = store.resolve(&args.image).map_err(|e| e.to_string())?;
     if let Some(w) = &selected.warning {
         tracing::warn!("{w}");
     }
+    remove_stale_runs(&config::state_dir());
     let id = format!("run-{}-{}", std::process::id(), unique());
     let spec = VmSpec {
         id: id.clone(),
@@ -94,10 +97,15 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
     };
     let result = tokio::select! {
         r = exec(&sandbox.client, req) => r,
-        _ = tokio::signal::ctrl_c() => Err("interrupted; the sandbox was disposed of".into()),
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("sandbox-host: interrupted; disposing of the sandbox");
+            Ok(ExitCode::from(130))
+        }
         exit = sandbox.vm.wait() => Err(format!("the VM stopped during the command: {}{}", exit.reason, sandbox_vmm::backend::console_suffix(&exit.console))),
     };
+    let t = std::time::Instant::now();
     sandbox.stop().await;
+    tracing::info!(stop_ms = t.elapsed().as_millis() as u64, "sandbox disposed of");
     result
 }
 
@@ -155,4 +163,19 @@ fn unique() -> String {
     use std::time::{SystemTime, UNIX_EPOCH};
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{nanos:08x}")
+}
+
+/// Removes the state directories of earlier `run`s whose process is gone (killed before it could
+/// clean up; their QEMU died with them through PR_SET_PDEATHSIG).
+fn remove_stale_runs(state_dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(state_dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("run-")).and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }

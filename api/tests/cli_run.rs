@@ -91,3 +91,25 @@ fn bad_settings_and_arguments_are_named() {
     let out = bin().args(["run", "--image", "../x", "--", "true"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a valid image name"));
 }
+
+#[test]
+fn stale_run_directories_are_removed() {
+    if stock_image_missing() {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    // A pid that cannot be running (above pid_max) and one that is (this test).
+    let dead = state.path().join("run-4194305-deadbeef");
+    let alive = state.path().join(format!("run-{}-cafe", std::process::id()));
+    std::fs::create_dir_all(&dead).unwrap();
+    std::fs::write(dead.join("agent.sock"), b"").unwrap();
+    std::fs::create_dir_all(&alive).unwrap();
+    let out = bin()
+        .env("SANDBOX_HOST_STATE_DIR", state.path())
+        .args(["run", "--memory-mib", "256", "--vcpus", "1", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!dead.exists(), "the dead run's directory is still there");
+    assert!(alive.exists(), "a live run's directory was removed");
+}

@@ -236,6 +236,19 @@ impl Client {
     }
 }
 
+/// Queues a frame from a synchronous context (a `Drop`): at once if the queue has room, else from
+/// a task, so a full queue never loses a cancel.
+fn send_soon(tx: &mpsc::Sender<Vec<u8>>, frame: Vec<u8>) {
+    if let Err(mpsc::error::TrySendError::Full(frame)) = tx.try_send(frame) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let tx = tx.clone();
+            rt.spawn(async move {
+                let _ = tx.send(frame).await;
+            });
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -301,7 +314,7 @@ impl Drop for Stream {
         lock(&self.shared.streams).remove(&self.id);
         if !self.done {
             // The host gave up on the stream: the agent stops its work (kills an exec).
-            let _ = self.shared.tx.try_send(Frame::new(Kind::Cancel, self.id, Vec::new()).encode());
+            send_soon(&self.shared.tx, Frame::new(Kind::Cancel, self.id, Vec::new()).encode());
         }
     }
 }
@@ -398,8 +411,7 @@ impl Stdin {
 impl Drop for Stdin {
     fn drop(&mut self) {
         if !self.closed {
-            let frame = Frame::new(Kind::Stdin, self.stream.id, Vec::new()).encode();
-            let _ = self.stream.shared.tx.try_send(frame);
+            send_soon(&self.stream.shared.tx, Frame::new(Kind::Stdin, self.stream.id, Vec::new()).encode());
         }
     }
 }
