@@ -30,6 +30,11 @@ pub fn skip(why: &str) {
 /// Boots the stock image on the QEMU backend (accelerator from the environment, `auto` by
 /// default). `None` after printing "skipped" if QEMU or the image is missing.
 pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
+    boot_stock_with_disks(memory_mib, vcpus, vec![]).await
+}
+
+/// Like [`boot_stock`], with raw disks attached (`/dev/vda`, `/dev/vdb`, ...).
+pub async fn boot_stock_with_disks(memory_mib: u32, vcpus: u8, disks: Vec<sandbox_vmm::Disk>) -> Option<TestVm> {
     let store = ImageStore::new(config::image_dir());
     let image = match store.resolve("stock") {
         Ok(i) => i,
@@ -54,7 +59,7 @@ pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
         vcpus,
         kernel: image.kernel,
         initrd: image.initrd,
-        disks: vec![],
+        disks,
         cmdline: vec![],
         state_dir: state_dir.clone(),
     };
