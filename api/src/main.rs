@@ -1,8 +1,19 @@
 //! `sandbox-host`: the service that runs each agent run in its own microVM, and the operator's
 //! command-line tool for it. This file only parses the command line and dispatches.
+#![forbid(unsafe_code)]
 
+mod auth;
 mod backend_select;
+mod client;
+mod config;
+mod error;
+mod metrics;
+mod registry;
+mod routes;
 mod run;
+mod serve;
+mod state;
+mod time;
 
 use std::process::ExitCode;
 
@@ -13,17 +24,39 @@ use clap::{Parser, Subcommand};
 #[command(name = "sandbox-host", version, about)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Start the service (the HTTP API); what a bare `sandbox-host` does.
+    Serve,
     /// Boot a one-off sandbox, run a command in it, stream its output, exit with its exit code.
     Run(run::RunArgs),
+    /// Ask a running sandbox host whether it can start microVMs.
+    Health,
+    /// List the sandboxes of a running sandbox host.
+    Ls,
+    /// Run a command in a sandbox of a running sandbox host.
+    Exec {
+        /// Sandbox id.
+        id: String,
+        /// Kill the command after this many milliseconds.
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// The command and its arguments.
+        #[arg(last = true, required = true, num_args = 1..)]
+        command: Vec<String>,
+    },
+    /// Dispose of sandboxes of a running sandbox host.
+    Rm {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+fn init_human_logs() {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -33,6 +66,10 @@ fn main() -> ExitCode {
         .without_time()
         .with_target(false)
         .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -41,8 +78,20 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        match cli.command {
-            Command::Run(args) => run::run(args).await,
+        match cli.command.unwrap_or(Command::Serve) {
+            Command::Serve => serve::serve().await,
+            Command::Run(args) => {
+                init_human_logs();
+                if let Err(e) = config::load_dotenv() {
+                    eprintln!("sandbox-host: {e}");
+                    return ExitCode::from(125);
+                }
+                run::run(args).await
+            }
+            Command::Health => client::health().await,
+            Command::Ls => client::ls().await,
+            Command::Exec { id, timeout_ms, command } => client::exec(id, command, timeout_ms).await,
+            Command::Rm { ids } => client::rm(ids).await,
         }
     })
 }

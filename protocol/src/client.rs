@@ -169,8 +169,19 @@ impl Client {
 
     /// Unpacks a tar (or tar.gz) stream into a directory of the guest.
     pub async fn put_archive(&self, path: &str, body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
+        self.archive_upload(path).await?.copy_from(body).await
+    }
+
+    /// Starts unpacking a tar (or tar.gz) stream into a directory; the caller writes the bytes.
+    pub async fn archive_upload(&self, path: &str) -> Result<Upload, ClientError> {
         let s = self.open(Kind::ArchivePut, to_json(&PathRequest { path: path.into() })).await?;
-        upload(s, body).await
+        Ok(Upload::new(s))
+    }
+
+    /// Starts writing a file; the caller writes the bytes.
+    pub async fn file_upload(&self, path: &str, mode: Option<u32>) -> Result<Upload, ClientError> {
+        let s = self.open(Kind::FilePut, to_json(&FilePut { path: path.into(), mode })).await?;
+        Ok(Upload::new(s))
     }
 
     /// Streams a directory of the guest as a tar archive.
@@ -181,8 +192,7 @@ impl Client {
 
     /// Writes a file in the guest (atomically: a temporary file renamed into place).
     pub async fn put_file(&self, path: &str, mode: Option<u32>, body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
-        let s = self.open(Kind::FilePut, to_json(&FilePut { path: path.into(), mode })).await?;
-        upload(s, body).await
+        self.file_upload(path, mode).await?.copy_from(body).await
     }
 
     /// Streams a file of the guest.
@@ -349,29 +359,56 @@ impl StreamSender {
     }
 }
 
-async fn upload(mut s: Stream, mut body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
-    let sender = s.sender();
-    let mut buf = vec![0u8; DATA_CHUNK];
-    // The agent may refuse early (bad path, unsafe entry): watch for its answer while sending.
-    loop {
+/// An upload in progress (archive or file). The agent may refuse it at any point (an unsafe
+/// entry, no space): `write` returns that refusal as soon as it arrives.
+pub struct Upload {
+    stream: Stream,
+    sender: StreamSender,
+    ended: Option<Result<Done, ClientError>>,
+}
+
+impl Upload {
+    fn new(stream: Stream) -> Self {
+        let sender = stream.sender();
+        Upload { stream, sender, ended: None }
+    }
+
+    /// Sends bytes, waiting for window; fails early if the agent has already refused the upload.
+    pub async fn write(&mut self, data: &[u8]) -> Result<(), ClientError> {
+        if let Some(r) = &self.ended {
+            return Err(r.clone().err().unwrap_or_else(|| ClientError::Unexpected("the upload already ended".into())));
+        }
         tokio::select! {
             biased;
-            ev = s.next_event() => return finish_upload(ev),
-            read = body.read(&mut buf) => {
-                let n = read.map_err(|e| ClientError::Unexpected(format!("reading the upload: {e}")))?;
-                if n == 0 {
-                    break;
-                }
-                tokio::select! {
-                    biased;
-                    ev = s.next_event() => return finish_upload(ev),
-                    sent = sender.send_data(Kind::Data, &buf[..n]) => sent?,
-                }
+            ev = self.stream.next_event() => {
+                let r = finish_upload(ev);
+                self.ended = Some(r.clone());
+                Err(r.err().unwrap_or_else(|| ClientError::Unexpected("the agent ended the upload early".into())))
             }
+            sent = self.sender.send_data(Kind::Data, data) => sent,
         }
     }
-    sender.send(Kind::Data, Vec::new()).await?;
-    finish_upload(s.next_event().await)
+
+    /// Ends the upload and waits for the agent's result.
+    pub async fn finish(mut self) -> Result<Done, ClientError> {
+        if let Some(r) = self.ended.take() {
+            return r;
+        }
+        self.sender.send(Kind::Data, Vec::new()).await?;
+        finish_upload(self.stream.next_event().await)
+    }
+
+    /// Copies everything from `body`, then finishes.
+    pub async fn copy_from(mut self, mut body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
+        let mut buf = vec![0u8; DATA_CHUNK];
+        loop {
+            let n = body.read(&mut buf).await.map_err(|e| ClientError::Unexpected(format!("reading the upload: {e}")))?;
+            if n == 0 {
+                return self.finish().await;
+            }
+            self.write(&buf[..n]).await?;
+        }
+    }
 }
 
 fn finish_upload(ev: Result<Event, ClientError>) -> Result<Done, ClientError> {

@@ -47,6 +47,7 @@ struct Manifest {
     kernel: String,
     initrd: Option<String>,
     agent_version: Option<String>,
+    harness_version: Option<String>,
 }
 
 /// A resolved image: absolute paths of what to boot.
@@ -64,6 +65,8 @@ pub struct Image {
     pub kind: String,
     /// Version of the agent inside.
     pub agent_version: Option<String>,
+    /// Version of the Pi harness the image carries (full images only).
+    pub harness_version: Option<String>,
 }
 
 /// A directory of images.
@@ -125,6 +128,7 @@ impl ImageStore {
             initrd: m.initrd.as_deref().map(file).transpose()?,
             kind: m.kind,
             agent_version: m.agent_version,
+            harness_version: m.harness_version,
             dir,
         })
     }

@@ -1,0 +1,196 @@
+//! The service's configuration: the environment, then `.env` at the repository root, the
+//! environment winning, as the operator guide describes.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Shortest token accepted.
+pub const MIN_TOKEN_LEN: usize = 24;
+
+/// A setting that cannot be used. Each message names the variable and what to do.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// No token.
+    #[error(
+        "SANDBOX_HOST_TOKEN is not set. The sandbox host does not start without it. Make one with: \
+         echo \"SANDBOX_HOST_TOKEN=$(openssl rand -hex 32)\" >> .env"
+    )]
+    NoToken,
+    /// A token that is too short.
+    #[error(
+        "SANDBOX_HOST_TOKEN has {0} characters; it needs at least 24. Make one with: \
+         echo \"SANDBOX_HOST_TOKEN=$(openssl rand -hex 32)\" >> .env"
+    )]
+    ShortToken(usize),
+    /// A value that does not parse.
+    #[error("{var} is `{value}`, which is not {expected}; fix it in the environment or in .env")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+    /// The `.env` file exists but cannot be read.
+    #[error("cannot read {path}: {why}")]
+    DotEnv {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Everything `serve` needs, validated.
+#[derive(Clone)]
+pub struct Config {
+    /// The shared secret (never printed).
+    pub token: String,
+    /// Address to listen on.
+    pub bind: IpAddr,
+    /// Port to listen on.
+    pub port: u16,
+    /// A sandbox with no request for this long is disposed of.
+    pub idle: Duration,
+    /// Time after a run's time limit before its sandbox is disposed of.
+    pub grace: Duration,
+    /// Largest request body, in bytes.
+    pub max_body: u64,
+    /// `SANDBOX_HOST_MAX_BODY_MB` as given, for messages.
+    pub max_body_mb: u64,
+    /// How often the sweep runs (15 s; shorter only for tests).
+    pub sweep: Duration,
+    /// The image store.
+    pub image_dir: PathBuf,
+    /// Where sandboxes keep their files.
+    pub state_dir: PathBuf,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("token", &"<redacted>")
+            .field("bind", &self.bind)
+            .field("port", &self.port)
+            .field("idle", &self.idle)
+            .field("grace", &self.grace)
+            .field("max_body", &self.max_body)
+            .field("sweep", &self.sweep)
+            .field("image_dir", &self.image_dir)
+            .field("state_dir", &self.state_dir)
+            .finish()
+    }
+}
+
+/// Where `.env` is read from: `SANDBOX_HOST_DOTENV` if set, else the repository root this binary
+/// was built from, else the current directory.
+pub fn dotenv_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDBOX_HOST_DOTENV") {
+        return p.into();
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(|p| p.join(".env"));
+    match repo {
+        Some(p) if p.exists() => p,
+        _ => PathBuf::from(".env"),
+    }
+}
+
+/// Loads `.env` into the process environment without overriding what is already set.
+pub fn load_dotenv() -> Result<Option<PathBuf>, ConfigError> {
+    let path = dotenv_path();
+    if !path.exists() {
+        return Ok(None);
+    }
+    // dotenvy::from_path never overrides variables that are already set.
+    dotenvy::from_path(&path).map_err(|e| ConfigError::DotEnv { path: path.clone(), why: e.to_string() })?;
+    Ok(Some(path))
+}
+
+impl Config {
+    /// Reads the configuration from the process environment (after [`load_dotenv`]).
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the configuration through `get`, so tests need not touch the process environment.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let token = get("SANDBOX_HOST_TOKEN").ok_or(ConfigError::NoToken)?;
+        let token = token.trim().to_string();
+        if token.chars().count() < MIN_TOKEN_LEN {
+            return Err(ConfigError::ShortToken(token.chars().count()));
+        }
+        let bind = parse(&get, "SANDBOX_HOST_BIND", "127.0.0.1".parse().expect("valid address"), "an IP address")?;
+        let port = parse(&get, "SANDBOX_HOST_PORT", 3004u16, "a port number")?;
+        let idle_ms: u64 = parse(&get, "SANDBOX_HOST_IDLE_MS", 300_000, "a number of milliseconds")?;
+        let grace_ms: u64 = parse(&get, "SANDBOX_HOST_GRACE_MS", 120_000, "a number of milliseconds")?;
+        let max_body_mb: u64 = parse(&get, "SANDBOX_HOST_MAX_BODY_MB", 512, "a number of MB")?;
+        if max_body_mb == 0 || max_body_mb > 1 << 20 {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_MAX_BODY_MB",
+                value: max_body_mb.to_string(),
+                expected: "between 1 and 1048576",
+            });
+        }
+        let sweep_ms: u64 = parse(&get, "SANDBOX_HOST_SWEEP_MS", 15_000, "a number of milliseconds")?;
+        let sweep_ms = sweep_ms.max(50);
+        Ok(Config {
+            token,
+            bind,
+            port,
+            idle: Duration::from_millis(idle_ms),
+            grace: Duration::from_millis(grace_ms),
+            max_body: max_body_mb * 1024 * 1024,
+            max_body_mb,
+            sweep: Duration::from_millis(sweep_ms),
+            image_dir: sandbox_vmm::config::image_dir(),
+            state_dir: sandbox_vmm::config::state_dir(),
+        })
+    }
+}
+
+fn parse<T: std::str::FromStr>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    default: T,
+    expected: &'static str,
+) -> Result<T, ConfigError> {
+    match get(var) {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|_| ConfigError::Invalid { var, value: v, expected }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn token_is_required_and_long() {
+        assert_eq!(cfg(&[]).unwrap_err(), ConfigError::NoToken);
+        assert_eq!(cfg(&[("SANDBOX_HOST_TOKEN", "short")]).unwrap_err(), ConfigError::ShortToken(5));
+        assert!(cfg(&[("SANDBOX_HOST_TOKEN", "x".repeat(24).as_str())]).is_ok());
+        assert!(ConfigError::NoToken.to_string().contains("openssl rand -hex 32"));
+    }
+
+    #[test]
+    fn defaults_and_bad_values() {
+        let c = cfg(&[("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str())]).unwrap();
+        assert_eq!((c.bind.to_string().as_str(), c.port), ("127.0.0.1", 3004));
+        assert_eq!((c.idle.as_millis(), c.grace.as_millis(), c.max_body_mb), (300_000, 120_000, 512));
+        assert_eq!(c.sweep.as_millis(), 15_000);
+        let e = cfg(&[("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()), ("SANDBOX_HOST_PORT", "http")]).unwrap_err();
+        assert!(e.to_string().contains("SANDBOX_HOST_PORT is `http`"), "{e}");
+        assert!(!format!("{c:?}").contains("tttt"));
+    }
+}

@@ -1,0 +1,90 @@
+//! The one error type of the HTTP API: each variant is a status, a code and a message for a
+//! person, rendered as `{"error": "...", "code": "..."}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use sandbox_protocol::client::ClientError;
+use thiserror::Error;
+
+/// Why a request failed.
+#[derive(Debug, Error)]
+pub enum ApiError {
+    /// Missing or wrong bearer token.
+    #[error("missing or wrong bearer token: send Authorization: Bearer <SANDBOX_HOST_TOKEN>")]
+    Unauthorized,
+    /// A Host header that is not this loopback listener's.
+    #[error("the Host header `{0}` is not this sandbox host's loopback address; requests from other origins are refused")]
+    ForeignHost(String),
+    /// No such sandbox.
+    #[error("no sandbox with id `{0}`")]
+    NoSandbox(String),
+    /// Bad input, with what is wrong.
+    #[error("{0}")]
+    BadRequest(String),
+    /// A body over `SANDBOX_HOST_MAX_BODY_MB`.
+    #[error(
+        "the request body is larger than {bytes} bytes (SANDBOX_HOST_MAX_BODY_MB={mb}); increase \
+         SANDBOX_HOST_MAX_BODY_MB for the sandbox host"
+    )]
+    TooLarge {
+        /// The limit in bytes.
+        bytes: u64,
+        /// The setting.
+        mb: u64,
+    },
+    /// A path in the guest that does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The sandbox's VM is gone.
+    #[error("the sandbox's VM stopped: {0}")]
+    VmDied(String),
+    /// The host cannot start microVMs.
+    #[error("the sandbox host cannot start a microVM: {0}")]
+    Unavailable(String),
+    /// The guest's disk or memory is full.
+    #[error("{0}")]
+    NoSpace(String),
+    /// The guest or the VM failed in a way the caller cannot fix.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// HTTP status and machine-readable code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            ApiError::ForeignHost(_) => (StatusCode::FORBIDDEN, "foreign_host"),
+            ApiError::NoSandbox(_) => (StatusCode::NOT_FOUND, "no_sandbox"),
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::VmDied(_) => (StatusCode::GONE, "vm_died"),
+            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+
+    /// Maps an agent or channel failure to the error a caller should see.
+    pub fn from_client(e: ClientError) -> ApiError {
+        match &e {
+            ClientError::Agent(m) => match m.code.as_str() {
+                "not_found" => ApiError::NotFound(m.message.clone()),
+                "bad_request" | "unsafe_archive" | "spawn_failed" | "bad_stream" => ApiError::BadRequest(m.message.clone()),
+                "no_space" => ApiError::NoSpace(m.message.clone()),
+                _ => ApiError::Internal(format!("the guest agent failed: {}", m.message)),
+            },
+            ClientError::Closed(why) => ApiError::VmDied(format!("the agent channel closed: {why}")),
+            _ => ApiError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        (status, Json(serde_json::json!({ "error": self.to_string(), "code": code }))).into_response()
+    }
+}

@@ -1,0 +1,151 @@
+//! Counters of the service, rendered in the Prometheus text format at `/metrics`.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Upper bounds (ms) of the boot-duration histogram buckets.
+const BOOT_BUCKETS_MS: [u64; 8] = [100, 250, 500, 1000, 2500, 5000, 10_000, 30_000];
+
+/// Why a sandbox was disposed of; a label of `sandbox_host_disposals_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposal {
+    /// `DELETE /v1/sandboxes/{id}`.
+    Deleted,
+    /// No request for `SANDBOX_HOST_IDLE_MS`.
+    Idle,
+    /// Its run's time limit plus `SANDBOX_HOST_GRACE_MS` passed.
+    TimeLimit,
+    /// Its VM had stopped on its own.
+    VmDied,
+    /// The service was stopping.
+    Shutdown,
+}
+
+impl Disposal {
+    /// The label value and log word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disposal::Deleted => "deleted",
+            Disposal::Idle => "idle",
+            Disposal::TimeLimit => "time_limit",
+            Disposal::VmDied => "vm_died",
+            Disposal::Shutdown => "shutdown",
+        }
+    }
+
+    const ALL: [Disposal; 5] = [Disposal::Deleted, Disposal::Idle, Disposal::TimeLimit, Disposal::VmDied, Disposal::Shutdown];
+}
+
+/// Service-wide counters. Per-sandbox counters live on each sandbox; these aggregate them.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    boots: AtomicU64,
+    boot_failures: AtomicU64,
+    boot_ms_sum: AtomicU64,
+    boot_buckets: [AtomicU64; BOOT_BUCKETS_MS.len()],
+    /// Execs started.
+    pub execs: AtomicU64,
+    /// Bytes into guests (uploads, stdin).
+    pub bytes_in: AtomicU64,
+    /// Bytes out of guests (downloads, stdout, stderr).
+    pub bytes_out: AtomicU64,
+    disposals: [AtomicU64; 5],
+}
+
+impl Metrics {
+    /// Records a successful boot and its duration.
+    pub fn boot(&self, d: Duration) {
+        let ms = d.as_millis() as u64;
+        self.boots.fetch_add(1, Relaxed);
+        self.boot_ms_sum.fetch_add(ms, Relaxed);
+        for (i, le) in BOOT_BUCKETS_MS.iter().enumerate() {
+            if ms <= *le {
+                self.boot_buckets[i].fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// Records a boot that failed.
+    pub fn boot_failed(&self) {
+        self.boot_failures.fetch_add(1, Relaxed);
+    }
+
+    /// Records a disposal.
+    pub fn disposed(&self, why: Disposal) {
+        let i = Disposal::ALL.iter().position(|d| *d == why).unwrap_or(0);
+        self.disposals[i].fetch_add(1, Relaxed);
+    }
+
+    /// The Prometheus text. `states` are (state, count) pairs of the live sandboxes; `refusals`
+    /// are (reason, count) pairs of egress refusals summed over sandboxes.
+    pub fn render(&self, states: &[(&str, u64)], refusals: &[(String, u64)]) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# HELP sandbox_host_sandboxes Sandboxes by state.\n# TYPE sandbox_host_sandboxes gauge");
+        for (state, n) in states {
+            let _ = writeln!(o, "sandbox_host_sandboxes{{state=\"{state}\"}} {n}");
+        }
+        let _ = writeln!(o, "# HELP sandbox_host_boots_total MicroVMs booted.\n# TYPE sandbox_host_boots_total counter");
+        let _ = writeln!(o, "sandbox_host_boots_total {}", self.boots.load(Relaxed));
+        let _ = writeln!(o, "# HELP sandbox_host_boot_failures_total MicroVMs that failed to boot.\n# TYPE sandbox_host_boot_failures_total counter");
+        let _ = writeln!(o, "sandbox_host_boot_failures_total {}", self.boot_failures.load(Relaxed));
+        let _ = writeln!(o, "# HELP sandbox_host_boot_duration_seconds From start to agent ready.\n# TYPE sandbox_host_boot_duration_seconds histogram");
+        for (i, le) in BOOT_BUCKETS_MS.iter().enumerate() {
+            let _ = writeln!(o, "sandbox_host_boot_duration_seconds_bucket{{le=\"{}\"}} {}", *le as f64 / 1000.0, self.boot_buckets[i].load(Relaxed));
+        }
+        let boots = self.boots.load(Relaxed);
+        let _ = writeln!(o, "sandbox_host_boot_duration_seconds_bucket{{le=\"+Inf\"}} {boots}");
+        let _ = writeln!(o, "sandbox_host_boot_duration_seconds_sum {}", self.boot_ms_sum.load(Relaxed) as f64 / 1000.0);
+        let _ = writeln!(o, "sandbox_host_boot_duration_seconds_count {boots}");
+        for (name, help, v) in [
+            ("sandbox_host_execs_total", "Commands run in sandboxes.", &self.execs),
+            ("sandbox_host_bytes_in_total", "Bytes sent into guests (archives, files, stdin).", &self.bytes_in),
+            ("sandbox_host_bytes_out_total", "Bytes read out of guests (archives, files, stdout, stderr).", &self.bytes_out),
+        ] {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Relaxed));
+        }
+        let _ = writeln!(o, "# HELP sandbox_host_disposals_total Sandboxes disposed of, by reason.\n# TYPE sandbox_host_disposals_total counter");
+        for (i, d) in Disposal::ALL.iter().enumerate() {
+            let _ = writeln!(o, "sandbox_host_disposals_total{{reason=\"{}\"}} {}", d.as_str(), self.disposals[i].load(Relaxed));
+        }
+        let _ = writeln!(o, "# HELP sandbox_host_egress_refusals_total Guest requests refused by the egress policy, by reason.\n# TYPE sandbox_host_egress_refusals_total counter");
+        for (reason, n) in refusals {
+            let _ = writeln!(o, "sandbox_host_egress_refusals_total{{reason=\"{reason}\"}} {n}");
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_counter_moves_in_the_text() {
+        let m = Metrics::default();
+        let before = m.render(&[("ready", 0)], &[]);
+        m.boot(Duration::from_millis(700));
+        m.boot_failed();
+        m.execs.fetch_add(2, Relaxed);
+        m.bytes_in.fetch_add(10, Relaxed);
+        m.bytes_out.fetch_add(20, Relaxed);
+        m.disposed(Disposal::Idle);
+        let after = m.render(&[("ready", 1)], &[("name_not_allowed".into(), 3)]);
+        for line in [
+            "sandbox_host_sandboxes{state=\"ready\"} 1",
+            "sandbox_host_boots_total 1",
+            "sandbox_host_boot_failures_total 1",
+            "sandbox_host_boot_duration_seconds_bucket{le=\"0.5\"} 0",
+            "sandbox_host_boot_duration_seconds_bucket{le=\"1\"} 1",
+            "sandbox_host_boot_duration_seconds_sum 0.7",
+            "sandbox_host_execs_total 2",
+            "sandbox_host_bytes_in_total 10",
+            "sandbox_host_bytes_out_total 20",
+            "sandbox_host_disposals_total{reason=\"idle\"} 1",
+            "sandbox_host_egress_refusals_total{reason=\"name_not_allowed\"} 3",
+        ] {
+            assert!(after.contains(line), "missing {line}\n{after}");
+            assert!(!before.contains(line), "{line} did not move");
+        }
+    }
+}

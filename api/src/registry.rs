@@ -1,0 +1,321 @@
+//! The sandboxes of this host: creation, lookup, activity, disposal, and the sweep.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use sandbox_vmm::{Sandbox, VmExit};
+use serde::Deserialize;
+
+use crate::error::ApiError;
+use crate::metrics::Disposal;
+use crate::state::AppState;
+
+/// A secret of a run: the guest sees only a placeholder; the egress stack puts the value in
+/// requests to `hosts` (issue 5). Never printed.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretSpec {
+    /// Environment variable the guest's SDK reads.
+    pub env: String,
+    /// The real key.
+    pub value: String,
+    /// Hosts that may receive it.
+    pub hosts: Vec<String>,
+}
+
+impl std::fmt::Debug for SecretSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretSpec").field("env", &self.env).field("value", &"<redacted>").field("hosts", &self.hosts).finish()
+    }
+}
+
+/// The egress settings of a run, stored for the egress stack (issue 5).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSpec {
+    /// Hosts the guest may reach: exact names and `*.domain` wildcards.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Secrets to substitute.
+    #[serde(default)]
+    pub secrets: Vec<SecretSpec>,
+    /// Provider hosts whose responses are metered.
+    #[serde(default)]
+    pub meter: Vec<String>,
+}
+
+/// Per-sandbox counters.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Execs started.
+    pub execs: AtomicU64,
+    /// Bytes into the guest.
+    pub bytes_in: AtomicU64,
+    /// Bytes out of the guest.
+    pub bytes_out: AtomicU64,
+}
+
+/// One sandbox: its VM and agent, what it was created with, and its activity.
+pub struct SandboxEntry {
+    /// Its id.
+    pub id: String,
+    /// The run it belongs to.
+    pub run_id: String,
+    /// The image it booted.
+    pub image: String,
+    /// Whether that is the stock image (a fallback, or asked for).
+    pub stock_image: bool,
+    /// Harness version comparison, when both sides have one.
+    pub harness_version_match: Option<bool>,
+    /// Disk limit of the run.
+    pub disk_limit_mib: u64,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    pub vcpus: u8,
+    /// Environment of every exec.
+    pub env: BTreeMap<String, String>,
+    /// Egress settings (used by issue 5).
+    pub egress: EgressSpec,
+    /// Creation time.
+    pub created_at: SystemTime,
+    /// End of the run's time limit.
+    pub expires_at: SystemTime,
+    /// The VM and its agent.
+    pub sandbox: Sandbox,
+    /// Counters.
+    pub counters: Counters,
+    last_activity: Mutex<(Instant, SystemTime)>,
+    /// Requests in flight (a long exec, a large upload): a busy sandbox is never idle.
+    in_flight: AtomicU64,
+}
+
+/// Marks a sandbox busy for as long as it lives.
+pub struct Busy(Arc<SandboxEntry>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Relaxed);
+        self.0.touch();
+    }
+}
+
+impl SandboxEntry {
+    /// Records a request on the sandbox (for the idle sweep).
+    pub fn touch(&self) {
+        *self.last_activity.lock().unwrap_or_else(|e| e.into_inner()) = (Instant::now(), SystemTime::now());
+    }
+
+    /// Marks the sandbox busy until the guard is dropped (then counts as activity).
+    pub fn busy(self: &Arc<Self>) -> Busy {
+        self.in_flight.fetch_add(1, Relaxed);
+        Busy(self.clone())
+    }
+
+    /// When the last request came.
+    pub fn last_activity(&self) -> (Instant, SystemTime) {
+        *self.last_activity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How the VM ended, if it did so on its own.
+    pub fn died(&self) -> Option<VmExit> {
+        self.sandbox.vm.exit().filter(|e| !e.requested)
+    }
+
+    /// Fails with the VM's end (reason and last console lines) when it is gone.
+    pub fn ensure_alive(&self) -> Result<(), ApiError> {
+        match self.died() {
+            Some(exit) => Err(ApiError::VmDied(format!("{}{}", exit.reason, sandbox_vmm::backend::console_suffix(&exit.console)))),
+            None => Ok(()),
+        }
+    }
+
+    /// `ready` or `dead`.
+    pub fn state(&self) -> &'static str {
+        if self.sandbox.vm.exit().is_some() { "dead" } else { "ready" }
+    }
+}
+
+/// The live sandboxes.
+#[derive(Default)]
+pub struct Registry {
+    map: Mutex<HashMap<String, Arc<SandboxEntry>>>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<SandboxEntry>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a sandbox.
+    pub fn insert(&self, e: Arc<SandboxEntry>) {
+        self.lock().insert(e.id.clone(), e);
+    }
+
+    /// Looks a sandbox up without touching it.
+    pub fn peek(&self, id: &str) -> Option<Arc<SandboxEntry>> {
+        self.lock().get(id).cloned()
+    }
+
+    /// Looks a sandbox up for a request: counts as activity, and fails if it is unknown.
+    pub fn get(&self, id: &str) -> Result<Arc<SandboxEntry>, ApiError> {
+        let e = self.peek(id).ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
+        e.touch();
+        Ok(e)
+    }
+
+    /// Takes a sandbox out of the registry.
+    pub fn take(&self, id: &str) -> Option<Arc<SandboxEntry>> {
+        self.lock().remove(id)
+    }
+
+    /// Every sandbox.
+    pub fn all(&self) -> Vec<Arc<SandboxEntry>> {
+        let mut v: Vec<_> = self.lock().values().cloned().collect();
+        v.sort_by_key(|e| e.created_at);
+        v
+    }
+}
+
+/// Stops a sandbox's VM, removes its files, logs and counts the disposal.
+pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
+    let exit = entry.sandbox.stop().await;
+    state.metrics().disposed(why);
+    tracing::info!(
+        id = %entry.id,
+        run_id = %entry.run_id,
+        reason = why.as_str(),
+        vm_exit = %exit.reason,
+        "Disposed of sandbox"
+    );
+}
+
+/// Disposes of a sandbox by id (DELETE).
+pub async fn delete(state: &AppState, id: &str) -> Result<(), ApiError> {
+    let entry = state.registry().take(id).ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
+    dispose(state, entry, Disposal::Deleted).await;
+    Ok(())
+}
+
+/// One pass of the sweep: dead VMs, idle sandboxes, expired runs.
+pub async fn sweep(state: &AppState) {
+    let now_i = Instant::now();
+    let now_w = SystemTime::now();
+    let cfg = state.config();
+    for e in state.registry().all() {
+        let why = if e.sandbox.vm.exit().is_some() {
+            Some(Disposal::VmDied)
+        } else if now_w > e.expires_at + cfg.grace {
+            Some(Disposal::TimeLimit)
+        } else if e.in_flight.load(Relaxed) == 0 && now_i.duration_since(e.last_activity().0) > cfg.idle {
+            Some(Disposal::Idle)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            if let Some(entry) = state.registry().take(&e.id) {
+                dispose(state, entry, why).await;
+            }
+        }
+    }
+}
+
+/// Runs the sweep every `SANDBOX_HOST_SWEEP_MS` (15 s) until the process ends.
+pub async fn sweep_forever(state: AppState) {
+    let mut tick = tokio::time::interval(state.config().sweep);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        sweep(&state).await;
+    }
+}
+
+/// Disposes of every sandbox (SIGINT/SIGTERM), all at once.
+pub async fn dispose_all(state: &AppState) -> usize {
+    let entries: Vec<_> = state.registry().all().into_iter().filter_map(|e| state.registry().take(&e.id)).collect();
+    let n = entries.len();
+    let tasks: Vec<_> = entries
+        .into_iter()
+        .map(|e| {
+            let st = state.clone();
+            tokio::spawn(async move { dispose(&st, e, Disposal::Shutdown).await })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    n
+}
+
+/// Builds and registers an entry for a booted sandbox, and watches its VM.
+#[allow(clippy::too_many_arguments)]
+pub fn new_entry(
+    state: &AppState,
+    id: String,
+    run_id: String,
+    image: String,
+    stock_image: bool,
+    harness_version_match: Option<bool>,
+    disk_limit_mib: u64,
+    memory_mib: u32,
+    vcpus: u8,
+    env: BTreeMap<String, String>,
+    egress: EgressSpec,
+    time_limit: Duration,
+    sandbox: Sandbox,
+) -> Arc<SandboxEntry> {
+    let created_at = SystemTime::now();
+    let entry = Arc::new(SandboxEntry {
+        id,
+        run_id,
+        image,
+        stock_image,
+        harness_version_match,
+        disk_limit_mib,
+        memory_mib,
+        vcpus,
+        env,
+        egress,
+        created_at,
+        expires_at: created_at + time_limit,
+        sandbox,
+        counters: Counters::default(),
+        last_activity: Mutex::new((Instant::now(), created_at)),
+        in_flight: AtomicU64::new(0),
+    });
+    state.registry().insert(entry.clone());
+    let watched = entry.clone();
+    tokio::spawn(async move {
+        let exit = watched.sandbox.vm.wait().await;
+        if !exit.requested {
+            tracing::warn!(
+                id = %watched.id,
+                run_id = %watched.run_id,
+                reason = %exit.reason,
+                console = %exit.console.join(" | "),
+                "The VM of a sandbox stopped on its own; the next sweep disposes of it"
+            );
+        }
+    });
+    entry
+}
+
+/// A new sandbox id: `sbx-` and 16 random hex digits.
+pub fn new_id() -> String {
+    let mut b = [0u8; 8];
+    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok();
+    if !ok {
+        let n = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        b = (n as u64 ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
+    }
+    format!("sbx-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}
+
+/// Adds `n` to a per-sandbox and the service-wide counter.
+pub fn count(local: &AtomicU64, global: &AtomicU64, n: u64) {
+    local.fetch_add(n, Relaxed);
+    global.fetch_add(n, Relaxed);
+}

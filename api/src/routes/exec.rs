@@ -1,0 +1,121 @@
+//! `POST /v1/sandboxes/{id}/exec`: a command, its output streamed as NDJSON lines as it happens.
+
+use std::collections::BTreeMap;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use sandbox_protocol::client::ExecEvent;
+use sandbox_protocol::message::ExecRequest;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{channel_body, ApiJson};
+use crate::error::ApiError;
+use crate::registry::count;
+use crate::state::AppState;
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/sandboxes/{id}/exec", post(exec))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExecBody {
+    #[serde(default)]
+    argv: Option<Vec<String>>,
+    #[serde(default)]
+    command: Option<String>,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    /// Base64 of the bytes to send to stdin (then stdin is closed).
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+}
+
+/// One NDJSON line.
+fn line(v: &serde_json::Value) -> Vec<u8> {
+    let mut b = serde_json::to_vec(v).unwrap_or_default();
+    b.push(b'\n');
+    b
+}
+
+async fn exec(State(state): State<AppState>, Path(id): Path<String>, ApiJson(body): ApiJson<ExecBody>) -> Result<Response, ApiError> {
+    let entry = state.registry().get(&id)?;
+    entry.ensure_alive()?;
+    match (&body.argv, &body.command) {
+        (Some(_), Some(_)) => return Err(ApiError::BadRequest("give either argv or command, not both".into())),
+        (None, None) => return Err(ApiError::BadRequest("give argv (a list) or command (a shell string)".into())),
+        (Some(a), None) if a.is_empty() => return Err(ApiError::BadRequest("argv is empty".into())),
+        _ => {}
+    }
+    if let Some(cwd) = &body.cwd {
+        if !cwd.starts_with('/') {
+            return Err(ApiError::BadRequest(format!("cwd `{cwd}` is not an absolute path")));
+        }
+    }
+    let stdin = match &body.stdin {
+        Some(s) => Some(B64.decode(s).map_err(|e| ApiError::BadRequest(format!("stdin is not valid base64: {e}")))?),
+        None => None,
+    };
+    let mut env = entry.env.clone();
+    env.extend(body.env);
+    let req = ExecRequest {
+        argv: body.argv,
+        command: body.command,
+        env,
+        cwd: body.cwd,
+        stdin: stdin.is_some(),
+        timeout_ms: body.timeout_ms,
+    };
+    let exec = entry.sandbox.client.exec(&req).await.map_err(ApiError::from_client)?;
+    count(&entry.counters.execs, &state.metrics().execs, 1);
+
+    let busy = entry.busy();
+    let (tx, body) = channel_body(8);
+    if let (Some(mut sink), Some(data)) = (exec.stdin, stdin) {
+        count(&entry.counters.bytes_in, &state.metrics().bytes_in, data.len() as u64);
+        tokio::spawn(async move {
+            if sink.write(&data).await.is_ok() {
+                let _ = sink.close().await;
+            }
+        });
+    }
+    let mut output = exec.output;
+    tokio::spawn(async move {
+        let _busy = busy;
+        while let Some(ev) = output.next().await {
+            let l = match ev {
+                Ok(ExecEvent::Stdout(b)) => {
+                    count(&entry.counters.bytes_out, &state.metrics().bytes_out, b.len() as u64);
+                    line(&json!({ "stdout": B64.encode(&b) }))
+                }
+                Ok(ExecEvent::Stderr(b)) => {
+                    count(&entry.counters.bytes_out, &state.metrics().bytes_out, b.len() as u64);
+                    line(&json!({ "stderr": B64.encode(&b) }))
+                }
+                Ok(ExecEvent::Exit(s)) => line(&json!({
+                    "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
+                })),
+                Err(e) => {
+                    let err = ApiError::from_client(e);
+                    line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }))
+                }
+            };
+            // A client that went away drops the receiver; dropping `output` then kills the process.
+            if tx.send(Ok(l)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(body)).into_response())
+}

@@ -1,0 +1,36 @@
+//! `GET /v1/health`: can this host start a microVM, on what, with which image.
+
+use axum::extract::State;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::state::AppState;
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/v1/health", get(health))
+}
+
+/// The image a create request gets by default, and whether it is the stock fallback.
+pub fn default_image(state: &AppState) -> (String, bool) {
+    match state.store().resolve(crate::routes::sandboxes::DEFAULT_IMAGE) {
+        Ok(_) => (crate::routes::sandboxes::DEFAULT_IMAGE.to_string(), false),
+        Err(_) => (sandbox_vmm::image::STOCK.to_string(), true),
+    }
+}
+
+async fn health(State(state): State<AppState>) -> Json<Value> {
+    let a = state.availability();
+    let (image, stock) = default_image(&state);
+    Json(json!({
+        "available": a.available,
+        "reason": a.reason,
+        "backend": a.backend,
+        "accel": a.accel,
+        "warning": a.warning,
+        "version": env!("CARGO_PKG_VERSION"),
+        "image": { "name": image, "stock": stock },
+        "sandboxes": state.registry().all().len(),
+        "uptime_ms": state.started().elapsed().as_millis() as u64,
+    }))
+}

@@ -1,0 +1,117 @@
+//! The HTTP routes of `/v1` and `/metrics`, one router per resource, merged behind the token.
+
+mod health;
+mod observe;
+pub mod sandboxes;
+mod transfer;
+mod exec;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, FromRequest, Request};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::Router;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Every (method, path) the API serves; `docs/openapi.json` must list exactly these (tested).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/v1/health"),
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/{id}"),
+    ("DELETE", "/v1/sandboxes/{id}"),
+    ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("PUT", "/v1/sandboxes/{id}/archive"),
+    ("GET", "/v1/sandboxes/{id}/archive"),
+    ("PUT", "/v1/sandboxes/{id}/files"),
+    ("GET", "/v1/sandboxes/{id}/files"),
+    ("POST", "/v1/sandboxes/{id}/exec"),
+    ("GET", "/v1/sandboxes/{id}/egress"),
+    ("GET", "/v1/sandboxes/{id}/usage"),
+    ("GET", "/metrics"),
+];
+
+/// The whole application.
+pub fn app(state: AppState) -> Router {
+    let max_body = state.config().max_body;
+    Router::new()
+        .merge(health::router())
+        .merge(sandboxes::router())
+        .merge(exec::router())
+        .merge(transfer::router())
+        .merge(observe::router())
+        .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .layer(DefaultBodyLimit::max(usize::try_from(max_body).unwrap_or(usize::MAX)))
+        .layer(middleware::from_fn_with_state(state.clone(), declared_length))
+        .layer(middleware::from_fn_with_state(state.clone(), crate::auth::require_token))
+        .with_state(state)
+}
+
+/// Refuses a body whose declared length is over the limit before reading any of it.
+async fn declared_length(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > state.config().max_body) {
+        return Err(too_large(&state));
+    }
+    Ok(next.run(req).await)
+}
+
+/// The 413 error for this host's limit.
+pub fn too_large(state: &AppState) -> ApiError {
+    ApiError::TooLarge { bytes: state.config().max_body, mb: state.config().max_body_mb }
+}
+
+/// A JSON body whose rejections come back as this API's errors (400 naming the field, 413).
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T>
+where
+    AppState: axum::extract::FromRef<S>,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let app = <AppState as axum::extract::FromRef<S>>::from_ref(state);
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(JsonRejection::BytesRejection(r)) if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => Err(too_large(&app)),
+            Err(JsonRejection::MissingJsonContentType(_)) => {
+                Err(ApiError::BadRequest("send the body as JSON with Content-Type: application/json".into()))
+            }
+            Err(e) => Err(ApiError::BadRequest(e.body_text())),
+        }
+    }
+}
+
+/// A response body fed through a bounded channel, so a slow client slows the producer (and, for
+/// an exec, the guest process) instead of growing memory. An `Err` item aborts the response, so a
+/// client never takes a stream cut by a failure for a complete one.
+pub struct ChannelBody {
+    rx: tokio::sync::mpsc::Receiver<Result<Vec<u8>, std::io::Error>>,
+}
+
+/// A body and the sender that feeds it, holding at most `depth` chunks.
+pub fn channel_body(depth: usize) -> (tokio::sync::mpsc::Sender<Result<Vec<u8>, std::io::Error>>, ChannelBody) {
+    let (tx, rx) = tokio::sync::mpsc::channel(depth);
+    (tx, ChannelBody { rx })
+}
+
+impl http_body::Body for ChannelBody {
+    type Data = axum::body::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        self.rx.poll_recv(cx).map(|o| o.map(|r| r.map(|b| http_body::Frame::data(b.into()))))
+    }
+}

@@ -1,0 +1,55 @@
+//! Read-outs: egress refusals and usage per sandbox (filled by the egress stack, issue 5), and
+//! `/metrics`.
+
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::registry::SandboxEntry;
+use crate::state::AppState;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes/{id}/egress", get(egress))
+        .route("/v1/sandboxes/{id}/usage", get(usage))
+        .route("/metrics", get(metrics))
+}
+
+/// Refusal counters of a sandbox. No egress stack is attached yet, so nothing can be refused:
+/// the guest has no network device at all.
+pub fn egress_json(_e: &SandboxEntry) -> Value {
+    json!({ "refused": 0, "by_reason": {}, "events": [] })
+}
+
+/// Metered model calls of a sandbox (none without the egress stack).
+pub fn usage_json(_e: &SandboxEntry) -> Value {
+    json!({
+        "calls": [],
+        "totals": {
+            "calls": 0, "input_tokens": 0, "output_tokens": 0,
+            "cache_read_tokens": 0, "cache_write_tokens": 0, "billed_cost_usd": null
+        }
+    })
+}
+
+async fn egress(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let e = state.registry().get(&id)?;
+    Ok(Json(egress_json(&e)))
+}
+
+async fn usage(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let e = state.registry().get(&id)?;
+    Ok(Json(usage_json(&e)))
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let all = state.registry().all();
+    let dead = all.iter().filter(|e| e.state() == "dead").count() as u64;
+    let states = [("ready", all.len() as u64 - dead), ("dead", dead)];
+    let text = state.metrics().render(&states, &[]);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}

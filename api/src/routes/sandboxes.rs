@@ -1,0 +1,278 @@
+//! Sandbox lifecycle: create, list, get, delete, keepalive.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use sandbox_vmm::image::STOCK;
+use sandbox_vmm::VmSpec;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::ApiJson;
+use crate::error::ApiError;
+use crate::registry::{self, EgressSpec, SandboxEntry};
+use crate::state::AppState;
+use crate::time::rfc3339;
+
+/// The image a create request gets when it names none.
+pub const DEFAULT_IMAGE: &str = "vantik-guest:latest";
+
+/// Disk limit of a run with the review cycle, and without (MiB), from the operator guide.
+const DISK_LIMIT_REVIEW_MIB: u64 = 30_720;
+const DISK_LIMIT_MIB: u64 = 20_480;
+
+/// Longest a sandbox may take to boot before the create fails (TCG boots take seconds).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", get(show).delete(delete))
+        .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    run_id: String,
+    time_limit_ms: u64,
+    review: bool,
+    #[serde(default = "default_memory")]
+    memory_mib: u32,
+    #[serde(default = "default_vcpus")]
+    vcpus: u8,
+    #[serde(default)]
+    image: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    harness_version: Option<String>,
+    #[serde(default)]
+    egress: EgressSpec,
+}
+
+fn default_memory() -> u32 {
+    4096
+}
+
+fn default_vcpus() -> u8 {
+    2
+}
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(msg.into())
+}
+
+fn validate(r: &CreateRequest) -> Result<(), ApiError> {
+    if r.run_id.trim().is_empty() || r.run_id.len() > 200 {
+        return Err(bad("run_id must be 1 to 200 characters"));
+    }
+    if r.time_limit_ms == 0 || r.time_limit_ms > 7 * 24 * 3600 * 1000 {
+        return Err(bad("time_limit_ms must be between 1 and 604800000 (7 days)"));
+    }
+    if !(128..=65_536).contains(&r.memory_mib) {
+        return Err(bad(format!("memory_mib must be between 128 and 65536, not {}", r.memory_mib)));
+    }
+    if !(1..=32).contains(&r.vcpus) {
+        return Err(bad(format!("vcpus must be between 1 and 32, not {}", r.vcpus)));
+    }
+    for k in r.env.keys().chain(r.egress.secrets.iter().map(|s| &s.env)) {
+        if !valid_env_name(k) {
+            return Err(bad(format!("`{k}` is not a valid environment variable name")));
+        }
+    }
+    if r.env.values().any(|v| v.contains('\0')) {
+        return Err(bad("env values cannot contain NUL"));
+    }
+    for h in r.egress.allow.iter().chain(&r.egress.meter).chain(r.egress.secrets.iter().flat_map(|s| &s.hosts)) {
+        if !valid_host_pattern(h) {
+            return Err(bad(format!("`{h}` in egress is not a host name or a `*.domain` wildcard")));
+        }
+    }
+    if let Some(s) = r.egress.secrets.iter().find(|s| s.hosts.is_empty() || s.value.is_empty()) {
+        return Err(bad(format!("egress secret `{}` needs a value and at least one host", s.env)));
+    }
+    Ok(())
+}
+
+fn valid_env_name(k: &str) -> bool {
+    !k.is_empty()
+        && k.len() <= 256
+        && !k.starts_with(|c: char| c.is_ascii_digit())
+        && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// `example.com`, `api.example.com`, or `*.example.com`; no IP literals, ports or schemes.
+fn valid_host_pattern(h: &str) -> bool {
+    let name = h.strip_prefix("*.").unwrap_or(h);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.contains('.')
+        && name.parse::<std::net::IpAddr>().is_err()
+        && name.split('.').all(|l| {
+            !l.is_empty() && l.len() <= 63 && !l.starts_with('-') && !l.ends_with('-') && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
+        && !name.split('.').next_back().is_some_and(|tld| tld.chars().all(|c| c.is_ascii_digit()))
+}
+
+async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<CreateRequest>) -> Result<(StatusCode, Json<Value>), ApiError> {
+    validate(&req)?;
+    let Some(backend) = state.backend().cloned() else {
+        let reason = state.availability().reason.clone().unwrap_or_else(|| "no backend".into());
+        return Err(ApiError::Unavailable(reason));
+    };
+    let wanted = req.image.clone().unwrap_or_else(|| DEFAULT_IMAGE.to_string());
+    // Looked up now, so a newly built image applies to this sandbox without a restart.
+    let (image, stock_image) = match state.store().resolve(&wanted) {
+        Ok(img) => {
+            let stock = wanted == STOCK;
+            (img, stock)
+        }
+        Err(sandbox_vmm::ImageError::Missing { .. }) => {
+            let img = state.store().resolve(STOCK).map_err(|e| ApiError::Unavailable(e.to_string()))?;
+            tracing::warn!(wanted = %wanted, "image not in the image store; using the stock image (/workspace in memory)");
+            (img, true)
+        }
+        Err(e) => return Err(bad(e.to_string())),
+    };
+    let harness_version_match = match (&req.harness_version, &image.harness_version) {
+        (Some(want), Some(have)) => Some(want == have),
+        _ => None,
+    };
+    let id = registry::new_id();
+    let spec = VmSpec {
+        id: id.clone(),
+        memory_mib: req.memory_mib,
+        vcpus: req.vcpus,
+        kernel: image.kernel.clone(),
+        initrd: image.initrd.clone(),
+        disks: vec![],
+        cmdline: vec![],
+        state_dir: state.config().state_dir.join(&id),
+    };
+    let sandbox = match sandbox_vmm::boot(backend.as_ref(), spec, BOOT_TIMEOUT).await {
+        Ok(s) => s,
+        Err(e) => {
+            state.metrics().boot_failed();
+            tracing::error!(run_id = %req.run_id, error = %e, "a sandbox did not boot");
+            return Err(ApiError::Internal(format!("the microVM did not start: {e}")));
+        }
+    };
+    state.metrics().boot(sandbox.boot_time);
+    let disk_limit_mib = if req.review { DISK_LIMIT_REVIEW_MIB } else { DISK_LIMIT_MIB };
+    let image_name = if stock_image { STOCK.to_string() } else { wanted };
+    let entry = registry::new_entry(
+        &state,
+        id,
+        req.run_id,
+        image_name,
+        stock_image,
+        harness_version_match,
+        disk_limit_mib,
+        req.memory_mib,
+        req.vcpus,
+        req.env,
+        req.egress,
+        Duration::from_millis(req.time_limit_ms),
+        sandbox,
+    );
+    tracing::info!(
+        id = %entry.id,
+        run_id = %entry.run_id,
+        image = %entry.image,
+        stock_image = entry.stock_image,
+        boot_ms = entry.sandbox.boot_time.as_millis() as u64,
+        "Created sandbox"
+    );
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "id": entry.id,
+            "run_id": entry.run_id,
+            "image": entry.image,
+            "stock_image": entry.stock_image,
+            "harness_version_match": entry.harness_version_match,
+            "disk_limit_mib": entry.disk_limit_mib,
+            "expires_at": rfc3339(entry.expires_at),
+            "boot_ms": entry.sandbox.boot_time.as_millis() as u64,
+        })),
+    ))
+}
+
+/// The summary of a sandbox shown by list and get.
+fn summary(e: &SandboxEntry) -> Value {
+    let dead = e.sandbox.vm.exit();
+    json!({
+        "id": e.id,
+        "run_id": e.run_id,
+        "state": e.state(),
+        "reason": dead.map(|x| format!("{}{}", x.reason, sandbox_vmm::backend::console_suffix(&x.console))),
+        "image": e.image,
+        "stock_image": e.stock_image,
+        "memory_mib": e.memory_mib,
+        "vcpus": e.vcpus,
+        "disk_limit_mib": e.disk_limit_mib,
+        "created_at": rfc3339(e.created_at),
+        "last_activity_at": rfc3339(e.last_activity().1),
+        "expires_at": rfc3339(e.expires_at),
+        "boot_ms": e.sandbox.boot_time.as_millis() as u64,
+        "execs": e.counters.execs.load(Relaxed),
+        "bytes_in": e.counters.bytes_in.load(Relaxed),
+        "bytes_out": e.counters.bytes_out.load(Relaxed),
+        "egress_settings": {
+            "allow": e.egress.allow,
+            "meter": e.egress.meter,
+            "secrets": e.egress.secrets.iter().map(|s| json!({ "env": s.env, "hosts": s.hosts })).collect::<Vec<_>>(),
+        },
+    })
+}
+
+async fn list(State(state): State<AppState>) -> Json<Value> {
+    let all: Vec<Value> = state.registry().all().iter().map(|e| summary(e)).collect();
+    Json(json!({ "sandboxes": all }))
+}
+
+async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let e = state.registry().get(&id)?;
+    let mut v = summary(&e);
+    v["egress"] = super::observe::egress_json(&e);
+    v["usage"] = super::observe::usage_json(&e)["totals"].clone();
+    Ok(Json(v))
+}
+
+async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    registry::delete(&state, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn keepalive(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    let e = state.registry().get(&id)?;
+    e.ensure_alive()?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_patterns() {
+        for ok in ["api.anthropic.com", "*.npmjs.org", "registry.npmjs.org", "a-b.example.io"] {
+            assert!(valid_host_pattern(ok), "{ok}");
+        }
+        for bad in ["", "localhost", "1.2.3.4", "*.", "a..b", "-a.com", "https://x.com", "x.com:443", "*.*.com", "[::1]", "10.0.0.1"] {
+            assert!(!valid_host_pattern(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn env_names() {
+        assert!(valid_env_name("ANTHROPIC_API_KEY"));
+        assert!(!valid_env_name("1X") && !valid_env_name("A=B") && !valid_env_name(""));
+    }
+}

@@ -1,0 +1,187 @@
+//! `sandbox-host serve`: start-up checks, the listener, the sweep, and disposal on SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbox_vmm::image::STOCK;
+use sandbox_vmm::ImageStore;
+
+use crate::config::{self, Config};
+use crate::state::{AppState, Availability};
+use crate::{backend_select, registry, routes};
+
+/// How long disposal at shutdown may take before the process exits anyway.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Logs JSON lines, one object per event, fields at the top level.
+pub fn init_json_logs() {
+    tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_span_list(false)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SANDBOX_HOST_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+}
+
+pub async fn serve() -> ExitCode {
+    let dotenv = config::load_dotenv();
+    init_json_logs();
+    if let Err(e) = &dotenv {
+        tracing::error!("{e}");
+        return ExitCode::from(1);
+    }
+    let cfg = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let _lock = match claim_state_dir(&cfg.state_dir) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let store = ImageStore::new(cfg.image_dir.clone());
+    let (availability, backend) = availability(&store).await;
+    let addr = SocketAddr::new(cfg.bind, cfg.port);
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("cannot listen on {addr}: {e}. Stop what uses the port, or set SANDBOX_HOST_PORT / SANDBOX_HOST_BIND");
+            return ExitCode::from(1);
+        }
+    };
+    let local = listener.local_addr().unwrap_or(addr);
+    tracing::info!(
+        available = availability.available,
+        reason = availability.reason.as_deref(),
+        backend = %availability.backend,
+        accel = %availability.accel,
+        warning = availability.warning.as_deref(),
+        "Listening on {}:{}",
+        local.ip(),
+        local.port()
+    );
+    if let Some(w) = &availability.warning {
+        tracing::warn!("{w}");
+    }
+    if store.resolve(routes::sandboxes::DEFAULT_IMAGE).is_err() {
+        tracing::warn!(
+            image = routes::sandboxes::DEFAULT_IMAGE,
+            store = %store.dir().display(),
+            "The guest image {} is not in the image store, so sandboxes use the stock image: each run keeps \
+             its checkout in memory (/workspace is a tmpfs of three quarters of the guest's memory). Build \
+             the guest image to give runs a disk",
+            routes::sandboxes::DEFAULT_IMAGE
+        );
+    }
+
+    let state = AppState::new(cfg, availability, backend);
+    tokio::spawn(registry::sweep_forever(state.clone()));
+    let app = routes::app(state.clone());
+    let shutdown_state = state.clone();
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let sig = shutdown_signal().await;
+            tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
+            match tokio::time::timeout(SHUTDOWN_TIMEOUT, registry::dispose_all(&shutdown_state)).await {
+                Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
+                Err(_) => tracing::error!("disposing of the sandboxes took longer than {SHUTDOWN_TIMEOUT:?}; exiting anyway"),
+            }
+        })
+        .await;
+    if let Err(e) = served {
+        tracing::error!("the HTTP server failed: {e}");
+        return ExitCode::from(1);
+    }
+    tracing::info!("Stopped");
+    ExitCode::SUCCESS
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without signal handlers the process still ends on the default action; never resolve.
+        std::future::pending::<()>().await;
+        return "none";
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
+/// Can this host start a microVM? The backend must be usable and the stock image present.
+async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandbox_vmm::Backend>>) {
+    match backend_select::select(store).await {
+        Ok(sel) => {
+            let (backend, accel) = (sel.backend.name().to_string(), sel.backend.accel());
+            match store.resolve(STOCK) {
+                Ok(_) => (
+                    Availability { available: true, reason: None, backend, accel, warning: sel.warning },
+                    Some(Arc::from(sel.backend)),
+                ),
+                Err(e) => (Availability { available: false, reason: Some(e.to_string()), backend, accel, warning: sel.warning }, None),
+            }
+        }
+        Err(reason) => (
+            Availability { available: false, reason: Some(reason), backend: "qemu".into(), accel: "none".into(), warning: None },
+            None,
+        ),
+    }
+}
+
+/// Takes the state directory for this process (one sandbox host per directory) and removes what
+/// a crashed earlier process left there. Directories of `sandbox-host run`s still running stay.
+fn claim_state_dir(dir: &Path) -> Result<std::fs::File, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create SANDBOX_HOST_STATE_DIR {}: {e}", dir.display()))?;
+    let lock_path = dir.join(".lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| format!("cannot open {}: {e}", lock_path.display()))?;
+    lock.try_lock().map_err(|_| {
+        format!(
+            "another sandbox host uses SANDBOX_HOST_STATE_DIR {}; stop it, or give this one another directory",
+            dir.display()
+        )
+    })?;
+    let mut removed = 0;
+    for e in std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == ".lock" || live_run(&name) {
+            continue;
+        }
+        let p = e.path();
+        let gone = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        if gone.is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(removed, dir = %dir.display(), "Removed what an earlier sandbox host left in the state directory");
+    }
+    Ok(lock)
+}
+
+/// `run-<pid>-…` of a `sandbox-host run` that is still running.
+fn live_run(name: &str) -> bool {
+    name.strip_prefix("run-")
+        .and_then(|r| r.split('-').next())
+        .and_then(|p| p.parse::<u32>().ok())
+        .is_some_and(|pid| Path::new("/proc").join(pid.to_string()).exists())
+}

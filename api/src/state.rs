@@ -1,0 +1,104 @@
+//! The shared state of the service: configuration, availability, the backend, the image store,
+//! the sandbox registry and the counters. Cloned into every handler (a few `Arc`s).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use sandbox_vmm::{Backend, ImageStore};
+use sha2::{Digest, Sha256};
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
+/// Whether this host can start microVMs, and on what.
+#[derive(Debug, Clone)]
+pub struct Availability {
+    /// True when a microVM can be started.
+    pub available: bool,
+    /// Why not, when not.
+    pub reason: Option<String>,
+    /// `qemu` or `kvm`.
+    pub backend: String,
+    /// The accelerator.
+    pub accel: String,
+    /// A slow fallback the operator should know about.
+    pub warning: Option<String>,
+}
+
+/// State shared by every handler.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: Config,
+    token_digest: [u8; 32],
+    availability: Availability,
+    backend: Option<Arc<dyn Backend>>,
+    store: ImageStore,
+    registry: Registry,
+    metrics: Metrics,
+    started: Instant,
+}
+
+impl AppState {
+    /// Assembles the state.
+    pub fn new(config: Config, availability: Availability, backend: Option<Arc<dyn Backend>>) -> Self {
+        let token_digest = Sha256::digest(config.token.as_bytes()).into();
+        let store = ImageStore::new(config.image_dir.clone());
+        AppState {
+            inner: Arc::new(Inner {
+                registry: Registry::default(),
+                config,
+                token_digest,
+                availability,
+                backend,
+                store,
+                metrics: Metrics::default(),
+                started: Instant::now(),
+            }),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// SHA-256 of the token.
+    pub fn token_digest(&self) -> &[u8; 32] {
+        &self.inner.token_digest
+    }
+
+    /// Availability as computed at start.
+    pub fn availability(&self) -> &Availability {
+        &self.inner.availability
+    }
+
+    /// The backend, when available.
+    pub fn backend(&self) -> Option<&Arc<dyn Backend>> {
+        self.inner.backend.as_ref()
+    }
+
+    /// The image store.
+    pub fn store(&self) -> &ImageStore {
+        &self.inner.store
+    }
+
+    /// The sandboxes.
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// When the service started.
+    pub fn started(&self) -> Instant {
+        self.inner.started
+    }
+}
