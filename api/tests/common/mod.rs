@@ -1,0 +1,239 @@
+//! Starting the real `sandbox-host serve` on a loopback port and talking to it over HTTP.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+pub const TOKEN: &str = "test-token-0123456789abcdef-xyz";
+
+/// The stock image is needed for anything that boots; CI builds it and requires these tests.
+pub fn stock_image_missing() -> bool {
+    let store = sandbox_vmm::config::image_dir();
+    if store.join("stock/manifest.json").is_file() {
+        return false;
+    }
+    let why = format!("no stock image in {}; run `bash rootfs/build-stock.sh`", store.display());
+    assert!(std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"), "{why}");
+    eprintln!("skipped: {why}");
+    true
+}
+
+pub fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-host"));
+    // Never read the developer's .env in tests.
+    c.env("SANDBOX_HOST_DOTENV", "/nonexistent/.env").env_remove("SANDBOX_HOST_TOKEN").env_remove("SANDBOX_HOST_PORT");
+    c
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running sandbox host.
+pub struct Host {
+    pub child: Child,
+    pub port: u16,
+    pub state: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    pub logs: Arc<Mutex<Vec<String>>>,
+}
+
+/// Starts a host with a fresh state directory and `env`, and waits for its `Listening on` line.
+pub fn start(env: &[(&str, &str)]) -> Host {
+    let tmp = tempfile::Builder::new().prefix("sbx-api").tempdir_in("/tmp").unwrap();
+    let state = tmp.path().join("state");
+    let mut h = start_in(&state, env);
+    h._tmp = Some(tmp);
+    h
+}
+
+/// Starts a host on a given state directory.
+pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
+    let port = free_port();
+    let mut cmd = bin();
+    cmd.env("SANDBOX_HOST_TOKEN", TOKEN)
+        .env("SANDBOX_HOST_PORT", port.to_string())
+        .env("SANDBOX_HOST_STATE_DIR", state)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .arg("serve");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let stderr = child.stderr.take().unwrap();
+    let l = logs.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            l.lock().unwrap().push(line);
+        }
+    });
+    let h = Host { child, port, state: state.to_path_buf(), _tmp: None, logs };
+    h.wait_log("Listening on", Duration::from_secs(120));
+    h
+}
+
+impl Host {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Waits for a log line containing `needle` and returns it parsed.
+    pub fn wait_log(&self, needle: &str, timeout: Duration) -> Value {
+        let t = Instant::now();
+        loop {
+            if let Some(l) = self.logs.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return serde_json::from_str(l).unwrap_or(Value::String(l.clone()));
+            }
+            assert!(t.elapsed() < timeout, "no log line with `{needle}`; logs: {:?}", self.logs.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub async fn req(&self, method: &str, path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> (u16, Bytes) {
+        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let mut b = hyper::Request::builder().method(method).uri(self.url(path)).header("authorization", format!("Bearer {TOKEN}"));
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = client.request(b.body(Full::new(Bytes::from(body))).unwrap()).await.unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        (status, bytes)
+    }
+
+    pub async fn json(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let (body, headers): (Vec<u8>, &[(&str, &str)]) = match body {
+            Some(v) => (v.to_string().into_bytes(), &[("content-type", "application/json")]),
+            None => (vec![], &[]),
+        };
+        let (s, b) = self.req(method, path, body, headers).await;
+        (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
+    /// Creates a small sandbox and returns its id.
+    pub async fn create(&self, extra: Value) -> String {
+        let mut body = serde_json::json!({"run_id": "run-test", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                b.insert(k.clone(), v.clone());
+            }
+        }
+        let (s, v) = self.json("POST", "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    /// Runs a shell command through the exec route; returns (stdout, stderr, final line).
+    pub async fn exec(&self, id: &str, command: &str) -> (Vec<u8>, Vec<u8>, Value) {
+        let (s, body) = self.req("POST", &format!("/v1/sandboxes/{id}/exec"), serde_json::json!({"command": command}).to_string().into_bytes(), &[("content-type", "application/json")]).await;
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+        parse_ndjson(&body)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        Command::new("kill").args(["-s", sig, &self.child.id().to_string()]).status().unwrap();
+    }
+
+    /// Waits for the process to exit, returning its status code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let t = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(t.elapsed() < timeout, "the host did not exit");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn parse_ndjson(body: &[u8]) -> (Vec<u8>, Vec<u8>, Value) {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let (mut out, mut err, mut last) = (vec![], vec![], Value::Null);
+    for line in body.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        let v: Value = serde_json::from_slice(line).unwrap();
+        if let Some(s) = v["stdout"].as_str() {
+            out.extend(b64.decode(s).unwrap());
+        } else if let Some(s) = v["stderr"].as_str() {
+            err.extend(b64.decode(s).unwrap());
+        } else {
+            last = v;
+        }
+    }
+    (out, err, last)
+}
+
+/// Pids of QEMU processes whose command line mentions `dir` (the state directory of a test).
+pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            cmd.contains("qemu-system") && cmd.contains(&needle)
+        })
+        .collect()
+}
+
+/// Entries in a state directory other than the lock file.
+pub fn state_entries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n != ".lock").collect())
+        .unwrap_or_default()
+}
+
+/// Sends a raw HTTP/1.1 request (head as given, then `body` pieces, written by a separate thread
+/// so a server that answers early is seen) and returns the response text (head and body).
+pub fn raw_http(port: u16, head: &str, body: Vec<Vec<u8>>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        for piece in body {
+            if w.write_all(&piece).is_err() {
+                return;
+            }
+        }
+    });
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                out.extend_from_slice(&buf[..n]);
+                // One response is enough: stop once its JSON body is complete.
+                if out.windows(4).any(|w| w == b"\r\n\r\n") && out.ends_with(b"}") {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Both);
+    let _ = writer.join();
+    String::from_utf8_lossy(&out).into_owned()
+}
