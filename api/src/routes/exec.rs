@@ -49,9 +49,15 @@ fn line(v: &serde_json::Value) -> Vec<u8> {
     b
 }
 
-async fn exec(State(state): State<AppState>, Path(id): Path<String>, ApiJson(body): ApiJson<ExecBody>) -> Result<Response, ApiError> {
+async fn exec(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: Result<ApiJson<ExecBody>, ApiError>,
+) -> Result<Response, ApiError> {
+    // An unknown or dead sandbox is the answer before anything about the body.
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
+    let ApiJson(body) = body?;
     match (&body.argv, &body.command) {
         (Some(_), Some(_)) => return Err(ApiError::BadRequest("give either argv or command, not both".into())),
         (None, None) => return Err(ApiError::BadRequest("give argv (a list) or command (a shell string)".into())),
