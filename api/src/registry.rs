@@ -133,6 +133,27 @@ impl SandboxEntry {
         }
     }
 
+    /// Turns an agent failure into the error a caller should see. When the channel closed because
+    /// the VM died, the VM's own reason (and last console lines) is the answer.
+    pub async fn explain(&self, e: sandbox_protocol::client::ClientError) -> ApiError {
+        if matches!(e, sandbox_protocol::client::ClientError::Closed(_)) {
+            if let Ok(exit) = tokio::time::timeout(Duration::from_secs(2), self.sandbox.vm.wait()).await {
+                if !exit.requested {
+                    return ApiError::VmDied(format!("{}{}", exit.reason, sandbox_vmm::backend::console_suffix(&exit.console)));
+                }
+            }
+        }
+        ApiError::from_client(e)
+    }
+
+    /// `Ok` as it is, or the failure explained (see [`SandboxEntry::explain`]).
+    pub async fn check<T>(&self, r: Result<T, sandbox_protocol::client::ClientError>) -> Result<T, ApiError> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.explain(e).await),
+        }
+    }
+
     /// `ready` or `dead`.
     pub fn state(&self) -> &'static str {
         if self.sandbox.vm.exit().is_some() { "dead" } else { "ready" }

@@ -83,7 +83,7 @@ async fn exec(
         stdin: stdin.is_some(),
         timeout_ms: body.timeout_ms,
     };
-    let exec = entry.sandbox.client.exec(&req).await.map_err(ApiError::from_client)?;
+    let exec = entry.check(entry.sandbox.client.exec(&req).await).await?;
     count(&entry.counters.execs, &state.metrics().execs, 1);
 
     let busy = entry.busy();
@@ -113,7 +113,7 @@ async fn exec(
                     "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
                 })),
                 Err(e) => {
-                    let err = ApiError::from_client(e);
+                    let err = entry.explain(e).await;
                     line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }))
                 }
             };

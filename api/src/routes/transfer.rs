@@ -62,7 +62,7 @@ async fn put_archive(
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let upload = entry.sandbox.client.archive_upload(absolute(&q.path)?).await.map_err(ApiError::from_client)?;
+    let upload = entry.check(entry.sandbox.client.archive_upload(absolute(&q.path)?).await).await?;
     stream_in(&state, &entry, upload, req.into_body()).await
 }
 
@@ -84,7 +84,7 @@ async fn put_file(
     };
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let upload = entry.sandbox.client.file_upload(absolute(&q.path)?, mode).await.map_err(ApiError::from_client)?;
+    let upload = entry.check(entry.sandbox.client.file_upload(absolute(&q.path)?, mode).await).await?;
     stream_in(&state, &entry, upload, req.into_body()).await
 }
 
@@ -102,10 +102,10 @@ async fn stream_in(state: &AppState, entry: &std::sync::Arc<SandboxEntry>, mut u
             // Dropping the upload cancels it in the guest.
             return Err(too_large(state));
         }
-        upload.write(&data).await.map_err(ApiError::from_client)?;
+        entry.check(upload.write(&data).await).await?;
         count(&entry.counters.bytes_in, &state.metrics().bytes_in, data.len() as u64);
     }
-    upload.finish().await.map_err(ApiError::from_client)?;
+    entry.check(upload.finish().await).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -117,7 +117,7 @@ async fn get_archive(
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let dl = entry.sandbox.client.get_archive(absolute(&q.path)?).await.map_err(ApiError::from_client)?;
+    let dl = entry.check(entry.sandbox.client.get_archive(absolute(&q.path)?).await).await?;
     stream_out(state, entry, dl, "application/x-tar").await
 }
 
@@ -129,7 +129,7 @@ async fn get_file(
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let dl = entry.sandbox.client.get_file(absolute(&q.path)?).await.map_err(ApiError::from_client)?;
+    let dl = entry.check(entry.sandbox.client.get_file(absolute(&q.path)?).await).await?;
     stream_out(state, entry, dl, "application/octet-stream").await
 }
 
@@ -137,7 +137,7 @@ async fn get_file(
 async fn stream_out(state: AppState, entry: std::sync::Arc<SandboxEntry>, mut dl: Download, content_type: &'static str) -> Result<Response, ApiError> {
     let first = match dl.next_chunk().await {
         Some(Ok(b)) => Some(b),
-        Some(Err(e)) => return Err(ApiError::from_client(e)),
+        Some(Err(e)) => return Err(entry.explain(e).await),
         None => None,
     };
     let (tx, body) = channel_body(4);
