@@ -101,7 +101,7 @@ impl Client {
             ready: watch::channel(None).0,
             stray_errors: broadcast::channel(64).0,
         });
-        tokio::spawn(write_loop(write, rx, shared.clone()));
+        tokio::spawn(write_loop(write, rx, Arc::downgrade(&shared), shared.closed.subscribe()));
         tokio::spawn(read_loop(read, shared.clone()));
         Client { shared }
     }
@@ -542,15 +542,34 @@ impl Download {
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::Receiver<Vec<u8>>, shared: Arc<Shared>) {
-    while let Some(buf) = rx.recv().await {
+/// Owns the write half until the channel closes. It holds the shared state only weakly and
+/// watches `closed`, so a closed channel never keeps its socket (or this task) alive.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    shared: std::sync::Weak<Shared>,
+    mut closed: watch::Receiver<Option<String>>,
+) {
+    let fail = |why: String| {
+        if let Some(s) = shared.upgrade() {
+            close(&s, why);
+        }
+    };
+    loop {
+        let buf = tokio::select! {
+            b = rx.recv() => match b {
+                Some(b) => b,
+                None => return,
+            },
+            _ = closed.changed() => return,
+        };
         if let Err(e) = w.write_all(&buf).await {
-            close(&shared, format!("writing to the guest failed: {e}"));
+            fail(format!("writing to the guest failed: {e}"));
             return;
         }
         // Coalesce what is already queued before flushing.
         if rx.is_empty() && w.flush().await.is_err() {
-            close(&shared, "flushing the channel failed".into());
+            fail("flushing the channel failed".into());
             return;
         }
     }
