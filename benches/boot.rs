@@ -14,7 +14,7 @@ use sandbox_benches::{header, row, stats};
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::config::{self, AccelSetting};
-use sandbox_vmm::qemu::{args, QemuBackend};
+use sandbox_vmm::qemu::{QemuBackend, args};
 use sandbox_vmm::{ImageStore, VmSpec};
 
 fn sandbox_host_bin() -> Option<PathBuf> {
@@ -24,23 +24,60 @@ fn sandbox_host_bin() -> Option<PathBuf> {
     // This bench runs from <target>/release/deps/; the binary is in <target>/{release,debug}/.
     let exe = std::env::current_exe().ok()?;
     let target = exe.parent()?.parent()?.parent()?;
-    ["release", "debug"].iter().map(|p| target.join(p).join("sandbox-host")).find(|p| p.is_file())
+    ["release", "debug"]
+        .iter()
+        .map(|p| target.join(p).join("sandbox-host"))
+        .find(|p| p.is_file())
 }
 
-fn time_bare_qemu(program: &PathBuf, accel: args::Accel, kernel: &PathBuf, initrd: &PathBuf) -> Duration {
+fn time_bare_qemu(
+    program: &PathBuf,
+    accel: args::Accel,
+    kernel: &PathBuf,
+    initrd: &PathBuf,
+) -> Duration {
     let accel_args: &[&str] = match accel {
-        args::Accel::Kvm => &["-accel", "kvm", "-cpu", "host", "-M", "microvm,acpi=off,isa-serial=on,rtc=off,pit=off,pic=off"],
-        _ => &["-accel", "tcg", "-cpu", "max", "-M", "microvm,acpi=off,isa-serial=on,rtc=off"],
+        args::Accel::Kvm => &[
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-M",
+            "microvm,acpi=off,isa-serial=on,rtc=off,pit=off,pic=off",
+        ],
+        _ => &[
+            "-accel",
+            "tcg",
+            "-cpu",
+            "max",
+            "-M",
+            "microvm,acpi=off,isa-serial=on,rtc=off",
+        ],
     };
     let t = Instant::now();
     let st = Command::new(program)
         .args(accel_args)
-        .args(["-m", "4096", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio"])
+        .args([
+            "-m",
+            "4096",
+            "-smp",
+            "2",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+        ])
         .arg("-kernel")
         .arg(kernel)
         .arg("-initrd")
         .arg(initrd)
-        .args(["-append", "console=ttyS0 reboot=t panic=-1 quiet rdinit=/bin/busybox -- reboot -f"])
+        .args([
+            "-append",
+            "console=ttyS0 reboot=t panic=-1 quiet rdinit=/bin/busybox -- reboot -f",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -63,7 +100,11 @@ fn time_run(bin: &PathBuf, argv: &[&str], first_byte: bool) -> Duration {
     let mut byte = [0u8; 1];
     let mut elapsed = None;
     if first_byte {
-        assert_eq!(out.read(&mut byte).expect("read"), 1, "no output from sandbox-host run");
+        assert_eq!(
+            out.read(&mut byte).expect("read"),
+            1,
+            "no output from sandbox-host run"
+        );
         elapsed = Some(t.elapsed());
     }
     let mut rest = Vec::new();
@@ -73,7 +114,10 @@ fn time_run(bin: &PathBuf, argv: &[&str], first_byte: bool) -> Duration {
 }
 
 fn main() {
-    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let runs: usize = std::env::var("BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
     let store = ImageStore::new(config::image_dir());
     let Ok(image) = store.resolve("stock") else {
         println!("skipped: no stock image; run `bash rootfs/build-stock.sh`");
@@ -81,15 +125,26 @@ fn main() {
     };
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let backend = rt
-        .block_on(QemuBackend::new(AccelSetting::from_env().expect("valid accel"), &store))
+        .block_on(QemuBackend::new(
+            AccelSetting::from_env().expect("valid accel"),
+            &store,
+        ))
         .expect("QEMU is installed");
     let program = sandbox_vmm::qemu::find_qemu(args::Arch::host()).expect("QEMU");
-    let initrd = image.initrd.clone().expect("the stock image has an initramfs");
+    let initrd = image
+        .initrd
+        .clone()
+        .expect("the stock image has an initramfs");
     let bin = sandbox_host_bin();
 
     let (mut bare, mut run_true, mut first_byte, mut ready) = (vec![], vec![], vec![], vec![]);
     for i in 0..runs {
-        bare.push(time_bare_qemu(&program, backend.accel_kind(), &image.kernel, &initrd));
+        bare.push(time_bare_qemu(
+            &program,
+            backend.accel_kind(),
+            &image.kernel,
+            &initrd,
+        ));
         if let Some(bin) = &bin {
             run_true.push(time_run(bin, &["true"], false));
             first_byte.push(time_run(bin, &["echo", "x"], true));
@@ -105,7 +160,9 @@ fn main() {
             state_dir: config::state_dir().join(format!("bench-{}-{i}", std::process::id())),
         };
         rt.block_on(async {
-            let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120)).await.expect("boot");
+            let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120))
+                .await
+                .expect("boot");
             ready.push(sb.boot_time);
             sb.stop().await;
         });
@@ -124,8 +181,14 @@ fn main() {
             cmdline: vec![],
             state_dir: config::state_dir().join(format!("bench-exec-{}", std::process::id())),
         };
-        let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120)).await.expect("boot");
-        let req = ExecRequest { argv: Some(vec!["true".into()]), cwd: Some("/".into()), ..Default::default() };
+        let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120))
+            .await
+            .expect("boot");
+        let req = ExecRequest {
+            argv: Some(vec!["true".into()]),
+            cwd: Some("/".into()),
+            ..Default::default()
+        };
         for _ in 0..runs * 2 {
             let t = Instant::now();
             let mut e = sb.client.exec(&req).await.expect("exec");
@@ -139,16 +202,39 @@ fn main() {
         sb.stop().await;
     });
 
-    println!("\nQEMU backend, accelerator {}, stock image, 4096 MiB, 2 vCPUs\n", backend.accel_kind().as_str());
+    println!(
+        "\nQEMU backend, accelerator {}, stock image, 4096 MiB, 2 vCPUs\n",
+        backend.accel_kind().as_str()
+    );
     header();
     let reference = stats(&bare).0;
-    row("bare QEMU: process start -> guest init -> exit (reference)", &bare, Some(reference));
+    row(
+        "bare QEMU: process start -> guest init -> exit (reference)",
+        &bare,
+        Some(reference),
+    );
     if bin.is_some() {
-        row("sandbox-host run -- true: start -> exit", &run_true, Some(reference));
-        row("sandbox-host run -- echo x: start -> first stdout byte", &first_byte, Some(reference));
+        row(
+            "sandbox-host run -- true: start -> exit",
+            &run_true,
+            Some(reference),
+        );
+        row(
+            "sandbox-host run -- echo x: start -> first stdout byte",
+            &first_byte,
+            Some(reference),
+        );
     } else {
         println!("skipped: sandbox-host binary not found (set SANDBOX_HOST_BIN or build it)");
     }
-    row("in-process: start VM -> agent ready", &ready, Some(reference));
-    row("exec `true` round trip on a running sandbox", &exec_rt, None);
+    row(
+        "in-process: start VM -> agent ready",
+        &ready,
+        Some(reference),
+    );
+    row(
+        "exec `true` round trip on a running sandbox",
+        &exec_rt,
+        None,
+    );
 }

@@ -18,11 +18,24 @@ pub fn stats(samples: &[Duration]) -> (f64, f64) {
 pub fn row(what: &str, samples: &[Duration], reference_median: Option<f64>) {
     let (median, p95) = stats(samples);
     let ratio = reference_median.map_or(String::new(), |r| format!("{:.2}x", median / r));
-    println!("| {what:<58} | {median:>9.1} | {p95:>9.1} | {:>4} | {ratio:>6} |", samples.len());
+    println!(
+        "| {what:<58} | {median:>9.1} | {p95:>9.1} | {:>4} | {ratio:>6} |",
+        samples.len()
+    );
 }
 
 /// Prints the table header.
 pub fn header() {
-    println!("| {:<58} | {:>9} | {:>9} | {:>4} | {:>6} |", "measurement", "median ms", "p95 ms", "runs", "vs ref");
-    println!("|{}|{}|{}|{}|{}|", "-".repeat(60), "-".repeat(11), "-".repeat(11), "-".repeat(6), "-".repeat(8));
+    println!(
+        "| {:<58} | {:>9} | {:>9} | {:>4} | {:>6} |",
+        "measurement", "median ms", "p95 ms", "runs", "vs ref"
+    );
+    println!(
+        "|{}|{}|{}|{}|{}|",
+        "-".repeat(60),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(6),
+        "-".repeat(8)
+    );
 }

@@ -34,7 +34,9 @@ fn snapshot(root: &Path) -> BTreeMap<String, String> {
 
 fn make_tree(root: &Path) {
     for i in 0..1000 {
-        let dir = root.join(format!("d{:02}", i % 20)).join(format!("e{}", i % 3));
+        let dir = root
+            .join(format!("d{:02}", i % 20))
+            .join(format!("e{}", i % 3));
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join(format!("file-{i}.txt"));
         std::fs::write(&f, format!("content of file {i}\n").repeat(i % 7 + 1)).unwrap();
@@ -49,7 +51,9 @@ fn make_tree(root: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tree_round_trip() {
-    let Some(vm) = boot_stock(1024, 2).await else { return };
+    let Some(vm) = boot_stock(1024, 2).await else {
+        return;
+    };
     let c = &vm.sandbox.client;
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
@@ -60,7 +64,10 @@ async fn tree_round_trip() {
     b.follow_symlinks(false);
     b.append_dir_all(".", &src).unwrap();
     let archive = b.into_inner().unwrap();
-    let done = c.put_archive("/workspace/tree", &archive[..]).await.unwrap();
+    let done = c
+        .put_archive("/workspace/tree", &archive[..])
+        .await
+        .unwrap();
     assert!(done.entries >= 1000 + 60 + 3, "{done:?}");
     assert!(done.bytes >= 50 << 20);
 
@@ -68,7 +75,13 @@ async fn tree_round_trip() {
     let ls = sh(c, "readlink /workspace/tree/link; stat -c %a /workspace/tree/empty /workspace/tree/d01/e1/file-1.txt").await;
     assert_eq!(ls.stdout_str(), "d00/e0/file-0.txt\n700\n755\n");
 
-    let back = c.get_archive("/workspace/tree").await.unwrap().collect().await.unwrap();
+    let back = c
+        .get_archive("/workspace/tree")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
     let dst = tmp.path().join("dst");
     std::fs::create_dir(&dst).unwrap();
     let mut ar = tar::Archive::new(&back[..]);
@@ -87,12 +100,26 @@ async fn tree_round_trip() {
     h.set_cksum();
     let mut b = tar::Builder::new(Vec::new());
     b.append(&h, &b"x"[..]).unwrap();
-    let err = c.put_archive("/workspace/tree", &b.into_inner().unwrap()[..]).await.unwrap_err();
+    let err = c
+        .put_archive("/workspace/tree", &b.into_inner().unwrap()[..])
+        .await
+        .unwrap_err();
     assert_eq!(err.agent_code(), Some("unsafe_archive"), "{err}");
-    assert_eq!(sh(c, "ls /workspace/escaped-1 2>&1 >/dev/null; echo $?").await.stdout_str().trim_end().lines().last(), Some("1"));
+    assert_eq!(
+        sh(c, "ls /workspace/escaped-1 2>&1 >/dev/null; echo $?")
+            .await
+            .stdout_str()
+            .trim_end()
+            .lines()
+            .last(),
+        Some("1")
+    );
 
     // Garbage is not an archive, and the agent keeps serving.
-    let err = c.put_archive("/workspace/x", &pseudo_random(100_000, 5)[..]).await.unwrap_err();
+    let err = c
+        .put_archive("/workspace/x", &pseudo_random(100_000, 5)[..])
+        .await
+        .unwrap_err();
     assert_eq!(err.agent_code(), Some("bad_request"), "{err}");
     assert_eq!(sh(c, "echo alive").await.stdout, b"alive\n");
 

@@ -11,18 +11,46 @@ async fn raw_disks_read_and_write() {
     let rw = tmp.path().join("scratch.img");
     let content = pseudo_random(8 << 20, 21);
     std::fs::write(&ro, &content).unwrap();
-    std::fs::File::create(&rw).unwrap().set_len(8 << 20).unwrap();
-    let disks = vec![Disk { path: ro.clone(), read_only: true }, Disk { path: rw.clone(), read_only: false }];
-    let Some(vm) = boot_stock_with_disks(512, 1, disks).await else { return };
+    std::fs::File::create(&rw)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let disks = vec![
+        Disk {
+            path: ro.clone(),
+            read_only: true,
+        },
+        Disk {
+            path: rw.clone(),
+            read_only: false,
+        },
+    ];
+    let Some(vm) = boot_stock_with_disks(512, 1, disks).await else {
+        return;
+    };
     let c = &vm.sandbox.client;
 
-    let out = sh(c, "cat /sys/block/vda/size /sys/block/vda/ro /sys/block/vdb/ro").await;
+    let out = sh(
+        c,
+        "cat /sys/block/vda/size /sys/block/vda/ro /sys/block/vdb/ro",
+    )
+    .await;
     assert_eq!(out.stdout_str(), "16384\n1\n0\n");
-    let back = c.get_file("/dev/vda").await.unwrap().collect().await.unwrap();
+    let back = c
+        .get_file("/dev/vda")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
     assert_eq!(sha256_hex(&back), sha256_hex(&content));
 
     let out = sh(c, "echo x | dd of=/dev/vda conv=fsync 2>&1; echo rc=$?").await;
-    assert!(out.stdout_str().ends_with("rc=1\n"), "a write to the read-only disk succeeded: {}", out.stdout_str());
+    assert!(
+        out.stdout_str().ends_with("rc=1\n"),
+        "a write to the read-only disk succeeded: {}",
+        out.stdout_str()
+    );
 
     let out = sh(c, "printf 'written by the guest' | dd of=/dev/vdb bs=512 seek=3 conv=fsync 2>/dev/null; sync; echo $?").await;
     assert_eq!(out.stdout_str(), "0\n");
@@ -30,5 +58,9 @@ async fn raw_disks_read_and_write() {
 
     let disk = std::fs::read(&rw).unwrap();
     assert_eq!(&disk[1536..1536 + 20], b"written by the guest");
-    assert_eq!(std::fs::read(&ro).unwrap(), content, "the read-only disk changed");
+    assert_eq!(
+        std::fs::read(&ro).unwrap(),
+        content,
+        "the read-only disk changed"
+    );
 }

@@ -8,11 +8,20 @@ use sha2::Digest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_behaves() {
-    let Some(vm) = boot_stock(1024, 2).await else { return };
+    let Some(vm) = boot_stock(1024, 2).await else {
+        return;
+    };
     let c = &vm.sandbox.client;
 
     // echo, through argv (no shell)
-    let out = run(c, ExecRequest { argv: Some(vec!["echo".into(), "hello".into(), "world".into()]), ..Default::default() }).await;
+    let out = run(
+        c,
+        ExecRequest {
+            argv: Some(vec!["echo".into(), "hello".into(), "world".into()]),
+            ..Default::default()
+        },
+    )
+    .await;
     assert_eq!(out.stdout, b"hello world\n");
     assert_eq!(out.status.unwrap().exit_code, Some(0));
 
@@ -21,29 +30,65 @@ async fn exec_behaves() {
     assert_eq!(out.stdout, b"out\n");
     assert_eq!(out.stderr, b"err\n");
     let st = out.status.unwrap();
-    assert_eq!((st.exit_code, st.signal, st.timed_out), (Some(42), None, false));
+    assert_eq!(
+        (st.exit_code, st.signal, st.timed_out),
+        (Some(42), None, false)
+    );
 
     // a signal ends a process
     let out = sh(c, "kill -9 $$").await;
     assert_eq!(out.status.unwrap().signal, Some(9));
 
     // env and cwd
-    let mut req = ExecRequest { command: Some("echo $GREETING; pwd".into()), cwd: Some("/tmp".into()), ..Default::default() };
+    let mut req = ExecRequest {
+        command: Some("echo $GREETING; pwd".into()),
+        cwd: Some("/tmp".into()),
+        ..Default::default()
+    };
     req.env.insert("GREETING".into(), "bonjour".into());
     assert_eq!(run(c, req).await.stdout, b"bonjour\n/tmp\n");
 
     // a missing program and a missing cwd are errors that name them
-    let err = c.exec(&ExecRequest { argv: Some(vec!["/no/such/program".into()]), cwd: Some("/".into()), ..Default::default() })
-        .await.unwrap().output.next().await.unwrap().unwrap_err();
+    let err = c
+        .exec(&ExecRequest {
+            argv: Some(vec!["/no/such/program".into()]),
+            cwd: Some("/".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .output
+        .next()
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(err.agent_code(), Some("spawn_failed"), "{err}");
     assert!(err.to_string().contains("/no/such/program"), "{err}");
-    let err = c.exec(&ExecRequest { command: Some("true".into()), cwd: Some("/nope".into()), ..Default::default() })
-        .await.unwrap().output.next().await.unwrap().unwrap_err();
+    let err = c
+        .exec(&ExecRequest {
+            command: Some("true".into()),
+            cwd: Some("/nope".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .output
+        .next()
+        .await
+        .unwrap()
+        .unwrap_err();
     assert!(err.to_string().contains("/nope"), "{err}");
 
     // stdin: 5 MB in, the same 5 MB back, while output is being read
     let input = pseudo_random(5 << 20, 7);
-    let exec = c.exec(&ExecRequest { argv: Some(vec!["cat".into()]), stdin: true, ..Default::default() }).await.unwrap();
+    let exec = c
+        .exec(&ExecRequest {
+            argv: Some(vec!["cat".into()]),
+            stdin: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let mut stdin = exec.stdin.unwrap();
     let feed = input.clone();
     let writer = tokio::spawn(async move {
@@ -60,7 +105,14 @@ async fn exec_behaves() {
     // 100 MB of stdout, byte-exact: a 1 MiB file written through the file route, printed 100 times
     let block = pseudo_random(1 << 20, 99);
     c.put_file("/tmp/block", None, &block[..]).await.unwrap();
-    let mut exec = c.exec(&ExecRequest { command: Some("for i in $(seq 100); do cat /tmp/block; done".into()), cwd: Some("/".into()), ..Default::default() }).await.unwrap();
+    let mut exec = c
+        .exec(&ExecRequest {
+            command: Some("for i in $(seq 100); do cat /tmp/block; done".into()),
+            cwd: Some("/".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let mut hasher = sha2::Sha256::new();
     let mut total = 0usize;
     let mut status = None;
@@ -83,40 +135,66 @@ async fn exec_behaves() {
     assert_eq!(status.unwrap().exit_code, Some(0));
 
     // a timeout kills the command and every process it started
-    let out = run(c, ExecRequest {
-        command: Some("sleep 1000 & sleep 1000 & echo started; wait".into()),
-        cwd: Some("/".into()),
-        timeout_ms: Some(1500),
-        ..Default::default()
-    }).await;
+    let out = run(
+        c,
+        ExecRequest {
+            command: Some("sleep 1000 & sleep 1000 & echo started; wait".into()),
+            cwd: Some("/".into()),
+            timeout_ms: Some(1500),
+            ..Default::default()
+        },
+    )
+    .await;
     let st = out.status.unwrap();
     assert!(st.timed_out, "{st:?}");
     assert_eq!(st.signal, Some(9), "{st:?}");
     assert_eq!(out.stdout, b"started\n");
     let left = sh(c, "ps -o pid,comm | grep -c '[s]leep'; true").await;
-    assert_eq!(left.stdout_str().trim(), "0", "sleep processes survived the timeout");
+    assert_eq!(
+        left.stdout_str().trim(),
+        "0",
+        "sleep processes survived the timeout"
+    );
 
     // 8 concurrent execs, each with 2 MB of its own output
     let mut tasks = Vec::new();
     for i in 0..8u8 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            let cmd = format!("head -c 2000000 /dev/zero | tr '\\0' '{}'; echo done {i} >&2", (b'a' + i) as char);
+            let cmd = format!(
+                "head -c 2000000 /dev/zero | tr '\\0' '{}'; echo done {i} >&2",
+                (b'a' + i) as char
+            );
             (i, sh(&c, &cmd).await)
         }));
     }
     for t in tasks {
         let (i, out) = t.await.unwrap();
         assert_eq!(out.stdout.len(), 2_000_000, "exec {i}");
-        assert!(out.stdout.iter().all(|&b| b == b'a' + i), "exec {i} got another exec's bytes");
+        assert!(
+            out.stdout.iter().all(|&b| b == b'a' + i),
+            "exec {i} got another exec's bytes"
+        );
         assert_eq!(out.stderr, format!("done {i}\n").into_bytes());
         assert_eq!(out.status.unwrap().exit_code, Some(0));
     }
 
     // a file read back, a missing file
-    let back = c.get_file("/tmp/block").await.unwrap().collect().await.unwrap();
+    let back = c
+        .get_file("/tmp/block")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
     assert_eq!(back, block);
-    let err = c.get_file("/tmp/missing").await.unwrap().collect().await.unwrap_err();
+    let err = c
+        .get_file("/tmp/missing")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err();
     assert_eq!(err.agent_code(), Some("not_found"));
 
     vm.sandbox.stop().await;

@@ -9,14 +9,20 @@ use sandbox_protocol::message::ExecRequest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_during_exec_leaves_nothing() {
-    let Some(vm) = boot_stock(512, 1).await else { return };
+    let Some(vm) = boot_stock(512, 1).await else {
+        return;
+    };
     let c = &vm.sandbox.client;
     let pid = vm.sandbox.vm.pid().expect("QEMU has a pid");
     assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
     assert!(vm.state_dir.exists());
 
     let mut exec = c
-        .exec(&ExecRequest { command: Some("while true; do echo tick; done".into()), cwd: Some("/".into()), ..Default::default() })
+        .exec(&ExecRequest {
+            command: Some("while true; do echo tick; done".into()),
+            cwd: Some("/".into()),
+            ..Default::default()
+        })
         .await
         .unwrap();
     // Wait until it is really running.
@@ -42,18 +48,32 @@ async fn stop_during_exec_leaves_nothing() {
     .expect("the exec ends when the VM stops");
     assert!(rest.is_some_and(|e| e.to_string().contains("closed")));
 
-    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU process {pid} is still there");
-    assert!(!vm.state_dir.exists(), "the VM's state directory (socket) is still there");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "QEMU process {pid} is still there"
+    );
+    assert!(
+        !vm.state_dir.exists(),
+        "the VM's state directory (socket) is still there"
+    );
     let parent = vm.state_dir.parent().unwrap();
-    assert_eq!(std::fs::read_dir(parent).unwrap().count(), 0, "files left beside the VM's state");
+    assert_eq!(
+        std::fs::read_dir(parent).unwrap().count(),
+        0,
+        "files left beside the VM's state"
+    );
     assert!(c.closed_reason().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_shutdown_ends_the_vm() {
-    let Some(vm) = boot_stock(512, 1).await else { return };
+    let Some(vm) = boot_stock(512, 1).await else {
+        return;
+    };
     vm.sandbox.client.shutdown().await.unwrap();
-    let exit = tokio::time::timeout(Duration::from_secs(60), vm.sandbox.vm.wait()).await.expect("the VM ends after shutdown");
+    let exit = tokio::time::timeout(Duration::from_secs(60), vm.sandbox.vm.wait())
+        .await
+        .expect("the VM ends after shutdown");
     assert!(!exit.requested);
     assert_eq!(exit.reason, "the guest powered off or restarted");
     vm.sandbox.stop().await;

@@ -22,12 +22,17 @@ async fn still_serving(c: &Client) {
 }
 
 async fn next_error(rx: &mut broadcast::Receiver<(u32, ErrorMessage)>) -> (u32, ErrorMessage) {
-    tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("an error frame within 20 s").expect("error stream")
+    tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .expect("an error frame within 20 s")
+        .expect("error stream")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_errors_and_the_agent_keeps_serving() {
-    let Some(vm) = boot_stock(512, 1).await else { return };
+    let Some(vm) = boot_stock(512, 1).await else {
+        return;
+    };
     let c = &vm.sandbox.client;
     let mut errors = c.subscribe_stray_errors();
 
@@ -44,7 +49,11 @@ async fn bad_input_gets_errors_and_the_agent_keeps_serving() {
     c.send_raw(huge).await.unwrap();
     let (stream, e) = next_error(&mut errors).await;
     assert_eq!((stream, e.code.as_str()), (77, "bad_frame"));
-    assert!(e.message.contains("4294967295") && e.message.contains("limit"), "{}", e.message);
+    assert!(
+        e.message.contains("4294967295") && e.message.contains("limit"),
+        "{}",
+        e.message
+    );
     still_serving(c).await;
     while errors.try_recv().is_ok() {}
 
@@ -53,36 +62,78 @@ async fn bad_input_gets_errors_and_the_agent_keeps_serving() {
     c.send_raw(whole[..50].to_vec()).await.unwrap();
     still_serving(c).await;
     let (stream, e) = next_error(&mut errors).await;
-    assert_eq!((stream, e.code.as_str()), (78, "bad_frame"), "{}", e.message);
+    assert_eq!(
+        (stream, e.code.as_str()),
+        (78, "bad_frame"),
+        "{}",
+        e.message
+    );
     while errors.try_recv().is_ok() {}
 
     // An unknown kind, a kind only the agent sends, a bad request, a bad window.
     c.send_frame(Frame::new(0x42u8, 79, vec![])).await.unwrap();
     assert_eq!(next_error(&mut errors).await.1.code, "unknown_kind");
-    c.send_frame(Frame::new(Kind::Stdout, 80, b"x".to_vec())).await.unwrap();
+    c.send_frame(Frame::new(Kind::Stdout, 80, b"x".to_vec()))
+        .await
+        .unwrap();
     assert_eq!(next_error(&mut errors).await.1.code, "unknown_kind");
-    c.send_frame(Frame::new(Kind::Exec, 81, b"{not json".to_vec())).await.unwrap();
+    c.send_frame(Frame::new(Kind::Exec, 81, b"{not json".to_vec()))
+        .await
+        .unwrap();
     let (stream, e) = next_error(&mut errors).await;
     assert_eq!((stream, e.code.as_str()), (81, "bad_request"));
-    c.send_frame(Frame::new(Kind::Exec, 82, br#"{"argv":["true"],"shell":true}"#.to_vec())).await.unwrap();
+    c.send_frame(Frame::new(
+        Kind::Exec,
+        82,
+        br#"{"argv":["true"],"shell":true}"#.to_vec(),
+    ))
+    .await
+    .unwrap();
     let (_, e) = next_error(&mut errors).await;
     assert!(e.message.contains("unknown field `shell`"), "{}", e.message);
-    c.send_frame(Frame::new(Kind::Window, 0, b"abc".to_vec())).await.unwrap();
+    c.send_frame(Frame::new(Kind::Window, 0, b"abc".to_vec()))
+        .await
+        .unwrap();
     assert_eq!(next_error(&mut errors).await.1.code, "bad_request");
 
     // A half-closed stream: stdin written after it was closed.
-    c.send_frame(Frame::new(Kind::Exec, 90, br#"{"command":"sleep 2","stdin":true,"cwd":"/"}"#.to_vec())).await.unwrap();
-    c.send_frame(Frame::new(Kind::Stdin, 90, vec![])).await.unwrap();
-    c.send_frame(Frame::new(Kind::Stdin, 90, b"late".to_vec())).await.unwrap();
+    c.send_frame(Frame::new(
+        Kind::Exec,
+        90,
+        br#"{"command":"sleep 2","stdin":true,"cwd":"/"}"#.to_vec(),
+    ))
+    .await
+    .unwrap();
+    c.send_frame(Frame::new(Kind::Stdin, 90, vec![]))
+        .await
+        .unwrap();
+    c.send_frame(Frame::new(Kind::Stdin, 90, b"late".to_vec()))
+        .await
+        .unwrap();
     let (stream, e) = next_error(&mut errors).await;
-    assert_eq!((stream, e.code.as_str()), (90, "bad_stream"), "{}", e.message);
+    assert_eq!(
+        (stream, e.code.as_str()),
+        (90, "bad_stream"),
+        "{}",
+        e.message
+    );
     assert!(e.message.contains("already closed"));
-    c.send_frame(Frame::new(Kind::Cancel, 90, vec![])).await.unwrap();
+    c.send_frame(Frame::new(Kind::Cancel, 90, vec![]))
+        .await
+        .unwrap();
 
     // More upload than the window allows.
-    c.send_frame(Frame::new(Kind::Exec, 91, br#"{"command":"sleep 5","stdin":true,"cwd":"/"}"#.to_vec())).await.unwrap();
+    c.send_frame(Frame::new(
+        Kind::Exec,
+        91,
+        br#"{"command":"sleep 5","stdin":true,"cwd":"/"}"#.to_vec(),
+    ))
+    .await
+    .unwrap();
     for _ in 0..20 {
-        c.send_frame(Frame::new(Kind::Stdin, 91, vec![0u8; 64 * 1024])).await.unwrap();
+        c.send_frame(Frame::new(Kind::Stdin, 91, vec![0u8; 64 * 1024]))
+            .await
+            .unwrap();
     }
     let (stream, e) = next_error(&mut errors).await;
     assert_eq!((stream, e.code.as_str()), (91, "window_exceeded"));

@@ -25,15 +25,32 @@ pub fn is_loopback_host(host: &str) -> bool {
     let name = if let Some(rest) = host.strip_prefix('[') {
         rest.split(']').next().unwrap_or("")
     } else {
-        host.rsplit_once(':').map_or(host, |(h, p)| if p.chars().all(|c| c.is_ascii_digit()) { h } else { host })
+        host.rsplit_once(':').map_or(host, |(h, p)| {
+            if p.chars().all(|c| c.is_ascii_digit()) {
+                h
+            } else {
+                host
+            }
+        })
     };
-    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Middleware: Host check (on a loopback bind) then bearer token.
-pub async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Result<Response, ApiError> {
+pub async fn require_token(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
     if state.config().bind.is_loopback() {
-        let host = req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("");
         if !host.is_empty() && !is_loopback_host(host) {
             return Err(ApiError::ForeignHost(host.chars().take(100).collect()));
         }
@@ -63,10 +80,23 @@ mod tests {
 
     #[test]
     fn loopback_hosts() {
-        for ok in ["127.0.0.1", "127.0.0.1:3004", "localhost:3004", "LOCALHOST", "[::1]:3004", "[::1]"] {
+        for ok in [
+            "127.0.0.1",
+            "127.0.0.1:3004",
+            "localhost:3004",
+            "LOCALHOST",
+            "[::1]:3004",
+            "[::1]",
+        ] {
             assert!(is_loopback_host(ok), "{ok}");
         }
-        for bad in ["evil.example", "evil.example:3004", "10.0.0.1:3004", "localhost.evil.example", "[fe80::1]:80"] {
+        for bad in [
+            "evil.example",
+            "evil.example:3004",
+            "10.0.0.1:3004",
+            "localhost.evil.example",
+            "[fe80::1]:80",
+        ] {
             assert!(!is_loopback_host(bad), "{bad}");
         }
     }

@@ -15,13 +15,20 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
     let vmm = VmmSetting::from_env().map_err(|e| e.to_string())?;
     let accel = AccelSetting::from_env().map_err(|e| e.to_string())?;
     match vmm {
-        VmmSetting::Kvm => Err("SANDBOX_HOST_VMM=kvm: this build has no in-process KVM backend yet; \
+        VmmSetting::Kvm => Err(
+            "SANDBOX_HOST_VMM=kvm: this build has no in-process KVM backend yet; \
                                 set SANDBOX_HOST_VMM=auto or qemu"
-            .into()),
+                .into(),
+        ),
         VmmSetting::Auto | VmmSetting::Qemu => {
-            let qemu = QemuBackend::new(accel, store).await.map_err(|e| e.to_string())?;
+            let qemu = QemuBackend::new(accel, store)
+                .await
+                .map_err(|e| e.to_string())?;
             let warning = qemu.warning().map(str::to_owned);
-            Ok(Selected { backend: Box::new(qemu), warning })
+            Ok(Selected {
+                backend: Box::new(qemu),
+                warning,
+            })
         }
     }
 }

@@ -30,22 +30,44 @@ impl Target {
         let token = std::env::var("SANDBOX_HOST_TOKEN").ok().filter(|t| !t.is_empty()).ok_or(
             "SANDBOX_HOST_TOKEN is not set; the operator commands use the same token as the sandbox host (from the environment or .env)",
         )?;
-        let base = match std::env::var("SANDBOX_HOST_URL").ok().filter(|u| !u.is_empty()) {
+        let base = match std::env::var("SANDBOX_HOST_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+        {
             Some(u) => u.trim_end_matches('/').to_string(),
             None => {
-                let bind = std::env::var("SANDBOX_HOST_BIND").ok().filter(|b| !b.is_empty() && b != "0.0.0.0" && b != "::");
-                let port = std::env::var("SANDBOX_HOST_PORT").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| "3004".into());
-                format!("http://{}:{port}", bind.unwrap_or_else(|| "127.0.0.1".into()))
+                let bind = std::env::var("SANDBOX_HOST_BIND")
+                    .ok()
+                    .filter(|b| !b.is_empty() && b != "0.0.0.0" && b != "::");
+                let port = std::env::var("SANDBOX_HOST_PORT")
+                    .ok()
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or_else(|| "3004".into());
+                format!(
+                    "http://{}:{port}",
+                    bind.unwrap_or_else(|| "127.0.0.1".into())
+                )
             }
         };
         if !base.starts_with("http://") {
-            return Err(format!("SANDBOX_HOST_URL must be an http:// address, not `{base}`"));
+            return Err(format!(
+                "SANDBOX_HOST_URL must be an http:// address, not `{base}`"
+            ));
         }
         let http = Client::builder(TokioExecutor::new()).build_http();
-        Ok(Target { base, token: token.trim().to_string(), http })
+        Ok(Target {
+            base,
+            token: token.trim().to_string(),
+            http,
+        })
     }
 
-    async fn request(&self, method: Method, path: &str, body: Option<Value>) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
         let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
@@ -58,26 +80,48 @@ impl Target {
             None => Full::new(Bytes::new()),
         };
         let req = req.body(body).map_err(|e| format!("bad request: {e}"))?;
-        self.http
-            .request(req)
-            .await
-            .map_err(|e| format!("The sandbox host at {} did not answer: {e}. Start it, or check SANDBOX_HOST_URL", self.base))
+        self.http.request(req).await.map_err(|e| {
+            format!(
+                "The sandbox host at {} did not answer: {e}. Start it, or check SANDBOX_HOST_URL",
+                self.base
+            )
+        })
     }
 
-    async fn json(&self, method: Method, path: &str, body: Option<Value>) -> Result<(StatusCode, Value), String> {
+    async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(StatusCode, Value), String> {
         let resp = self.request(method, path, body).await?;
         let status = resp.status();
-        let bytes = resp.into_body().collect().await.map_err(|e| format!("reading the answer: {e}"))?.to_bytes();
-        let v = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into())) };
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?
+            .to_bytes();
+        let v = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()))
+        };
         if status == StatusCode::UNAUTHORIZED {
-            return Err("The sandbox host refused the token: set the same SANDBOX_HOST_TOKEN for both".into());
+            return Err(
+                "The sandbox host refused the token: set the same SANDBOX_HOST_TOKEN for both"
+                    .into(),
+            );
         }
         Ok((status, v))
     }
 }
 
 fn error_text(v: &Value) -> String {
-    v.get("error").and_then(Value::as_str).map_or_else(|| v.to_string(), str::to_owned)
+    v.get("error")
+        .and_then(Value::as_str)
+        .map_or_else(|| v.to_string(), str::to_owned)
 }
 
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
@@ -94,7 +138,11 @@ pub async fn health() -> ExitCode {
     match t.json(Method::GET, "/v1/health", None).await {
         Ok((s, v)) if s.is_success() => {
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            if v["available"] == Value::Bool(true) { ExitCode::SUCCESS } else { ExitCode::from(1) }
+            if v["available"] == Value::Bool(true) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
         }
         Ok((_, v)) => fail(error_text(&v)),
         Err(e) => fail(e),
@@ -112,7 +160,10 @@ pub async fn ls() -> ExitCode {
         Ok((_, v)) => return fail(error_text(&v)),
         Err(e) => return fail(e),
     };
-    println!("{:<22} {:<24} {:<6} {:<22} {:>6} {}", "ID", "RUN", "STATE", "IMAGE", "EXECS", "EXPIRES");
+    println!(
+        "{:<22} {:<24} {:<6} {:<22} {:>6} EXPIRES",
+        "ID", "RUN", "STATE", "IMAGE", "EXECS"
+    );
     for s in v["sandboxes"].as_array().into_iter().flatten() {
         println!(
             "{:<22} {:<24} {:<6} {:<22} {:>6} {}",
@@ -135,7 +186,10 @@ pub async fn rm(ids: Vec<String>) -> ExitCode {
     };
     let mut code = ExitCode::SUCCESS;
     for id in ids {
-        match t.json(Method::DELETE, &format!("/v1/sandboxes/{id}"), None).await {
+        match t
+            .json(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await
+        {
             Ok((s, _)) if s.is_success() => println!("{id}"),
             Ok((_, v)) => code = fail(error_text(&v)),
             Err(e) => return fail(e),
@@ -151,24 +205,42 @@ pub async fn exec(id: String, argv: Vec<String>, timeout_ms: Option<u64>) -> Exi
         Err(e) => return fail(e),
     };
     let body = serde_json::json!({ "argv": argv, "timeout_ms": timeout_ms });
-    let resp = match t.request(Method::POST, &format!("/v1/sandboxes/{id}/exec"), Some(body)).await {
+    let resp = match t
+        .request(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(body),
+        )
+        .await
+    {
         Ok(r) => r,
         Err(e) => return fail(e),
     };
     if !resp.status().is_success() {
-        let bytes = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
         let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         return fail(error_text(&v));
     }
     let mut body = resp.into_body();
     let mut pending: Vec<u8> = Vec::new();
     while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else { return fail("the exec stream broke off") };
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(frame) = frame else {
+            return fail("the exec stream broke off");
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         pending.extend_from_slice(&data);
         while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = pending.drain(..=nl).collect();
-            let Ok(v) = serde_json::from_slice::<Value>(&line) else { continue };
+            let Ok(v) = serde_json::from_slice::<Value>(&line) else {
+                continue;
+            };
             if let Some(s) = v["stdout"].as_str() {
                 let _ = std::io::stdout().write_all(&B64.decode(s).unwrap_or_default());
                 let _ = std::io::stdout().flush();
@@ -184,7 +256,9 @@ pub async fn exec(id: String, argv: Vec<String>, timeout_ms: Option<u64>) -> Exi
                 if let Some(c) = v["exit_code"].as_i64() {
                     return ExitCode::from(c.clamp(0, 255) as u8);
                 }
-                return ExitCode::from((128 + v["signal"].as_i64().unwrap_or(0)).clamp(0, 255) as u8);
+                return ExitCode::from(
+                    (128 + v["signal"].as_i64().unwrap_or(0)).clamp(0, 255) as u8
+                );
             }
         }
     }

@@ -92,7 +92,9 @@ pub fn dotenv_path() -> PathBuf {
     if let Some(p) = std::env::var_os("SANDBOX_HOST_DOTENV") {
         return p.into();
     }
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(|p| p.join(".env"));
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(|p| p.join(".env"));
     match repo {
         Some(p) if p.exists() => p,
         _ => PathBuf::from(".env"),
@@ -106,7 +108,10 @@ pub fn load_dotenv() -> Result<Option<PathBuf>, ConfigError> {
         return Ok(None);
     }
     // dotenvy::from_path never overrides variables that are already set.
-    dotenvy::from_path(&path).map_err(|e| ConfigError::DotEnv { path: path.clone(), why: e.to_string() })?;
+    dotenvy::from_path(&path).map_err(|e| ConfigError::DotEnv {
+        path: path.clone(),
+        why: e.to_string(),
+    })?;
     Ok(Some(path))
 }
 
@@ -124,10 +129,25 @@ impl Config {
         if token.chars().count() < MIN_TOKEN_LEN {
             return Err(ConfigError::ShortToken(token.chars().count()));
         }
-        let bind = parse(&get, "SANDBOX_HOST_BIND", "127.0.0.1".parse().expect("valid address"), "an IP address")?;
+        let bind = parse(
+            &get,
+            "SANDBOX_HOST_BIND",
+            "127.0.0.1".parse().expect("valid address"),
+            "an IP address",
+        )?;
         let port = parse(&get, "SANDBOX_HOST_PORT", 3004u16, "a port number")?;
-        let idle_ms: u64 = parse(&get, "SANDBOX_HOST_IDLE_MS", 300_000, "a number of milliseconds")?;
-        let grace_ms: u64 = parse(&get, "SANDBOX_HOST_GRACE_MS", 120_000, "a number of milliseconds")?;
+        let idle_ms: u64 = parse(
+            &get,
+            "SANDBOX_HOST_IDLE_MS",
+            300_000,
+            "a number of milliseconds",
+        )?;
+        let grace_ms: u64 = parse(
+            &get,
+            "SANDBOX_HOST_GRACE_MS",
+            120_000,
+            "a number of milliseconds",
+        )?;
         let max_body_mb: u64 = parse(&get, "SANDBOX_HOST_MAX_BODY_MB", 512, "a number of MB")?;
         if max_body_mb == 0 || max_body_mb > 1 << 20 {
             return Err(ConfigError::Invalid {
@@ -136,7 +156,12 @@ impl Config {
                 expected: "between 1 and 1048576",
             });
         }
-        let sweep_ms: u64 = parse(&get, "SANDBOX_HOST_SWEEP_MS", 15_000, "a number of milliseconds")?;
+        let sweep_ms: u64 = parse(
+            &get,
+            "SANDBOX_HOST_SWEEP_MS",
+            15_000,
+            "a number of milliseconds",
+        )?;
         let sweep_ms = sweep_ms.max(50);
         Ok(Config {
             token,
@@ -161,7 +186,11 @@ fn parse<T: std::str::FromStr>(
 ) -> Result<T, ConfigError> {
     match get(var) {
         None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|_| ConfigError::Invalid { var, value: v, expected }),
+        Some(v) => v.trim().parse().map_err(|_| ConfigError::Invalid {
+            var,
+            value: v,
+            expected,
+        }),
     }
 }
 
@@ -171,25 +200,42 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(|k| m.get(k).cloned())
     }
 
     #[test]
     fn token_is_required_and_long() {
         assert_eq!(cfg(&[]).unwrap_err(), ConfigError::NoToken);
-        assert_eq!(cfg(&[("SANDBOX_HOST_TOKEN", "short")]).unwrap_err(), ConfigError::ShortToken(5));
+        assert_eq!(
+            cfg(&[("SANDBOX_HOST_TOKEN", "short")]).unwrap_err(),
+            ConfigError::ShortToken(5)
+        );
         assert!(cfg(&[("SANDBOX_HOST_TOKEN", "x".repeat(24).as_str())]).is_ok());
-        assert!(ConfigError::NoToken.to_string().contains("openssl rand -hex 32"));
+        assert!(
+            ConfigError::NoToken
+                .to_string()
+                .contains("openssl rand -hex 32")
+        );
     }
 
     #[test]
     fn defaults_and_bad_values() {
         let c = cfg(&[("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str())]).unwrap();
         assert_eq!((c.bind.to_string().as_str(), c.port), ("127.0.0.1", 3004));
-        assert_eq!((c.idle.as_millis(), c.grace.as_millis(), c.max_body_mb), (300_000, 120_000, 512));
+        assert_eq!(
+            (c.idle.as_millis(), c.grace.as_millis(), c.max_body_mb),
+            (300_000, 120_000, 512)
+        );
         assert_eq!(c.sweep.as_millis(), 15_000);
-        let e = cfg(&[("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()), ("SANDBOX_HOST_PORT", "http")]).unwrap_err();
+        let e = cfg(&[
+            ("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()),
+            ("SANDBOX_HOST_PORT", "http"),
+        ])
+        .unwrap_err();
         assert!(e.to_string().contains("SANDBOX_HOST_PORT is `http`"), "{e}");
         assert!(!format!("{c:?}").contains("tttt"));
     }

@@ -1,9 +1,9 @@
 //! The one error type of the HTTP API: each variant is a status, a code and a message for a
 //! person, rendered as `{"error": "...", "code": "..."}`.
 
+use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use sandbox_protocol::client::ClientError;
 use thiserror::Error;
 
@@ -14,7 +14,9 @@ pub enum ApiError {
     #[error("missing or wrong bearer token: send Authorization: Bearer <SANDBOX_HOST_TOKEN>")]
     Unauthorized,
     /// A Host header that is not this loopback listener's.
-    #[error("the Host header `{0}` is not this sandbox host's loopback address; requests from other origins are refused")]
+    #[error(
+        "the Host header `{0}` is not this sandbox host's loopback address; requests from other origins are refused"
+    )]
     ForeignHost(String),
     /// No such sandbox.
     #[error("no sandbox with id `{0}`")]
@@ -72,11 +74,15 @@ impl ApiError {
         match &e {
             ClientError::Agent(m) => match m.code.as_str() {
                 "not_found" => ApiError::NotFound(m.message.clone()),
-                "bad_request" | "unsafe_archive" | "spawn_failed" | "bad_stream" => ApiError::BadRequest(m.message.clone()),
+                "bad_request" | "unsafe_archive" | "spawn_failed" | "bad_stream" => {
+                    ApiError::BadRequest(m.message.clone())
+                }
                 "no_space" => ApiError::NoSpace(m.message.clone()),
                 _ => ApiError::Internal(format!("the guest agent failed: {}", m.message)),
             },
-            ClientError::Closed(why) => ApiError::VmDied(format!("the agent channel closed: {why}")),
+            ClientError::Closed(why) => {
+                ApiError::VmDied(format!("the agent channel closed: {why}"))
+            }
             _ => ApiError::Internal(e.to_string()),
         }
     }
@@ -85,6 +91,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
-        (status, Json(serde_json::json!({ "error": self.to_string(), "code": code }))).into_response()
+        (
+            status,
+            Json(serde_json::json!({ "error": self.to_string(), "code": code })),
+        )
+            .into_response()
     }
 }

@@ -70,7 +70,10 @@ fn init_human_logs() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("sandbox-host: cannot start the async runtime: {e}");
@@ -90,7 +93,11 @@ fn main() -> ExitCode {
             }
             Command::Health => client::health().await,
             Command::Ls => client::ls().await,
-            Command::Exec { id, timeout_ms, command } => client::exec(id, command, timeout_ms).await,
+            Command::Exec {
+                id,
+                timeout_ms,
+                command,
+            } => client::exec(id, command, timeout_ms).await,
             Command::Rm { ids } => client::rm(ids).await,
         }
     })

@@ -34,7 +34,13 @@ impl Disposal {
         }
     }
 
-    const ALL: [Disposal; 5] = [Disposal::Deleted, Disposal::Idle, Disposal::TimeLimit, Disposal::VmDied, Disposal::Shutdown];
+    const ALL: [Disposal; 5] = [
+        Disposal::Deleted,
+        Disposal::Idle,
+        Disposal::TimeLimit,
+        Disposal::VmDied,
+        Disposal::Shutdown,
+    ];
 }
 
 /// Service-wide counters. Per-sandbox counters live on each sandbox; these aggregate them.
@@ -81,36 +87,94 @@ impl Metrics {
     /// are (reason, count) pairs of egress refusals summed over sandboxes.
     pub fn render(&self, states: &[(&str, u64)], refusals: &[(String, u64)]) -> String {
         let mut o = String::new();
-        let _ = writeln!(o, "# HELP sandbox_host_sandboxes Sandboxes by state.\n# TYPE sandbox_host_sandboxes gauge");
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_sandboxes Sandboxes by state.\n# TYPE sandbox_host_sandboxes gauge"
+        );
         for (state, n) in states {
             let _ = writeln!(o, "sandbox_host_sandboxes{{state=\"{state}\"}} {n}");
         }
-        let _ = writeln!(o, "# HELP sandbox_host_boots_total MicroVMs booted.\n# TYPE sandbox_host_boots_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_boots_total MicroVMs booted.\n# TYPE sandbox_host_boots_total counter"
+        );
         let _ = writeln!(o, "sandbox_host_boots_total {}", self.boots.load(Relaxed));
-        let _ = writeln!(o, "# HELP sandbox_host_boot_failures_total MicroVMs that failed to boot.\n# TYPE sandbox_host_boot_failures_total counter");
-        let _ = writeln!(o, "sandbox_host_boot_failures_total {}", self.boot_failures.load(Relaxed));
-        let _ = writeln!(o, "# HELP sandbox_host_boot_duration_seconds From start to agent ready.\n# TYPE sandbox_host_boot_duration_seconds histogram");
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_boot_failures_total MicroVMs that failed to boot.\n# TYPE sandbox_host_boot_failures_total counter"
+        );
+        let _ = writeln!(
+            o,
+            "sandbox_host_boot_failures_total {}",
+            self.boot_failures.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_boot_duration_seconds From start to agent ready.\n# TYPE sandbox_host_boot_duration_seconds histogram"
+        );
         for (i, le) in BOOT_BUCKETS_MS.iter().enumerate() {
-            let _ = writeln!(o, "sandbox_host_boot_duration_seconds_bucket{{le=\"{}\"}} {}", *le as f64 / 1000.0, self.boot_buckets[i].load(Relaxed));
+            let _ = writeln!(
+                o,
+                "sandbox_host_boot_duration_seconds_bucket{{le=\"{}\"}} {}",
+                *le as f64 / 1000.0,
+                self.boot_buckets[i].load(Relaxed)
+            );
         }
         let boots = self.boots.load(Relaxed);
-        let _ = writeln!(o, "sandbox_host_boot_duration_seconds_bucket{{le=\"+Inf\"}} {boots}");
-        let _ = writeln!(o, "sandbox_host_boot_duration_seconds_sum {}", self.boot_ms_sum.load(Relaxed) as f64 / 1000.0);
+        let _ = writeln!(
+            o,
+            "sandbox_host_boot_duration_seconds_bucket{{le=\"+Inf\"}} {boots}"
+        );
+        let _ = writeln!(
+            o,
+            "sandbox_host_boot_duration_seconds_sum {}",
+            self.boot_ms_sum.load(Relaxed) as f64 / 1000.0
+        );
         let _ = writeln!(o, "sandbox_host_boot_duration_seconds_count {boots}");
         for (name, help, v) in [
-            ("sandbox_host_execs_total", "Commands run in sandboxes.", &self.execs),
-            ("sandbox_host_bytes_in_total", "Bytes sent into guests (archives, files, stdin).", &self.bytes_in),
-            ("sandbox_host_bytes_out_total", "Bytes read out of guests (archives, files, stdout, stderr).", &self.bytes_out),
+            (
+                "sandbox_host_execs_total",
+                "Commands run in sandboxes.",
+                &self.execs,
+            ),
+            (
+                "sandbox_host_bytes_in_total",
+                "Bytes sent into guests (archives, files, stdin).",
+                &self.bytes_in,
+            ),
+            (
+                "sandbox_host_bytes_out_total",
+                "Bytes read out of guests (archives, files, stdout, stderr).",
+                &self.bytes_out,
+            ),
         ] {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Relaxed));
+            let _ = writeln!(
+                o,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Relaxed)
+            );
         }
-        let _ = writeln!(o, "# HELP sandbox_host_disposals_total Sandboxes disposed of, by reason.\n# TYPE sandbox_host_disposals_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_disposals_total Sandboxes disposed of, by reason.\n# TYPE sandbox_host_disposals_total counter"
+        );
         for (i, d) in Disposal::ALL.iter().enumerate() {
-            let _ = writeln!(o, "sandbox_host_disposals_total{{reason=\"{}\"}} {}", d.as_str(), self.disposals[i].load(Relaxed));
+            let _ = writeln!(
+                o,
+                "sandbox_host_disposals_total{{reason=\"{}\"}} {}",
+                d.as_str(),
+                self.disposals[i].load(Relaxed)
+            );
         }
-        let _ = writeln!(o, "# HELP sandbox_host_egress_refusals_total Guest requests refused by the egress policy, by reason.\n# TYPE sandbox_host_egress_refusals_total counter");
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_egress_refusals_total Guest requests refused by the egress policy, by reason.\n# TYPE sandbox_host_egress_refusals_total counter"
+        );
         for (reason, n) in refusals {
-            let _ = writeln!(o, "sandbox_host_egress_refusals_total{{reason=\"{reason}\"}} {n}");
+            let _ = writeln!(
+                o,
+                "sandbox_host_egress_refusals_total{{reason=\"{reason}\"}} {n}"
+            );
         }
         o
     }

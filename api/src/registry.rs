@@ -28,7 +28,11 @@ pub struct SecretSpec {
 
 impl std::fmt::Debug for SecretSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SecretSpec").field("env", &self.env).field("value", &"<redacted>").field("hosts", &self.hosts).finish()
+        f.debug_struct("SecretSpec")
+            .field("env", &self.env)
+            .field("value", &"<redacted>")
+            .field("hosts", &self.hosts)
+            .finish()
     }
 }
 
@@ -106,7 +110,8 @@ impl Drop for Busy {
 impl SandboxEntry {
     /// Records a request on the sandbox (for the idle sweep).
     pub fn touch(&self) {
-        *self.last_activity.lock().unwrap_or_else(|e| e.into_inner()) = (Instant::now(), SystemTime::now());
+        *self.last_activity.lock().unwrap_or_else(|e| e.into_inner()) =
+            (Instant::now(), SystemTime::now());
     }
 
     /// Marks the sandbox busy until the guard is dropped (then counts as activity).
@@ -128,7 +133,11 @@ impl SandboxEntry {
     /// Fails with the VM's end (reason and last console lines) when it is gone.
     pub fn ensure_alive(&self) -> Result<(), ApiError> {
         match self.died() {
-            Some(exit) => Err(ApiError::VmDied(format!("{}{}", exit.reason, sandbox_vmm::backend::console_suffix(&exit.console)))),
+            Some(exit) => Err(ApiError::VmDied(format!(
+                "{}{}",
+                exit.reason,
+                sandbox_vmm::backend::console_suffix(&exit.console)
+            ))),
             None => Ok(()),
         }
     }
@@ -136,18 +145,25 @@ impl SandboxEntry {
     /// Turns an agent failure into the error a caller should see. When the channel closed because
     /// the VM died, the VM's own reason (and last console lines) is the answer.
     pub async fn explain(&self, e: sandbox_protocol::client::ClientError) -> ApiError {
-        if matches!(e, sandbox_protocol::client::ClientError::Closed(_)) {
-            if let Ok(exit) = tokio::time::timeout(Duration::from_secs(2), self.sandbox.vm.wait()).await {
-                if !exit.requested {
-                    return ApiError::VmDied(format!("{}{}", exit.reason, sandbox_vmm::backend::console_suffix(&exit.console)));
-                }
-            }
+        if matches!(e, sandbox_protocol::client::ClientError::Closed(_))
+            && let Ok(exit) =
+                tokio::time::timeout(Duration::from_secs(2), self.sandbox.vm.wait()).await
+            && !exit.requested
+        {
+            return ApiError::VmDied(format!(
+                "{}{}",
+                exit.reason,
+                sandbox_vmm::backend::console_suffix(&exit.console)
+            ));
         }
         ApiError::from_client(e)
     }
 
     /// `Ok` as it is, or the failure explained (see [`SandboxEntry::explain`]).
-    pub async fn check<T>(&self, r: Result<T, sandbox_protocol::client::ClientError>) -> Result<T, ApiError> {
+    pub async fn check<T>(
+        &self,
+        r: Result<T, sandbox_protocol::client::ClientError>,
+    ) -> Result<T, ApiError> {
         match r {
             Ok(v) => Ok(v),
             Err(e) => Err(self.explain(e).await),
@@ -156,7 +172,11 @@ impl SandboxEntry {
 
     /// `ready` or `dead`.
     pub fn state(&self) -> &'static str {
-        if self.sandbox.vm.exit().is_some() { "dead" } else { "ready" }
+        if self.sandbox.vm.exit().is_some() {
+            "dead"
+        } else {
+            "ready"
+        }
     }
 }
 
@@ -183,7 +203,9 @@ impl Registry {
 
     /// Looks a sandbox up for a request: counts as activity, and fails if it is unknown.
     pub fn get(&self, id: &str) -> Result<Arc<SandboxEntry>, ApiError> {
-        let e = self.peek(id).ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
+        let e = self
+            .peek(id)
+            .ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
         e.touch();
         Ok(e)
     }
@@ -216,7 +238,10 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
 
 /// Disposes of a sandbox by id (DELETE).
 pub async fn delete(state: &AppState, id: &str) -> Result<(), ApiError> {
-    let entry = state.registry().take(id).ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
+    let entry = state
+        .registry()
+        .take(id)
+        .ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
     dispose(state, entry, Disposal::Deleted).await;
     Ok(())
 }
@@ -231,15 +256,17 @@ pub async fn sweep(state: &AppState) {
             Some(Disposal::VmDied)
         } else if now_w > e.expires_at + cfg.grace {
             Some(Disposal::TimeLimit)
-        } else if e.in_flight.load(Relaxed) == 0 && now_i.duration_since(e.last_activity().0) > cfg.idle {
+        } else if e.in_flight.load(Relaxed) == 0
+            && now_i.duration_since(e.last_activity().0) > cfg.idle
+        {
             Some(Disposal::Idle)
         } else {
             None
         };
-        if let Some(why) = why {
-            if let Some(entry) = state.registry().take(&e.id) {
-                dispose(state, entry, why).await;
-            }
+        if let Some(why) = why
+            && let Some(entry) = state.registry().take(&e.id)
+        {
+            dispose(state, entry, why).await;
         }
     }
 }
@@ -256,7 +283,12 @@ pub async fn sweep_forever(state: AppState) {
 
 /// Disposes of every sandbox (SIGINT/SIGTERM), all at once.
 pub async fn dispose_all(state: &AppState) -> usize {
-    let entries: Vec<_> = state.registry().all().into_iter().filter_map(|e| state.registry().take(&e.id)).collect();
+    let entries: Vec<_> = state
+        .registry()
+        .all()
+        .into_iter()
+        .filter_map(|e| state.registry().take(&e.id))
+        .collect();
     let n = entries.len();
     let tasks: Vec<_> = entries
         .into_iter()
@@ -327,12 +359,20 @@ pub fn new_entry(
 /// A new sandbox id: `sbx-` and 16 random hex digits.
 pub fn new_id() -> String {
     let mut b = [0u8; 8];
-    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok();
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok();
     if !ok {
-        let n = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let n = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
         b = (n as u64 ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
     }
-    format!("sbx-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    format!(
+        "sbx-{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
 }
 
 /// Adds `n` to a per-sandbox and the service-wide counter.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
-use sandbox_vmm::{config, ImageStore, VmSpec};
+use sandbox_vmm::{ImageStore, VmSpec, config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::backend_select;
@@ -84,8 +84,13 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
         cmdline: vec![],
         state_dir: config::state_dir().join(&id),
     };
-    let sandbox = sandbox_vmm::boot(selected.backend.as_ref(), spec, BOOT_TIMEOUT).await.map_err(|e| e.to_string())?;
-    tracing::info!(boot_ms = sandbox.boot_time.as_millis() as u64, "sandbox ready");
+    let sandbox = sandbox_vmm::boot(selected.backend.as_ref(), spec, BOOT_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!(
+        boot_ms = sandbox.boot_time.as_millis() as u64,
+        "sandbox ready"
+    );
 
     let req = ExecRequest {
         argv: Some(args.command),
@@ -105,11 +110,17 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
     };
     let t = std::time::Instant::now();
     sandbox.stop().await;
-    tracing::info!(stop_ms = t.elapsed().as_millis() as u64, "sandbox disposed of");
+    tracing::info!(
+        stop_ms = t.elapsed().as_millis() as u64,
+        "sandbox disposed of"
+    );
     result
 }
 
-async fn exec(client: &sandbox_protocol::client::Client, req: ExecRequest) -> Result<ExitCode, String> {
+async fn exec(
+    client: &sandbox_protocol::client::Client,
+    req: ExecRequest,
+) -> Result<ExitCode, String> {
     let exec = client.exec(&req).await.map_err(|e| e.to_string())?;
     let mut output = exec.output;
     if let Some(mut stdin) = exec.stdin {
@@ -134,17 +145,28 @@ async fn exec(client: &sandbox_protocol::client::Client, req: ExecRequest) -> Re
     while let Some(ev) = output.next().await {
         match ev.map_err(|e| e.to_string())? {
             ExecEvent::Stdout(b) => {
-                out.write_all(&b).await.map_err(|e| format!("writing stdout: {e}"))?;
-                out.flush().await.map_err(|e| format!("writing stdout: {e}"))?;
+                out.write_all(&b)
+                    .await
+                    .map_err(|e| format!("writing stdout: {e}"))?;
+                out.flush()
+                    .await
+                    .map_err(|e| format!("writing stdout: {e}"))?;
             }
             ExecEvent::Stderr(b) => {
-                err.write_all(&b).await.map_err(|e| format!("writing stderr: {e}"))?;
-                err.flush().await.map_err(|e| format!("writing stderr: {e}"))?;
+                err.write_all(&b)
+                    .await
+                    .map_err(|e| format!("writing stderr: {e}"))?;
+                err.flush()
+                    .await
+                    .map_err(|e| format!("writing stderr: {e}"))?;
             }
             ExecEvent::Exit(s) => {
                 let code = match (s.exit_code, s.signal) {
                     _ if s.timed_out => {
-                        eprintln!("sandbox-host: the command timed out after {} ms and was killed", s.duration_ms);
+                        eprintln!(
+                            "sandbox-host: the command timed out after {} ms and was killed",
+                            s.duration_ms
+                        );
                         124
                     }
                     (Some(c), _) => c.clamp(0, 255) as u8,
@@ -161,17 +183,26 @@ async fn exec(client: &sandbox_protocol::client::Client, req: ExecRequest) -> Re
 /// A short value that differs between runs of this process.
 fn unique() -> String {
     use std::time::{SystemTime, UNIX_EPOCH};
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     format!("{nanos:08x}")
 }
 
 /// Removes the state directories of earlier `run`s whose process is gone (killed before it could
 /// clean up; their QEMU died with them through PR_SET_PDEATHSIG).
 fn remove_stale_runs(state_dir: &std::path::Path) {
-    let Ok(entries) = std::fs::read_dir(state_dir) else { return };
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("run-")).and_then(|r| r.split('-').next()) else {
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("run-"))
+            .and_then(|r| r.split('-').next())
+        else {
             continue;
         };
         if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {

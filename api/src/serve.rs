@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandbox_vmm::image::STOCK;
 use sandbox_vmm::ImageStore;
+use sandbox_vmm::image::STOCK;
 
 use crate::config::{self, Config};
 use crate::state::{AppState, Availability};
@@ -59,7 +59,9 @@ pub async fn serve() -> ExitCode {
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
         Err(e) => {
-            tracing::error!("cannot listen on {addr}: {e}. Stop what uses the port, or set SANDBOX_HOST_PORT / SANDBOX_HOST_BIND");
+            tracing::error!(
+                "cannot listen on {addr}: {e}. Stop what uses the port, or set SANDBOX_HOST_PORT / SANDBOX_HOST_BIND"
+            );
             return ExitCode::from(1);
         }
     };
@@ -111,8 +113,11 @@ pub async fn serve() -> ExitCode {
 }
 
 async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         // Without signal handlers the process still ends on the default action; never resolve.
         std::future::pending::<()>().await;
         return "none";
@@ -130,14 +135,35 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
             let (backend, accel) = (sel.backend.name().to_string(), sel.backend.accel());
             match store.resolve(STOCK) {
                 Ok(_) => (
-                    Availability { available: true, reason: None, backend, accel, warning: sel.warning },
+                    Availability {
+                        available: true,
+                        reason: None,
+                        backend,
+                        accel,
+                        warning: sel.warning,
+                    },
                     Some(Arc::from(sel.backend)),
                 ),
-                Err(e) => (Availability { available: false, reason: Some(e.to_string()), backend, accel, warning: sel.warning }, None),
+                Err(e) => (
+                    Availability {
+                        available: false,
+                        reason: Some(e.to_string()),
+                        backend,
+                        accel,
+                        warning: sel.warning,
+                    },
+                    None,
+                ),
             }
         }
         Err(reason) => (
-            Availability { available: false, reason: Some(reason), backend: "qemu".into(), accel: "none".into(), warning: None },
+            Availability {
+                available: false,
+                reason: Some(reason),
+                backend: "qemu".into(),
+                accel: "none".into(),
+                warning: None,
+            },
             None,
         ),
     }
@@ -146,7 +172,12 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
 /// Takes the state directory for this process (one sandbox host per directory) and removes what
 /// a crashed earlier process left there. Directories of `sandbox-host run`s still running stay.
 fn claim_state_dir(dir: &Path) -> Result<std::fs::File, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create SANDBOX_HOST_STATE_DIR {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| {
+        format!(
+            "cannot create SANDBOX_HOST_STATE_DIR {}: {e}",
+            dir.display()
+        )
+    })?;
     let lock_path = dir.join(".lock");
     let lock = std::fs::OpenOptions::new()
         .create(true)
@@ -161,13 +192,20 @@ fn claim_state_dir(dir: &Path) -> Result<std::fs::File, String> {
         )
     })?;
     let mut removed = 0;
-    for e in std::fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?.flatten() {
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
+        .flatten()
+    {
         let name = e.file_name().to_string_lossy().into_owned();
         if name == ".lock" || live_run(&name) {
             continue;
         }
         let p = e.path();
-        let gone = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        let gone = if p.is_dir() {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
         if gone.is_ok() {
             removed += 1;
         }

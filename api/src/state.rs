@@ -45,7 +45,11 @@ struct Inner {
 
 impl AppState {
     /// Assembles the state.
-    pub fn new(config: Config, availability: Availability, backend: Option<Arc<dyn Backend>>) -> Self {
+    pub fn new(
+        config: Config,
+        availability: Availability,
+        backend: Option<Arc<dyn Backend>>,
+    ) -> Self {
         let token_digest = Sha256::digest(config.token.as_bytes()).into();
         let store = ImageStore::new(config.image_dir.clone());
         AppState {

@@ -38,7 +38,13 @@ mod tests {
     #[test]
     fn known_dates() {
         assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_millis(1_795_942_800_250)), "2026-11-29T09:00:00.250Z");
-        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_millis(1_795_942_800_250)),
+            "2026-11-29T09:00:00.250Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000Z"
+        );
     }
 }

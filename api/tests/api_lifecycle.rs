@@ -11,11 +11,16 @@ use serde_json::json;
 async fn wait_gone(h: &common::Host, id: &str, within: Duration) {
     let t = Instant::now();
     loop {
-        let (s, _) = h.json("GET", &format!("/v1/sandboxes/{id}?peek"), None).await;
+        let (s, _) = h
+            .json("GET", &format!("/v1/sandboxes/{id}?peek"), None)
+            .await;
         if s == 404 {
             return;
         }
-        assert!(t.elapsed() < within, "sandbox {id} was not disposed of within {within:?}");
+        assert!(
+            t.elapsed() < within,
+            "sandbox {id} was not disposed of within {within:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -27,7 +32,11 @@ async fn idle_and_time_limit_disposal_and_keepalive() {
     }
     // The idle limit is longer than a boot under emulation, so creating the others cannot idle
     // out the first.
-    let h = start(&[("SANDBOX_HOST_IDLE_MS", "6000"), ("SANDBOX_HOST_GRACE_MS", "500"), ("SANDBOX_HOST_SWEEP_MS", "200")]);
+    let h = start(&[
+        ("SANDBOX_HOST_IDLE_MS", "6000"),
+        ("SANDBOX_HOST_GRACE_MS", "500"),
+        ("SANDBOX_HOST_SWEEP_MS", "200"),
+    ]);
     let (idle, kept, limited) = tokio::join!(
         h.create(json!({"run_id": "idle"})),
         h.create(json!({"run_id": "kept"})),
@@ -38,7 +47,14 @@ async fn idle_and_time_limit_disposal_and_keepalive() {
     // its time limit.
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(9) {
-        let (s, _) = h.req("POST", &format!("/v1/sandboxes/{kept}/keepalive"), vec![], &[]).await;
+        let (s, _) = h
+            .req(
+                "POST",
+                &format!("/v1/sandboxes/{kept}/keepalive"),
+                vec![],
+                &[],
+            )
+            .await;
         assert_eq!(s, 204);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -49,12 +65,21 @@ async fn idle_and_time_limit_disposal_and_keepalive() {
 
     // A long exec is activity: the sandbox is not idle while it runs.
     let (out, _, last) = h.exec(&kept, "sleep 3; echo finished").await;
-    assert_eq!((out.as_slice(), last["exit_code"].as_i64()), (&b"finished\n"[..], Some(0)));
+    assert_eq!(
+        (out.as_slice(), last["exit_code"].as_i64()),
+        (&b"finished\n"[..], Some(0))
+    );
 
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     let m = String::from_utf8_lossy(&m);
-    assert!(m.contains("sandbox_host_disposals_total{reason=\"idle\"} 1"), "{m}");
-    assert!(m.contains("sandbox_host_disposals_total{reason=\"time_limit\"} 1"), "{m}");
+    assert!(
+        m.contains("sandbox_host_disposals_total{reason=\"idle\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("sandbox_host_disposals_total{reason=\"time_limit\"} 1"),
+        "{m}"
+    );
     let log = h.wait_log("\"reason\":\"idle\"", Duration::from_secs(1));
     assert_eq!(log["message"], "Disposed of sandbox");
     assert_eq!(log["run_id"], "idle");
@@ -69,18 +94,33 @@ async fn a_dead_vm_answers_with_its_reason_and_is_swept() {
     let id = h.create(json!({})).await;
     let pids = qemu_pids_under(&h.state);
     assert_eq!(pids.len(), 1);
-    std::process::Command::new("kill").args(["-KILL", &pids[0].to_string()]).status().unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", &pids[0].to_string()])
+        .status()
+        .unwrap();
     // Before the sweep: every route says why.
     let t = Instant::now();
     let v = loop {
-        let (s, v) = h.json("POST", &format!("/v1/sandboxes/{id}/exec"), Some(json!({"command": "true"}))).await;
+        let (s, v) = h
+            .json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"command": "true"})),
+            )
+            .await;
         if s == 410 {
             break v;
         }
         assert!(t.elapsed() < Duration::from_secs(5), "{s} {v}");
     };
     assert_eq!(v["code"], "vm_died");
-    assert!(v["error"].as_str().unwrap().contains("QEMU was killed by signal 9"), "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("QEMU was killed by signal 9"),
+        "{v}"
+    );
     wait_gone(&h, &id, Duration::from_secs(10)).await;
     assert!(state_entries(&h.state).is_empty());
 }
@@ -98,7 +138,11 @@ async fn sigterm_disposes_of_every_sandbox() {
     h.signal("TERM");
     assert_eq!(h.wait_exit(Duration::from_secs(60)), Some(0));
     assert!(qemu_pids_under(&h.state).is_empty());
-    assert!(state_entries(&h.state).is_empty(), "{:?}", state_entries(&h.state));
+    assert!(
+        state_entries(&h.state).is_empty(),
+        "{:?}",
+        state_entries(&h.state)
+    );
     let logs = h.logs.lock().unwrap().join("\n");
     assert!(logs.contains("\"disposed\":2"), "{logs}");
 }
@@ -117,12 +161,18 @@ async fn restart_after_a_crash_cleans_up() {
     // QEMU dies with its parent (PR_SET_PDEATHSIG); its directory stays behind.
     let t = Instant::now();
     while !qemu_pids_under(&state).is_empty() {
-        assert!(t.elapsed() < Duration::from_secs(10), "QEMU outlived a crashed host");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "QEMU outlived a crashed host"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(state_entries(&state).len(), 1);
     let h2 = start_in(&state, &[]);
-    let line = h2.wait_log("Removed what an earlier sandbox host left", Duration::from_secs(5));
+    let line = h2.wait_log(
+        "Removed what an earlier sandbox host left",
+        Duration::from_secs(5),
+    );
     assert_eq!(line["removed"], 1);
     assert!(state_entries(&state).is_empty());
     let (s, v) = h2.json("GET", "/v1/sandboxes", None).await;

@@ -9,7 +9,9 @@ use common::{qemu_pids_under, start, state_entries, stock_image_missing};
 use serde_json::json;
 
 fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -38,13 +40,21 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
     if stock_image_missing() {
         return;
     }
-    let rounds: usize = std::env::var("SANDBOX_HOST_LOAD_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let rounds: usize = std::env::var("SANDBOX_HOST_LOAD_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
     let h = std::sync::Arc::new(start(&[]));
     let pid = h.child.id();
     // A first sandbox warms up what is allocated once (runtime threads, the HTTP server).
     let warm = h.create(json!({"memory_mib": 128})).await;
     h.exec(&warm, "true").await;
-    assert_eq!(h.req("DELETE", &format!("/v1/sandboxes/{warm}"), vec![], &[]).await.0, 204);
+    assert_eq!(
+        h.req("DELETE", &format!("/v1/sandboxes/{warm}"), vec![], &[])
+            .await
+            .0,
+        204
+    );
     std::thread::sleep(Duration::from_millis(500));
     let (fds0, rss0) = (fd_count(pid), rss_kib(pid));
 
@@ -54,15 +64,33 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
         for i in 0..20 {
             let h = h.clone();
             tasks.push(tokio::spawn(async move {
-                let id = h.create(json!({"run_id": format!("load-{round}-{i}"), "memory_mib": 128})).await;
+                let id = h
+                    .create(json!({"run_id": format!("load-{round}-{i}"), "memory_mib": 128}))
+                    .await;
                 let (out, _, last) = h.exec(&id, &format!("echo {round}-{i}")).await;
                 assert_eq!(String::from_utf8_lossy(&out), format!("{round}-{i}\n"));
                 assert_eq!(last["exit_code"], 0);
-                let (s, _) = h.req("PUT", &format!("/v1/sandboxes/{id}/files?path=/workspace/f"), vec![1u8; 10_000], &[]).await;
+                let (s, _) = h
+                    .req(
+                        "PUT",
+                        &format!("/v1/sandboxes/{id}/files?path=/workspace/f"),
+                        vec![1u8; 10_000],
+                        &[],
+                    )
+                    .await;
                 assert_eq!(s, 204);
-                let (s, b) = h.req("GET", &format!("/v1/sandboxes/{id}/files?path=/workspace/f"), vec![], &[]).await;
+                let (s, b) = h
+                    .req(
+                        "GET",
+                        &format!("/v1/sandboxes/{id}/files?path=/workspace/f"),
+                        vec![],
+                        &[],
+                    )
+                    .await;
                 assert_eq!((s, b.len()), (200, 10_000));
-                let (s, _) = h.req("DELETE", &format!("/v1/sandboxes/{id}"), vec![], &[]).await;
+                let (s, _) = h
+                    .req("DELETE", &format!("/v1/sandboxes/{id}"), vec![], &[])
+                    .await;
                 assert_eq!(s, 204);
             }));
         }
@@ -70,18 +98,45 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
             t.await.expect("every request of the round is answered");
         }
         let (s, v) = h.json("GET", "/v1/sandboxes", None).await;
-        assert_eq!((s, v["sandboxes"].as_array().map(Vec::len)), (200, Some(0)), "round {round}");
-        eprintln!("round {round}: done at {:.1} s, fds {}, rss {} KiB", started.elapsed().as_secs_f64(), fd_count(pid), rss_kib(pid));
+        assert_eq!(
+            (s, v["sandboxes"].as_array().map(Vec::len)),
+            (200, Some(0)),
+            "round {round}"
+        );
+        eprintln!(
+            "round {round}: done at {:.1} s, fds {}, rss {} KiB",
+            started.elapsed().as_secs_f64(),
+            fd_count(pid),
+            rss_kib(pid)
+        );
     }
 
     assert!(qemu_pids_under(&h.state).is_empty(), "QEMU processes left");
-    assert!(state_entries(&h.state).is_empty(), "files left: {:?}", state_entries(&h.state));
-    assert!(settle(|| fd_count(pid) <= fds0), "descriptors: {} at the start, {} now", fds0, fd_count(pid));
+    assert!(
+        state_entries(&h.state).is_empty(),
+        "files left: {:?}",
+        state_entries(&h.state)
+    );
+    assert!(
+        settle(|| fd_count(pid) <= fds0),
+        "descriptors: {} at the start, {} now",
+        fds0,
+        fd_count(pid)
+    );
     let rss1 = rss_kib(pid);
     // Allocators keep some freed memory; 200 sandboxes' worth of leaks would be far above this.
-    assert!(rss1 <= rss0 + 16 * 1024, "RSS grew from {rss0} KiB to {rss1} KiB");
+    assert!(
+        rss1 <= rss0 + 16 * 1024,
+        "RSS grew from {rss0} KiB to {rss1} KiB"
+    );
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     let m = String::from_utf8_lossy(&m);
-    assert!(m.contains(&format!("sandbox_host_boots_total {}", rounds * 20 + 1)), "{m}");
-    assert!(m.contains(&format!("sandbox_host_disposals_total{{reason=\"deleted\"}} {}", rounds * 20 + 1)));
+    assert!(
+        m.contains(&format!("sandbox_host_boots_total {}", rounds * 20 + 1)),
+        "{m}"
+    );
+    assert!(m.contains(&format!(
+        "sandbox_host_disposals_total{{reason=\"deleted\"}} {}",
+        rounds * 20 + 1
+    )));
 }

@@ -5,11 +5,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{bin, free_port, start, stock_image_missing, TOKEN};
+use common::{TOKEN, bin, free_port, start, stock_image_missing};
 
 fn first_json_line(stderr: &[u8]) -> serde_json::Value {
     let text = String::from_utf8_lossy(stderr);
-    serde_json::from_str(text.lines().next().unwrap_or("")).unwrap_or_else(|_| panic!("not a JSON line: {text}"))
+    serde_json::from_str(text.lines().next().unwrap_or(""))
+        .unwrap_or_else(|_| panic!("not a JSON line: {text}"))
 }
 
 #[test]
@@ -19,16 +20,39 @@ fn refuses_to_start_without_a_token_or_with_a_short_one() {
     let line = first_json_line(&out.stderr);
     assert_eq!(line["level"], "ERROR");
     let msg = line["message"].as_str().unwrap();
-    assert!(msg.contains("SANDBOX_HOST_TOKEN is not set") && msg.contains("openssl rand -hex 32"), "{msg}");
+    assert!(
+        msg.contains("SANDBOX_HOST_TOKEN is not set") && msg.contains("openssl rand -hex 32"),
+        "{msg}"
+    );
 
-    let out = bin().arg("serve").env("SANDBOX_HOST_TOKEN", "only-twenty-characte").output().unwrap();
+    let out = bin()
+        .arg("serve")
+        .env("SANDBOX_HOST_TOKEN", "only-twenty-characte")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    let msg = first_json_line(&out.stderr)["message"].as_str().unwrap().to_string();
-    assert!(msg.contains("SANDBOX_HOST_TOKEN has 20 characters; it needs at least 24"), "{msg}");
+    let msg = first_json_line(&out.stderr)["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("SANDBOX_HOST_TOKEN has 20 characters; it needs at least 24"),
+        "{msg}"
+    );
 
-    let out = bin().arg("serve").env("SANDBOX_HOST_TOKEN", TOKEN).env("SANDBOX_HOST_IDLE_MS", "soon").output().unwrap();
+    let out = bin()
+        .arg("serve")
+        .env("SANDBOX_HOST_TOKEN", TOKEN)
+        .env("SANDBOX_HOST_IDLE_MS", "soon")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(first_json_line(&out.stderr)["message"].as_str().unwrap().contains("SANDBOX_HOST_IDLE_MS is `soon`"));
+    assert!(
+        first_json_line(&out.stderr)["message"]
+            .as_str()
+            .unwrap()
+            .contains("SANDBOX_HOST_IDLE_MS is `soon`")
+    );
 }
 
 #[tokio::test]
@@ -52,7 +76,11 @@ async fn dotenv_applies_and_the_environment_wins() {
     let mut first = String::new();
     std::io::BufRead::read_line(&mut stderr, &mut first).unwrap();
     let line: serde_json::Value = serde_json::from_str(&first).unwrap();
-    assert_eq!(line["message"], format!("Listening on 127.0.0.1:{env_port}"), "{first}");
+    assert_eq!(
+        line["message"],
+        format!("Listening on 127.0.0.1:{env_port}"),
+        "{first}"
+    );
     // The token came from the file and the body limit too: a declared 8 MB body is refused
     // with the file's 7 MB limit, on the environment's port.
     let head = format!(
@@ -74,17 +102,28 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
     let h = start(&[]);
     let first = h.logs.lock().unwrap()[0].clone();
     let line: serde_json::Value = serde_json::from_str(&first).unwrap();
-    assert_eq!(line["message"], format!("Listening on 127.0.0.1:{}", h.port));
+    assert_eq!(
+        line["message"],
+        format!("Listening on 127.0.0.1:{}", h.port)
+    );
     assert_eq!(line["available"], true, "{first}");
     assert_eq!(line["backend"], "qemu");
     // No full guest image in the store: the warning says what that means.
     let warn = h.wait_log("is not in the image store", Duration::from_secs(5));
     assert_eq!(warn["level"], "WARN");
-    assert!(warn["message"].as_str().unwrap().contains("/workspace is a tmpfs"));
+    assert!(
+        warn["message"]
+            .as_str()
+            .unwrap()
+            .contains("/workspace is a tmpfs")
+    );
     let (s, v) = h.json("GET", "/v1/health", None).await;
     assert_eq!(s, 200);
     assert_eq!(v["available"], true);
-    assert_eq!(v["image"], serde_json::json!({"name": "stock", "stock": true}));
+    assert_eq!(
+        v["image"],
+        serde_json::json!({"name": "stock", "stock": true})
+    );
 }
 
 #[tokio::test]
@@ -93,10 +132,19 @@ async fn without_qemu_it_starts_unavailable_and_refuses_creates() {
     let line: serde_json::Value = serde_json::from_str(&h.logs.lock().unwrap()[0]).unwrap();
     assert_eq!(line["available"], false);
     let reason = line["reason"].as_str().unwrap();
-    assert!(reason.contains("no qemu-system-x86_64 on its PATH"), "{reason}");
+    assert!(
+        reason.contains("no qemu-system-x86_64 on its PATH"),
+        "{reason}"
+    );
     let (s, v) = h.json("GET", "/v1/health", None).await;
     assert_eq!((s, v["available"].clone()), (200, serde_json::json!(false)));
-    let (s, v) = h.json("POST", "/v1/sandboxes", Some(serde_json::json!({"run_id": "r", "time_limit_ms": 1000, "review": false}))).await;
+    let (s, v) = h
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(serde_json::json!({"run_id": "r", "time_limit_ms": 1000, "review": false})),
+        )
+        .await;
     assert_eq!(s, 503, "{v}");
     assert_eq!(v["code"], "unavailable");
     assert!(v["error"].as_str().unwrap().contains("qemu-system-x86_64"));
@@ -114,5 +162,8 @@ fn a_second_host_on_the_same_state_directory_is_refused() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("another sandbox host uses SANDBOX_HOST_STATE_DIR"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("another sandbox host uses SANDBOX_HOST_STATE_DIR")
+    );
 }

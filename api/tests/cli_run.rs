@@ -12,8 +12,14 @@ fn stock_image_missing() -> bool {
     if store.join("stock/manifest.json").is_file() {
         return false;
     }
-    let why = format!("no stock image in {}; run `bash rootfs/build-stock.sh`", store.display());
-    assert!(std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"), "{why}");
+    let why = format!(
+        "no stock image in {}; run `bash rootfs/build-stock.sh`",
+        store.display()
+    );
+    assert!(
+        std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"),
+        "{why}"
+    );
     eprintln!("skipped: {why}");
     true
 }
@@ -26,13 +32,29 @@ fn run_streams_output_and_passes_the_exit_code_on() {
     let state = tempfile::tempdir().unwrap();
     let out = bin()
         .env("SANDBOX_HOST_STATE_DIR", state.path())
-        .args(["run", "--memory-mib", "512", "--vcpus", "1", "--env", "WHO=operator", "--", "sh", "-c"])
+        .args([
+            "run",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "1",
+            "--env",
+            "WHO=operator",
+            "--",
+            "sh",
+            "-c",
+        ])
         .arg("echo hello $WHO; echo oops >&2; exit 7")
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello operator\n");
     assert!(String::from_utf8_lossy(&out.stderr).contains("oops\n"));
-    assert_eq!(out.status.code(), Some(7), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The VM is disposed of: nothing is left in the state directory.
     assert_eq!(std::fs::read_dir(state.path()).unwrap().count(), 0);
 }
@@ -45,7 +67,17 @@ fn run_passes_stdin_and_reports_timeouts() {
     let state = tempfile::tempdir().unwrap();
     let mut child = bin()
         .env("SANDBOX_HOST_STATE_DIR", state.path())
-        .args(["run", "--memory-mib", "512", "--vcpus", "1", "-i", "--", "wc", "-c"])
+        .args([
+            "run",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "1",
+            "-i",
+            "--",
+            "wc",
+            "-c",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -61,7 +93,18 @@ fn run_passes_stdin_and_reports_timeouts() {
 
     let out = bin()
         .env("SANDBOX_HOST_STATE_DIR", state.path())
-        .args(["run", "--memory-mib", "512", "--vcpus", "1", "--timeout-ms", "500", "--", "sleep", "60"])
+        .args([
+            "run",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "1",
+            "--timeout-ms",
+            "500",
+            "--",
+            "sleep",
+            "60",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(124));
@@ -70,25 +113,45 @@ fn run_passes_stdin_and_reports_timeouts() {
 
 #[test]
 fn missing_qemu_is_reported_in_the_guides_words() {
-    let out = bin().env("PATH", "/nonexistent").args(["run", "--", "true"]).output().unwrap();
+    let out = bin()
+        .env("PATH", "/nonexistent")
+        .args(["run", "--", "true"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(125));
-    assert!(err.contains("has no qemu-system-x86_64 on its PATH"), "{err}");
+    assert!(
+        err.contains("has no qemu-system-x86_64 on its PATH"),
+        "{err}"
+    );
     assert!(err.contains("Install QEMU"), "{err}");
 }
 
 #[test]
 fn bad_settings_and_arguments_are_named() {
-    let out = bin().env("SANDBOX_HOST_QEMU_ACCEL", "warp").args(["run", "--", "true"]).output().unwrap();
+    let out = bin()
+        .env("SANDBOX_HOST_QEMU_ACCEL", "warp")
+        .args(["run", "--", "true"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(125));
-    assert!(err.contains("SANDBOX_HOST_QEMU_ACCEL") && err.contains("`warp`"), "{err}");
+    assert!(
+        err.contains("SANDBOX_HOST_QEMU_ACCEL") && err.contains("`warp`"),
+        "{err}"
+    );
 
-    let out = bin().args(["run", "--vcpus", "0", "--", "true"]).output().unwrap();
+    let out = bin()
+        .args(["run", "--vcpus", "0", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--vcpus"));
 
-    let out = bin().args(["run", "--image", "../x", "--", "true"]).output().unwrap();
+    let out = bin()
+        .args(["run", "--image", "../x", "--", "true"])
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a valid image name"));
 }
 
@@ -100,7 +163,9 @@ fn stale_run_directories_are_removed() {
     let state = tempfile::tempdir().unwrap();
     // A pid that cannot be running (above pid_max) and one that is (this test).
     let dead = state.path().join("run-4194305-deadbeef");
-    let alive = state.path().join(format!("run-{}-cafe", std::process::id()));
+    let alive = state
+        .path()
+        .join(format!("run-{}-cafe", std::process::id()));
     std::fs::create_dir_all(&dead).unwrap();
     std::fs::write(dead.join("agent.sock"), b"").unwrap();
     std::fs::create_dir_all(&alive).unwrap();
@@ -109,7 +174,12 @@ fn stale_run_directories_are_removed() {
         .args(["run", "--memory-mib", "256", "--vcpus", "1", "--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!dead.exists(), "the dead run's directory is still there");
     assert!(alive.exists(), "a live run's directory was removed");
 }

@@ -27,7 +27,11 @@ impl ConsoleLog {
     /// A log keeping the last `cap` bytes (at least 1).
     pub fn with_capacity(cap: usize) -> Self {
         let cap = cap.max(1);
-        ConsoleLog { buf: VecDeque::with_capacity(cap.min(DEFAULT_CAPACITY)), cap, total: 0 }
+        ConsoleLog {
+            buf: VecDeque::with_capacity(cap.min(DEFAULT_CAPACITY)),
+            cap,
+            total: 0,
+        }
     }
 
     /// How many bytes it keeps at most.
@@ -65,7 +69,11 @@ impl ConsoleLog {
         let start = lines.len().saturating_sub(n);
         lines[start..]
             .iter()
-            .map(|l| l.chars().filter(|c| !c.is_control() || *c == '\t').collect())
+            .map(|l| {
+                l.chars()
+                    .filter(|c| !c.is_control() || *c == '\t')
+                    .collect()
+            })
             .collect()
     }
 }
@@ -90,7 +98,10 @@ mod tests {
             assert!(log.buf.len() <= 20);
         }
         assert_eq!(log.tail(5), vec!["line 998", "line 999"]);
-        assert_eq!(log.total_bytes(), (0..1000).map(|i| format!("line {i}\n").len() as u64).sum());
+        assert_eq!(
+            log.total_bytes(),
+            (0..1000).map(|i| format!("line {i}\n").len() as u64).sum()
+        );
     }
 
     #[test]

@@ -13,13 +13,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{broadcast, mpsc, watch, Semaphore};
+use tokio::sync::{Semaphore, broadcast, mpsc, watch};
 
 use crate::message::{
-    parse_window, window_payload, Done, ErrorMessage, ExecRequest, ExitStatus, FilePut, PathRequest, Ready,
-    SignalRequest,
+    Done, ErrorMessage, ExecRequest, ExitStatus, FilePut, PathRequest, Ready, SignalRequest,
+    parse_window, window_payload,
 };
-use crate::{Decoder, Frame, Kind, DATA_CHUNK, INITIAL_WINDOW};
+use crate::{DATA_CHUNK, Decoder, Frame, INITIAL_WINDOW, Kind};
 
 /// Why a request over the channel failed.
 #[derive(Debug, Error, Clone)]
@@ -101,7 +101,12 @@ impl Client {
             ready: watch::channel(None).0,
             stray_errors: broadcast::channel(64).0,
         });
-        tokio::spawn(write_loop(write, rx, Arc::downgrade(&shared), shared.closed.subscribe()));
+        tokio::spawn(write_loop(
+            write,
+            rx,
+            Arc::downgrade(&shared),
+            shared.closed.subscribe(),
+        ));
         tokio::spawn(read_loop(read, shared.clone()));
         Client { shared }
     }
@@ -124,7 +129,9 @@ impl Client {
                 }
             }
         };
-        tokio::time::timeout(timeout, wait).await.map_err(|_| ClientError::Timeout(timeout))?
+        tokio::time::timeout(timeout, wait)
+            .await
+            .map_err(|_| ClientError::Timeout(timeout))?
     }
 
     /// Why the channel closed, if it has.
@@ -163,42 +170,86 @@ impl Client {
     /// Starts a process.
     pub async fn exec(&self, req: &ExecRequest) -> Result<Exec, ClientError> {
         let stream = self.open(Kind::Exec, to_json(req)).await?;
-        let stdin = req.stdin.then(|| Stdin { stream: stream.sender(), closed: false });
-        Ok(Exec { stdin, output: ExecOutput { stream, exited: false } })
+        let stdin = req.stdin.then(|| Stdin {
+            stream: stream.sender(),
+            closed: false,
+        });
+        Ok(Exec {
+            stdin,
+            output: ExecOutput {
+                stream,
+                exited: false,
+            },
+        })
     }
 
     /// Unpacks a tar (or tar.gz) stream into a directory of the guest.
-    pub async fn put_archive(&self, path: &str, body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
+    pub async fn put_archive(
+        &self,
+        path: &str,
+        body: impl AsyncRead + Unpin,
+    ) -> Result<Done, ClientError> {
         self.archive_upload(path).await?.copy_from(body).await
     }
 
     /// Starts unpacking a tar (or tar.gz) stream into a directory; the caller writes the bytes.
     pub async fn archive_upload(&self, path: &str) -> Result<Upload, ClientError> {
-        let s = self.open(Kind::ArchivePut, to_json(&PathRequest { path: path.into() })).await?;
+        let s = self
+            .open(
+                Kind::ArchivePut,
+                to_json(&PathRequest { path: path.into() }),
+            )
+            .await?;
         Ok(Upload::new(s))
     }
 
     /// Starts writing a file; the caller writes the bytes.
     pub async fn file_upload(&self, path: &str, mode: Option<u32>) -> Result<Upload, ClientError> {
-        let s = self.open(Kind::FilePut, to_json(&FilePut { path: path.into(), mode })).await?;
+        let s = self
+            .open(
+                Kind::FilePut,
+                to_json(&FilePut {
+                    path: path.into(),
+                    mode,
+                }),
+            )
+            .await?;
         Ok(Upload::new(s))
     }
 
     /// Streams a directory of the guest as a tar archive.
     pub async fn get_archive(&self, path: &str) -> Result<Download, ClientError> {
-        let s = self.open(Kind::ArchiveGet, to_json(&PathRequest { path: path.into() })).await?;
-        Ok(Download { stream: s, finished: false })
+        let s = self
+            .open(
+                Kind::ArchiveGet,
+                to_json(&PathRequest { path: path.into() }),
+            )
+            .await?;
+        Ok(Download {
+            stream: s,
+            finished: false,
+        })
     }
 
     /// Writes a file in the guest (atomically: a temporary file renamed into place).
-    pub async fn put_file(&self, path: &str, mode: Option<u32>, body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
+    pub async fn put_file(
+        &self,
+        path: &str,
+        mode: Option<u32>,
+        body: impl AsyncRead + Unpin,
+    ) -> Result<Done, ClientError> {
         self.file_upload(path, mode).await?.copy_from(body).await
     }
 
     /// Streams a file of the guest.
     pub async fn get_file(&self, path: &str) -> Result<Download, ClientError> {
-        let s = self.open(Kind::FileGet, to_json(&PathRequest { path: path.into() })).await?;
-        Ok(Download { stream: s, finished: false })
+        let s = self
+            .open(Kind::FileGet, to_json(&PathRequest { path: path.into() }))
+            .await?;
+        Ok(Download {
+            stream: s,
+            finished: false,
+        })
     }
 
     /// Asks the agent to sync and power the guest off. Returns once the agent acknowledged it
@@ -215,7 +266,11 @@ impl Client {
     /// Writes bytes to the channel as they are, outside any stream. For testing how the agent
     /// copes with malformed input; never used by the host itself.
     pub async fn send_raw(&self, bytes: Vec<u8>) -> Result<(), ClientError> {
-        self.shared.tx.send(bytes).await.map_err(|_| self.closed_error())
+        self.shared
+            .tx
+            .send(bytes)
+            .await
+            .map_err(|_| self.closed_error())
     }
 
     /// Sends one frame on a stream the host has not opened through this client (tests).
@@ -224,7 +279,10 @@ impl Client {
     }
 
     fn closed_error(&self) -> ClientError {
-        ClientError::Closed(self.closed_reason().unwrap_or_else(|| "the channel writer stopped".into()))
+        ClientError::Closed(
+            self.closed_reason()
+                .unwrap_or_else(|| "the channel writer stopped".into()),
+        )
     }
 
     async fn open(&self, kind: Kind, payload: Vec<u8>) -> Result<Stream, ClientError> {
@@ -239,8 +297,21 @@ impl Client {
         };
         let (etx, erx) = mpsc::unbounded_channel();
         let send_credit = Arc::new(Semaphore::new(INITIAL_WINDOW as usize));
-        lock(&self.shared.streams).insert(id, StreamSlot { events: etx, send_credit: send_credit.clone(), unacked: 0 });
-        let stream = Stream { shared: self.shared.clone(), id, events: erx, send_credit, done: false };
+        lock(&self.shared.streams).insert(
+            id,
+            StreamSlot {
+                events: etx,
+                send_credit: send_credit.clone(),
+                unacked: 0,
+            },
+        );
+        let stream = Stream {
+            shared: self.shared.clone(),
+            id,
+            events: erx,
+            send_credit,
+            done: false,
+        };
         stream.send(kind, payload).await?;
         Ok(stream)
     }
@@ -249,13 +320,13 @@ impl Client {
 /// Queues a frame from a synchronous context (a `Drop`): at once if the queue has room, else from
 /// a task, so a full queue never loses a cancel.
 fn send_soon(tx: &mpsc::Sender<Vec<u8>>, frame: Vec<u8>) {
-    if let Err(mpsc::error::TrySendError::Full(frame)) = tx.try_send(frame) {
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let tx = tx.clone();
-            rt.spawn(async move {
-                let _ = tx.send(frame).await;
-            });
-        }
+    if let Err(mpsc::error::TrySendError::Full(frame)) = tx.try_send(frame)
+        && let Ok(rt) = tokio::runtime::Handle::try_current()
+    {
+        let tx = tx.clone();
+        rt.spawn(async move {
+            let _ = tx.send(frame).await;
+        });
     }
 }
 
@@ -286,7 +357,11 @@ struct Stream {
 
 impl Stream {
     fn sender(&self) -> StreamSender {
-        StreamSender { shared: self.shared.clone(), id: self.id, send_credit: self.send_credit.clone() }
+        StreamSender {
+            shared: self.shared.clone(),
+            id: self.id,
+            send_credit: self.send_credit.clone(),
+        }
     }
 
     async fn send(&self, kind: Kind, payload: Vec<u8>) -> Result<(), ClientError> {
@@ -306,7 +381,11 @@ impl Stream {
                 if let Some(slot) = lock(&self.shared.streams).get_mut(&self.id) {
                     slot.unacked = slot.unacked.saturating_sub(n.into());
                 }
-                let _ = self.shared.tx.send(Frame::new(Kind::Window, self.id, window_payload(n)).encode()).await;
+                let _ = self
+                    .shared
+                    .tx
+                    .send(Frame::new(Kind::Window, self.id, window_payload(n)).encode())
+                    .await;
             }
             Event::Data(..) => {}
             Event::Closed(why) => {
@@ -324,7 +403,10 @@ impl Drop for Stream {
         lock(&self.shared.streams).remove(&self.id);
         if !self.done {
             // The host gave up on the stream: the agent stops its work (kills an exec).
-            send_soon(&self.shared.tx, Frame::new(Kind::Cancel, self.id, Vec::new()).encode());
+            send_soon(
+                &self.shared.tx,
+                Frame::new(Kind::Cancel, self.id, Vec::new()).encode(),
+            );
         }
     }
 }
@@ -338,8 +420,20 @@ struct StreamSender {
 
 impl StreamSender {
     async fn send(&self, kind: Kind, payload: Vec<u8>) -> Result<(), ClientError> {
-        let closed = || ClientError::Closed(self.shared.closed.borrow().clone().unwrap_or_else(|| "closed".into()));
-        self.shared.tx.send(Frame::new(kind, self.id, payload).encode()).await.map_err(|_| closed())
+        let closed = || {
+            ClientError::Closed(
+                self.shared
+                    .closed
+                    .borrow()
+                    .clone()
+                    .unwrap_or_else(|| "closed".into()),
+            )
+        };
+        self.shared
+            .tx
+            .send(Frame::new(kind, self.id, payload).encode())
+            .await
+            .map_err(|_| closed())
     }
 
     /// Sends upload bytes as `kind` frames, waiting for window.
@@ -370,13 +464,20 @@ pub struct Upload {
 impl Upload {
     fn new(stream: Stream) -> Self {
         let sender = stream.sender();
-        Upload { stream, sender, ended: None }
+        Upload {
+            stream,
+            sender,
+            ended: None,
+        }
     }
 
     /// Sends bytes, waiting for window; fails early if the agent has already refused the upload.
     pub async fn write(&mut self, data: &[u8]) -> Result<(), ClientError> {
         if let Some(r) = &self.ended {
-            return Err(r.clone().err().unwrap_or_else(|| ClientError::Unexpected("the upload already ended".into())));
+            return Err(r
+                .clone()
+                .err()
+                .unwrap_or_else(|| ClientError::Unexpected("the upload already ended".into())));
         }
         tokio::select! {
             biased;
@@ -399,10 +500,16 @@ impl Upload {
     }
 
     /// Copies everything from `body`, then finishes.
-    pub async fn copy_from(mut self, mut body: impl AsyncRead + Unpin) -> Result<Done, ClientError> {
+    pub async fn copy_from(
+        mut self,
+        mut body: impl AsyncRead + Unpin,
+    ) -> Result<Done, ClientError> {
         let mut buf = vec![0u8; DATA_CHUNK];
         loop {
-            let n = body.read(&mut buf).await.map_err(|e| ClientError::Unexpected(format!("reading the upload: {e}")))?;
+            let n = body
+                .read(&mut buf)
+                .await
+                .map_err(|e| ClientError::Unexpected(format!("reading the upload: {e}")))?;
             if n == 0 {
                 return self.finish().await;
             }
@@ -448,7 +555,10 @@ impl Stdin {
 impl Drop for Stdin {
     fn drop(&mut self) {
         if !self.closed {
-            send_soon(&self.stream.shared.tx, Frame::new(Kind::Stdin, self.stream.id, Vec::new()).encode());
+            send_soon(
+                &self.stream.shared.tx,
+                Frame::new(Kind::Stdin, self.stream.id, Vec::new()).encode(),
+            );
         }
     }
 }
@@ -499,7 +609,9 @@ impl ExecOutput {
 
     /// Sends a signal to the process group.
     pub async fn signal(&self, signal: i32) -> Result<(), ClientError> {
-        self.stream.send(Kind::Signal, to_json(&SignalRequest { signal })).await
+        self.stream
+            .send(Kind::Signal, to_json(&SignalRequest { signal }))
+            .await
     }
 }
 
@@ -605,7 +717,8 @@ async fn read_loop<R: AsyncRead + Unpin>(mut r: R, shared: Arc<Shared>) {
 
 /// Delivers a frame from the guest to its stream. An error means the guest broke the protocol.
 fn route(shared: &Shared, f: Frame) -> Result<(), String> {
-    let kind = Kind::from_u8(f.kind).ok_or_else(|| format!("the guest sent unknown frame kind 0x{:02x}", f.kind))?;
+    let kind = Kind::from_u8(f.kind)
+        .ok_or_else(|| format!("the guest sent unknown frame kind 0x{:02x}", f.kind))?;
     let payload = Bytes::from(f.payload);
     let ev = match kind {
         Kind::Ready => Event::Ready(json(&payload)?),
@@ -614,14 +727,19 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
         Kind::Done => Event::Done(json(&payload)?),
         Kind::Error => Event::Error(json(&payload)?),
         Kind::Window => {
-            let n = parse_window(&payload).ok_or("the guest sent a window frame of the wrong size")?;
+            let n =
+                parse_window(&payload).ok_or("the guest sent a window frame of the wrong size")?;
             if let Some(slot) = lock(&shared.streams).get(&f.stream) {
                 let room = MAX_SEND_CREDIT.saturating_sub(slot.send_credit.available_permits());
                 slot.send_credit.add_permits((n as usize).min(room));
             }
             return Ok(());
         }
-        other => return Err(format!("the guest sent {other:?}, a frame only the host sends")),
+        other => {
+            return Err(format!(
+                "the guest sent {other:?}, a frame only the host sends"
+            ));
+        }
     };
     if f.stream == 0 {
         match ev {
@@ -647,7 +765,10 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
     if let Event::Data(_, b) = &ev {
         slot.unacked += b.len() as u64;
         if slot.unacked > INITIAL_WINDOW.into() {
-            return Err(format!("the guest sent more than the window on stream {}", f.stream));
+            return Err(format!(
+                "the guest sent more than the window on stream {}",
+                f.stream
+            ));
         }
     }
     let _ = slot.events.send(ev);
@@ -655,7 +776,8 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
 }
 
 fn json<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, String> {
-    serde_json::from_slice(payload).map_err(|e| format!("the guest sent a bad control payload: {e}"))
+    serde_json::from_slice(payload)
+        .map_err(|e| format!("the guest sent a bad control payload: {e}"))
 }
 
 fn close(shared: &Shared, why: String) {

@@ -49,7 +49,9 @@ pub enum DecodeError {
         skipped: usize,
     },
     /// A header announced a payload larger than the limit.
-    #[error("frame on stream {stream} announces {len} payload bytes, more than the {max}-byte limit")]
+    #[error(
+        "frame on stream {stream} announces {len} payload bytes, more than the {max}-byte limit"
+    )]
     TooLong {
         /// Stream named in the rejected header.
         stream: u32,
@@ -87,7 +89,11 @@ impl DecodeError {
 impl Frame {
     /// A frame of `kind` on `stream`; the caller keeps payloads within [`MAX_PAYLOAD`].
     pub fn new(kind: impl Into<u8>, stream: u32, payload: Vec<u8>) -> Self {
-        Frame { kind: kind.into(), stream, payload }
+        Frame {
+            kind: kind.into(),
+            stream,
+            payload,
+        }
     }
 
     /// Appends the encoded frame to `out`.
@@ -95,7 +101,10 @@ impl Frame {
     /// # Panics
     /// If the payload exceeds [`MAX_PAYLOAD`]: that is a bug in the sender, never input data.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
-        assert!(self.payload.len() <= MAX_PAYLOAD, "frame payload over MAX_PAYLOAD");
+        assert!(
+            self.payload.len() <= MAX_PAYLOAD,
+            "frame payload over MAX_PAYLOAD"
+        );
         let start = out.len();
         out.extend_from_slice(&MAGIC);
         out.push(self.kind);
@@ -176,7 +185,11 @@ impl Decoder {
         }
         if len > MAX_PAYLOAD {
             self.pos += 1;
-            return Some(Err(DecodeError::TooLong { stream, len: len as u64, max: MAX_PAYLOAD }));
+            return Some(Err(DecodeError::TooLong {
+                stream,
+                len: len as u64,
+                max: MAX_PAYLOAD,
+            }));
         }
         if avail.len() < HEADER_LEN + len {
             return None;
@@ -187,7 +200,11 @@ impl Decoder {
             self.pos += 1;
             return Some(Err(DecodeError::BadChecksum { stream }));
         }
-        let frame = Frame { kind: avail[4], stream, payload: payload.to_vec() };
+        let frame = Frame {
+            kind: avail[4],
+            stream,
+            payload: payload.to_vec(),
+        };
         self.pos += HEADER_LEN + len;
         Some(Ok(frame))
     }
@@ -248,7 +265,14 @@ mod tests {
         d.push(&bad);
         d.push(&good.encode());
         let got = decode_all(&mut d);
-        assert!(matches!(got[0], Err(DecodeError::TooLong { stream: 9, len: 4294967295, .. })));
+        assert!(matches!(
+            got[0],
+            Err(DecodeError::TooLong {
+                stream: 9,
+                len: 4294967295,
+                ..
+            })
+        ));
         assert_eq!(got.last(), Some(&Ok(good)));
         assert!(got[1..got.len() - 1].iter().all(|r| r.is_err()));
     }
@@ -263,7 +287,10 @@ mod tests {
         good_bytes.extend_from_slice(&[0u8; 64]); // enough to complete the lying length
         d.push(&good_bytes);
         let got = decode_all(&mut d);
-        assert!(matches!(got[0], Err(DecodeError::BadChecksum { stream: 5 })));
+        assert!(matches!(
+            got[0],
+            Err(DecodeError::BadChecksum { stream: 5 })
+        ));
         assert!(got.contains(&Ok(good)), "{got:?}");
     }
 
@@ -272,9 +299,15 @@ mod tests {
         let f = Frame::new(1u8, 3, b"z".to_vec()).encode();
         let mut d = Decoder::new();
         d.push(b"xxSB");
-        assert_eq!(decode_all(&mut d), vec![Err(DecodeError::Garbage { skipped: 2 })]);
+        assert_eq!(
+            decode_all(&mut d),
+            vec![Err(DecodeError::Garbage { skipped: 2 })]
+        );
         d.push(&f[2..]);
-        assert_eq!(decode_all(&mut d), vec![Ok(Frame::new(1u8, 3, b"z".to_vec()))]);
+        assert_eq!(
+            decode_all(&mut d),
+            vec![Ok(Frame::new(1u8, 3, b"z".to_vec()))]
+        );
     }
 
     #[test]
@@ -293,6 +326,9 @@ mod tests {
         bad[6] = 1;
         let mut d = Decoder::new();
         d.push(&bad);
-        assert_eq!(d.next_frame(), Some(Err(DecodeError::Reserved { stream: 4 })));
+        assert_eq!(
+            d.next_frame(),
+            Some(Err(DecodeError::Reserved { stream: 4 }))
+        );
     }
 }

@@ -14,7 +14,7 @@ pub mod message;
 #[cfg(feature = "client")]
 pub mod client;
 
-pub use frame::{Decoder, DecodeError, Frame, HEADER_LEN, MAX_PAYLOAD};
+pub use frame::{DecodeError, Decoder, Frame, HEADER_LEN, MAX_PAYLOAD};
 pub use kind::Kind;
 
 /// The protocol revision this crate speaks; the agent reports its own in `READY`.

@@ -107,7 +107,10 @@ pub struct ErrorMessage {
 impl ErrorMessage {
     /// An error with a code and a message.
     pub fn new(code: &str, message: impl Into<String>) -> Self {
-        ErrorMessage { code: code.to_owned(), message: message.into() }
+        ErrorMessage {
+            code: code.to_owned(),
+            message: message.into(),
+        }
     }
 }
 
@@ -153,7 +156,8 @@ mod tests {
 
     #[test]
     fn exec_request_refuses_unknown_fields() {
-        let err = serde_json::from_str::<ExecRequest>(r#"{"argv":["true"],"cmd":"x"}"#).unwrap_err();
+        let err =
+            serde_json::from_str::<ExecRequest>(r#"{"argv":["true"],"cmd":"x"}"#).unwrap_err();
         assert!(err.to_string().contains("unknown field `cmd`"), "{err}");
     }
 

@@ -34,7 +34,11 @@ pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
 }
 
 /// Like [`boot_stock`], with raw disks attached (`/dev/vda`, `/dev/vdb`, ...).
-pub async fn boot_stock_with_disks(memory_mib: u32, vcpus: u8, disks: Vec<sandbox_vmm::Disk>) -> Option<TestVm> {
+pub async fn boot_stock_with_disks(
+    memory_mib: u32,
+    vcpus: u8,
+    disks: Vec<sandbox_vmm::Disk>,
+) -> Option<TestVm> {
     let store = ImageStore::new(config::image_dir());
     let image = match store.resolve("stock") {
         Ok(i) => i,
@@ -51,7 +55,10 @@ pub async fn boot_stock_with_disks(memory_mib: u32, vcpus: u8, disks: Vec<sandbo
             return None;
         }
     };
-    let tmp = tempfile::Builder::new().prefix("sbx-e2e").tempdir_in("/tmp").expect("tempdir");
+    let tmp = tempfile::Builder::new()
+        .prefix("sbx-e2e")
+        .tempdir_in("/tmp")
+        .expect("tempdir");
     let state_dir = tmp.path().join("vm");
     let spec = VmSpec {
         id: "e2e".into(),
@@ -63,8 +70,14 @@ pub async fn boot_stock_with_disks(memory_mib: u32, vcpus: u8, disks: Vec<sandbo
         cmdline: vec![],
         state_dir: state_dir.clone(),
     };
-    let sandbox = sandbox_vmm::boot(&backend, spec, Duration::from_secs(180)).await.expect("the stock image boots");
-    Some(TestVm { sandbox, state_dir, _tmp: tmp })
+    let sandbox = sandbox_vmm::boot(&backend, spec, Duration::from_secs(180))
+        .await
+        .expect("the stock image boots");
+    Some(TestVm {
+        sandbox,
+        state_dir,
+        _tmp: tmp,
+    })
 }
 
 /// Everything an exec produced.
@@ -83,7 +96,15 @@ impl Output {
 
 /// Runs a shell command and collects its output.
 pub async fn sh(client: &Client, command: &str) -> Output {
-    run(client, ExecRequest { command: Some(command.into()), cwd: Some("/".into()), ..Default::default() }).await
+    run(
+        client,
+        ExecRequest {
+            command: Some(command.into()),
+            cwd: Some("/".into()),
+            ..Default::default()
+        },
+    )
+    .await
 }
 
 /// Runs a request without stdin and collects its output.
@@ -108,7 +129,10 @@ pub async fn collect(mut output: sandbox_protocol::client::ExecOutput) -> Output
 /// Hex SHA-256.
 pub fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Deterministic pseudo-random bytes (xorshift), so tests need no randomness source.

@@ -98,17 +98,27 @@ pub enum VmError {
 impl VmError {
     /// An I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        VmError::Io { context: context.into(), source }
+        VmError::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 
 /// " Last console lines: a | b" when there are any.
 pub fn console_suffix(lines: &[String]) -> String {
-    let lines: Vec<&str> = lines.iter().map(String::as_str).filter(|l| !l.trim().is_empty()).collect();
+    let lines: Vec<&str> = lines
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.trim().is_empty())
+        .collect();
     if lines.is_empty() {
         String::new()
     } else {
-        format!(". Last console lines: {}", lines[lines.len().saturating_sub(8)..].join(" | "))
+        format!(
+            ". Last console lines: {}",
+            lines[lines.len().saturating_sub(8)..].join(" | ")
+        )
     }
 }
 

@@ -31,7 +31,8 @@ pub fn cache_dir() -> PathBuf {
 
 /// The image store: `SANDBOX_HOST_IMAGE_DIR`, else `<cache>/images`.
 pub fn image_dir() -> PathBuf {
-    non_empty_env("SANDBOX_HOST_IMAGE_DIR").map_or_else(|| cache_dir().join("images"), PathBuf::from)
+    non_empty_env("SANDBOX_HOST_IMAGE_DIR")
+        .map_or_else(|| cache_dir().join("images"), PathBuf::from)
 }
 
 /// Where running sandboxes keep their files: `SANDBOX_HOST_STATE_DIR`, else `<cache>/state`.
@@ -64,7 +65,11 @@ impl AccelSetting {
             "kvm" => Ok(Self::Kvm),
             "hvf" => Ok(Self::Hvf),
             "tcg" => Ok(Self::Tcg),
-            other => Err(ConfigError { var: "SANDBOX_HOST_QEMU_ACCEL", value: other.into(), allowed: "auto, kvm, hvf, tcg" }),
+            other => Err(ConfigError {
+                var: "SANDBOX_HOST_QEMU_ACCEL",
+                value: other.into(),
+                allowed: "auto, kvm, hvf, tcg",
+            }),
         }
     }
 
@@ -92,7 +97,11 @@ impl VmmSetting {
             "" | "auto" => Ok(Self::Auto),
             "kvm" => Ok(Self::Kvm),
             "qemu" => Ok(Self::Qemu),
-            other => Err(ConfigError { var: "SANDBOX_HOST_VMM", value: other.into(), allowed: "auto, kvm, qemu" }),
+            other => Err(ConfigError {
+                var: "SANDBOX_HOST_VMM",
+                value: other.into(),
+                allowed: "auto, kvm, qemu",
+            }),
         }
     }
 
@@ -111,8 +120,16 @@ mod tests {
         assert_eq!(AccelSetting::parse(""), Ok(AccelSetting::Auto));
         assert_eq!(AccelSetting::parse("tcg"), Ok(AccelSetting::Tcg));
         let e = AccelSetting::parse("fast").unwrap_err().to_string();
-        assert!(e.contains("SANDBOX_HOST_QEMU_ACCEL") && e.contains("`fast`"), "{e}");
+        assert!(
+            e.contains("SANDBOX_HOST_QEMU_ACCEL") && e.contains("`fast`"),
+            "{e}"
+        );
         assert_eq!(VmmSetting::parse("qemu"), Ok(VmmSetting::Qemu));
-        assert!(VmmSetting::parse("krun").unwrap_err().to_string().contains("SANDBOX_HOST_VMM"));
+        assert!(
+            VmmSetting::parse("krun")
+                .unwrap_err()
+                .to_string()
+                .contains("SANDBOX_HOST_VMM")
+        );
     }
 }

@@ -37,7 +37,9 @@ pub enum ImageError {
         why: String,
     },
     /// The name cannot be an image name.
-    #[error("`{0}` is not a valid image name (letters, digits, `.`, `_`, `-` and one `:` for a tag)")]
+    #[error(
+        "`{0}` is not a valid image name (letters, digits, `.`, `_`, `-` and one `:` for a tag)"
+    )]
     BadName(String),
 }
 
@@ -91,7 +93,9 @@ impl ImageStore {
         let valid = !name.is_empty()
             && name.matches(':').count() <= 1
             && !name.starts_with('.')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-:".contains(c))
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-:".contains(c))
             && !name.split(':').any(|p| p.is_empty() || p.starts_with('.'));
         if !valid {
             return Err(ImageError::BadName(name.into()));
@@ -105,11 +109,19 @@ impl ImageStore {
                 } else {
                     ""
                 };
-                return Err(ImageError::Missing { name: name.into(), store: self.dir.clone(), hint });
+                return Err(ImageError::Missing {
+                    name: name.into(),
+                    store: self.dir.clone(),
+                    hint,
+                });
             }
         };
         let path = dir.join("manifest.json");
-        let bad = |why: String| ImageError::BadManifest { name: name.into(), path: path.clone(), why };
+        let bad = |why: String| ImageError::BadManifest {
+            name: name.into(),
+            path: path.clone(),
+            why,
+        };
         let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
         let m: Manifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         let file = |rel: &str| -> Result<PathBuf, ImageError> {
@@ -150,7 +162,11 @@ mod tests {
     #[test]
     fn resolves_through_the_tag_link() {
         let t = tempfile::tempdir().unwrap();
-        make(t.path(), "stock", r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio","agent_version":"0.1.0"}"#);
+        make(
+            t.path(),
+            "stock",
+            r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio","agent_version":"0.1.0"}"#,
+        );
         let img = ImageStore::new(t.path()).resolve("stock").unwrap();
         assert!(img.dir.ends_with(".stock-1"));
         assert_eq!(img.initrd.unwrap().file_name().unwrap(), "initramfs.cpio");
@@ -162,9 +178,22 @@ mod tests {
         let store = ImageStore::new(t.path());
         let e = store.resolve("stock").unwrap_err().to_string();
         assert!(e.contains("build-stock.sh"), "{e}");
-        assert!(matches!(store.resolve("../etc"), Err(ImageError::BadName(_))));
+        assert!(matches!(
+            store.resolve("../etc"),
+            Err(ImageError::BadName(_))
+        ));
         assert!(matches!(store.resolve("a:.."), Err(ImageError::BadName(_))));
-        make(t.path(), "broken", r#"{"kind":"initramfs","kernel":"../vmlinux"}"#);
-        assert!(store.resolve("broken").unwrap_err().to_string().contains("plain name"));
+        make(
+            t.path(),
+            "broken",
+            r#"{"kind":"initramfs","kernel":"../vmlinux"}"#,
+        );
+        assert!(
+            store
+                .resolve("broken")
+                .unwrap_err()
+                .to_string()
+                .contains("plain name")
+        );
     }
 }

@@ -13,4 +13,4 @@ pub mod sandbox;
 
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
 pub use image::{Image, ImageError, ImageStore};
-pub use sandbox::{boot, BootError, Sandbox};
+pub use sandbox::{BootError, Sandbox, boot};

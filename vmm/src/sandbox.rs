@@ -6,7 +6,7 @@ use sandbox_protocol::client::{Client, ClientError};
 use sandbox_protocol::message::Ready;
 use thiserror::Error;
 
-use crate::backend::{console_suffix, Backend, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{Backend, Vm, VmError, VmExit, VmSpec, console_suffix};
 
 /// Why a sandbox did not come up.
 #[derive(Debug, Error)]
@@ -52,7 +52,11 @@ impl Sandbox {
 }
 
 /// Starts a VM and waits until its agent is ready. On failure nothing of the VM is left.
-pub async fn boot(backend: &dyn Backend, spec: VmSpec, timeout: Duration) -> Result<Sandbox, BootError> {
+pub async fn boot(
+    backend: &dyn Backend,
+    spec: VmSpec,
+    timeout: Duration,
+) -> Result<Sandbox, BootError> {
     let t0 = Instant::now();
     let started = backend.start(spec).await?;
     let vm = started.vm;
@@ -66,13 +70,21 @@ pub async fn boot(backend: &dyn Backend, spec: VmSpec, timeout: Duration) -> Res
         }
     };
     match result {
-        Ok(ready) => Ok(Sandbox { vm, client, ready, boot_time: t0.elapsed() }),
+        Ok(ready) => Ok(Sandbox {
+            vm,
+            client,
+            ready,
+            boot_time: t0.elapsed(),
+        }),
         Err(e) => {
             let console = vm.console_tail(20);
             vm.stop(Duration::ZERO).await;
             Err(match e {
                 ClientError::Timeout(_) => BootError::NotReady { timeout, console },
-                other => BootError::ChannelClosed { why: other.to_string(), console },
+                other => BootError::ChannelClosed {
+                    why: other.to_string(),
+                    console,
+                },
             })
         }
     }

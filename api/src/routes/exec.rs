@@ -2,12 +2,12 @@
 
 use std::collections::BTreeMap;
 
+use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::Router;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use sandbox_protocol::client::ExecEvent;
@@ -15,7 +15,7 @@ use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{channel_body, ApiJson};
+use super::{ApiJson, channel_body};
 use crate::error::ApiError;
 use crate::registry::count;
 use crate::state::AppState;
@@ -59,18 +59,33 @@ async fn exec(
     entry.ensure_alive()?;
     let ApiJson(body) = body?;
     match (&body.argv, &body.command) {
-        (Some(_), Some(_)) => return Err(ApiError::BadRequest("give either argv or command, not both".into())),
-        (None, None) => return Err(ApiError::BadRequest("give argv (a list) or command (a shell string)".into())),
-        (Some(a), None) if a.is_empty() => return Err(ApiError::BadRequest("argv is empty".into())),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::BadRequest(
+                "give either argv or command, not both".into(),
+            ));
+        }
+        (None, None) => {
+            return Err(ApiError::BadRequest(
+                "give argv (a list) or command (a shell string)".into(),
+            ));
+        }
+        (Some(a), None) if a.is_empty() => {
+            return Err(ApiError::BadRequest("argv is empty".into()));
+        }
         _ => {}
     }
-    if let Some(cwd) = &body.cwd {
-        if !cwd.starts_with('/') {
-            return Err(ApiError::BadRequest(format!("cwd `{cwd}` is not an absolute path")));
-        }
+    if let Some(cwd) = &body.cwd
+        && !cwd.starts_with('/')
+    {
+        return Err(ApiError::BadRequest(format!(
+            "cwd `{cwd}` is not an absolute path"
+        )));
     }
     let stdin = match &body.stdin {
-        Some(s) => Some(B64.decode(s).map_err(|e| ApiError::BadRequest(format!("stdin is not valid base64: {e}")))?),
+        Some(s) => Some(
+            B64.decode(s)
+                .map_err(|e| ApiError::BadRequest(format!("stdin is not valid base64: {e}")))?,
+        ),
         None => None,
     };
     let mut env = entry.env.clone();
@@ -89,7 +104,11 @@ async fn exec(
     let busy = entry.busy();
     let (tx, body) = channel_body(8);
     if let (Some(mut sink), Some(data)) = (exec.stdin, stdin) {
-        count(&entry.counters.bytes_in, &state.metrics().bytes_in, data.len() as u64);
+        count(
+            &entry.counters.bytes_in,
+            &state.metrics().bytes_in,
+            data.len() as u64,
+        );
         tokio::spawn(async move {
             if sink.write(&data).await.is_ok() {
                 let _ = sink.close().await;
@@ -102,11 +121,19 @@ async fn exec(
         while let Some(ev) = output.next().await {
             let l = match ev {
                 Ok(ExecEvent::Stdout(b)) => {
-                    count(&entry.counters.bytes_out, &state.metrics().bytes_out, b.len() as u64);
+                    count(
+                        &entry.counters.bytes_out,
+                        &state.metrics().bytes_out,
+                        b.len() as u64,
+                    );
                     line(&json!({ "stdout": B64.encode(&b) }))
                 }
                 Ok(ExecEvent::Stderr(b)) => {
-                    count(&entry.counters.bytes_out, &state.metrics().bytes_out, b.len() as u64);
+                    count(
+                        &entry.counters.bytes_out,
+                        &state.metrics().bytes_out,
+                        b.len() as u64,
+                    );
                     line(&json!({ "stderr": B64.encode(&b) }))
                 }
                 Ok(ExecEvent::Exit(s)) => line(&json!({
@@ -123,5 +150,9 @@ async fn exec(
             }
         }
     });
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(body)).into_response())
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::new(body),
+    )
+        .into_response())
 }

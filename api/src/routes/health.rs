@@ -3,7 +3,7 @@
 use axum::extract::State;
 use axum::routing::get;
 use axum::{Json, Router};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use crate::state::AppState;
 
@@ -13,7 +13,10 @@ pub fn router() -> Router<AppState> {
 
 /// The image a create request gets by default, and whether it is the stock fallback.
 pub fn default_image(state: &AppState) -> (String, bool) {
-    match state.store().resolve(crate::routes::sandboxes::DEFAULT_IMAGE) {
+    match state
+        .store()
+        .resolve(crate::routes::sandboxes::DEFAULT_IMAGE)
+    {
         Ok(_) => (crate::routes::sandboxes::DEFAULT_IMAGE.to_string(), false),
         Err(_) => (sandbox_vmm::image::STOCK.to_string(), true),
     }

@@ -1,23 +1,25 @@
 //! The HTTP routes of `/v1` and `/metrics`, one router per resource, merged behind the token.
 
+mod exec;
 mod health;
 mod observe;
 pub mod sandboxes;
 mod transfer;
-mod exec;
 
+use axum::Router;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request};
 use axum::http::header;
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::Router;
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
 use crate::state::AppState;
 
-/// Every (method, path) the API serves; `docs/openapi.json` must list exactly these (tested).
+/// Every (method, path) the API serves; `docs/openapi.json` must list exactly these (tested
+/// here, and the end-to-end tests request every documented route on the real binary).
+#[cfg(test)]
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/health"),
     ("POST", "/v1/sandboxes"),
@@ -45,9 +47,17 @@ pub fn app(state: AppState) -> Router {
         .merge(transfer::router())
         .merge(observe::router())
         .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
-        .layer(DefaultBodyLimit::max(usize::try_from(max_body).unwrap_or(usize::MAX)))
-        .layer(middleware::from_fn_with_state(state.clone(), declared_length))
-        .layer(middleware::from_fn_with_state(state.clone(), crate::auth::require_token))
+        .layer(DefaultBodyLimit::max(
+            usize::try_from(max_body).unwrap_or(usize::MAX),
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            declared_length,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::auth::require_token,
+        ))
         .with_state(state)
 }
 
@@ -57,7 +67,11 @@ async fn declared_length(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > state.config().max_body) {
         return Err(too_large(&state));
     }
@@ -66,7 +80,10 @@ async fn declared_length(
 
 /// The 413 error for this host's limit.
 pub fn too_large(state: &AppState) -> ApiError {
-    ApiError::TooLarge { bytes: state.config().max_body, mb: state.config().max_body_mb }
+    ApiError::TooLarge {
+        bytes: state.config().max_body,
+        mb: state.config().max_body_mb,
+    }
 }
 
 /// A JSON body whose rejections come back as this API's errors (400 naming the field, 413).
@@ -82,10 +99,14 @@ where
         let app = <AppState as axum::extract::FromRef<S>>::from_ref(state);
         match axum::Json::<T>::from_request(req, state).await {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(JsonRejection::BytesRejection(r)) if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => Err(too_large(&app)),
-            Err(JsonRejection::MissingJsonContentType(_)) => {
-                Err(ApiError::BadRequest("send the body as JSON with Content-Type: application/json".into()))
+            Err(JsonRejection::BytesRejection(r))
+                if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(too_large(&app))
             }
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::BadRequest(
+                "send the body as JSON with Content-Type: application/json".into(),
+            )),
             Err(e) => Err(ApiError::BadRequest(e.body_text())),
         }
     }
@@ -99,7 +120,12 @@ pub struct ChannelBody {
 }
 
 /// A body and the sender that feeds it, holding at most `depth` chunks.
-pub fn channel_body(depth: usize) -> (tokio::sync::mpsc::Sender<Result<Vec<u8>, std::io::Error>>, ChannelBody) {
+pub fn channel_body(
+    depth: usize,
+) -> (
+    tokio::sync::mpsc::Sender<Result<Vec<u8>, std::io::Error>>,
+    ChannelBody,
+) {
     let (tx, rx) = tokio::sync::mpsc::channel(depth);
     (tx, ChannelBody { rx })
 }
@@ -112,7 +138,9 @@ impl http_body::Body for ChannelBody {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        self.rx.poll_recv(cx).map(|o| o.map(|r| r.map(|b| http_body::Frame::data(b.into()))))
+        self.rx
+            .poll_recv(cx)
+            .map(|o| o.map(|r| r.map(|b| http_body::Frame::data(b.into()))))
     }
 }
 
@@ -124,14 +152,18 @@ mod tests {
     /// also requests each of them on the real binary).
     #[test]
     fn openapi_lists_exactly_the_routes() {
-        let doc: serde_json::Value = serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
         let mut documented = BTreeSet::new();
         for (path, item) in doc["paths"].as_object().unwrap() {
             for method in item.as_object().unwrap().keys() {
                 documented.insert((method.to_uppercase(), path.clone()));
             }
         }
-        let served: BTreeSet<(String, String)> = super::ROUTES.iter().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+        let served: BTreeSet<(String, String)> = super::ROUTES
+            .iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect();
         assert_eq!(documented, served);
     }
 }

@@ -6,7 +6,7 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use crate::error::ApiError;
 use crate::registry::SandboxEntry;
@@ -36,12 +36,18 @@ pub fn usage_json(_e: &SandboxEntry) -> Value {
     })
 }
 
-async fn egress(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn egress(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     Ok(Json(egress_json(&e)))
 }
 
-async fn usage(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn usage(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     Ok(Json(usage_json(&e)))
 }

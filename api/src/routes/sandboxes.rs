@@ -8,10 +8,10 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use sandbox_vmm::image::STOCK;
 use sandbox_vmm::VmSpec;
+use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use super::ApiJson;
 use crate::error::ApiError;
@@ -73,29 +73,55 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
         return Err(bad("run_id must be 1 to 200 characters"));
     }
     if r.time_limit_ms == 0 || r.time_limit_ms > 7 * 24 * 3600 * 1000 {
-        return Err(bad("time_limit_ms must be between 1 and 604800000 (7 days)"));
+        return Err(bad(
+            "time_limit_ms must be between 1 and 604800000 (7 days)",
+        ));
     }
     if !(128..=65_536).contains(&r.memory_mib) {
-        return Err(bad(format!("memory_mib must be between 128 and 65536, not {}", r.memory_mib)));
+        return Err(bad(format!(
+            "memory_mib must be between 128 and 65536, not {}",
+            r.memory_mib
+        )));
     }
     if !(1..=32).contains(&r.vcpus) {
-        return Err(bad(format!("vcpus must be between 1 and 32, not {}", r.vcpus)));
+        return Err(bad(format!(
+            "vcpus must be between 1 and 32, not {}",
+            r.vcpus
+        )));
     }
     for k in r.env.keys().chain(r.egress.secrets.iter().map(|s| &s.env)) {
         if !valid_env_name(k) {
-            return Err(bad(format!("`{k}` is not a valid environment variable name")));
+            return Err(bad(format!(
+                "`{k}` is not a valid environment variable name"
+            )));
         }
     }
     if r.env.values().any(|v| v.contains('\0')) {
         return Err(bad("env values cannot contain NUL"));
     }
-    for h in r.egress.allow.iter().chain(&r.egress.meter).chain(r.egress.secrets.iter().flat_map(|s| &s.hosts)) {
+    for h in r
+        .egress
+        .allow
+        .iter()
+        .chain(&r.egress.meter)
+        .chain(r.egress.secrets.iter().flat_map(|s| &s.hosts))
+    {
         if !valid_host_pattern(h) {
-            return Err(bad(format!("`{h}` in egress is not a host name or a `*.domain` wildcard")));
+            return Err(bad(format!(
+                "`{h}` in egress is not a host name or a `*.domain` wildcard"
+            )));
         }
     }
-    if let Some(s) = r.egress.secrets.iter().find(|s| s.hosts.is_empty() || s.value.is_empty()) {
-        return Err(bad(format!("egress secret `{}` needs a value and at least one host", s.env)));
+    if let Some(s) = r
+        .egress
+        .secrets
+        .iter()
+        .find(|s| s.hosts.is_empty() || s.value.is_empty())
+    {
+        return Err(bad(format!(
+            "egress secret `{}` needs a value and at least one host",
+            s.env
+        )));
     }
     Ok(())
 }
@@ -115,18 +141,35 @@ fn valid_host_pattern(h: &str) -> bool {
         && name.contains('.')
         && name.parse::<std::net::IpAddr>().is_err()
         && name.split('.').all(|l| {
-            !l.is_empty() && l.len() <= 63 && !l.starts_with('-') && !l.ends_with('-') && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
         })
-        && !name.split('.').next_back().is_some_and(|tld| tld.chars().all(|c| c.is_ascii_digit()))
+        && !name
+            .split('.')
+            .next_back()
+            .is_some_and(|tld| tld.chars().all(|c| c.is_ascii_digit()))
 }
 
-async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<CreateRequest>) -> Result<(StatusCode, Json<Value>), ApiError> {
+async fn create(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<CreateRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     validate(&req)?;
     let Some(backend) = state.backend().cloned() else {
-        let reason = state.availability().reason.clone().unwrap_or_else(|| "no backend".into());
+        let reason = state
+            .availability()
+            .reason
+            .clone()
+            .unwrap_or_else(|| "no backend".into());
         return Err(ApiError::Unavailable(reason));
     };
-    let wanted = req.image.clone().unwrap_or_else(|| DEFAULT_IMAGE.to_string());
+    let wanted = req
+        .image
+        .clone()
+        .unwrap_or_else(|| DEFAULT_IMAGE.to_string());
     // Looked up now, so a newly built image applies to this sandbox without a restart.
     let (image, stock_image) = match state.store().resolve(&wanted) {
         Ok(img) => {
@@ -134,7 +177,10 @@ async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<CreateReque
             (img, stock)
         }
         Err(sandbox_vmm::ImageError::Missing { .. }) => {
-            let img = state.store().resolve(STOCK).map_err(|e| ApiError::Unavailable(e.to_string()))?;
+            let img = state
+                .store()
+                .resolve(STOCK)
+                .map_err(|e| ApiError::Unavailable(e.to_string()))?;
             tracing::warn!(wanted = %wanted, "image not in the image store; using the stock image (/workspace in memory)");
             (img, true)
         }
@@ -160,12 +206,22 @@ async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<CreateReque
         Err(e) => {
             state.metrics().boot_failed();
             tracing::error!(run_id = %req.run_id, error = %e, "a sandbox did not boot");
-            return Err(ApiError::Internal(format!("the microVM did not start: {e}")));
+            return Err(ApiError::Internal(format!(
+                "the microVM did not start: {e}"
+            )));
         }
     };
     state.metrics().boot(sandbox.boot_time);
-    let disk_limit_mib = if req.review { DISK_LIMIT_REVIEW_MIB } else { DISK_LIMIT_MIB };
-    let image_name = if stock_image { STOCK.to_string() } else { wanted };
+    let disk_limit_mib = if req.review {
+        DISK_LIMIT_REVIEW_MIB
+    } else {
+        DISK_LIMIT_MIB
+    };
+    let image_name = if stock_image {
+        STOCK.to_string()
+    } else {
+        wanted
+    };
     let entry = registry::new_entry(
         &state,
         id,
@@ -237,7 +293,10 @@ async fn list(State(state): State<AppState>) -> Json<Value> {
     Json(json!({ "sandboxes": all }))
 }
 
-async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn show(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     let mut v = summary(&e);
     v["egress"] = super::observe::egress_json(&e);
@@ -245,12 +304,18 @@ async fn show(State(state): State<AppState>, Path(id): Path<String>) -> Result<J
     Ok(Json(v))
 }
 
-async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     registry::delete(&state, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn keepalive(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+async fn keepalive(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let e = state.registry().get(&id)?;
     e.ensure_alive()?;
     Ok(StatusCode::NO_CONTENT)
@@ -262,10 +327,27 @@ mod tests {
 
     #[test]
     fn host_patterns() {
-        for ok in ["api.anthropic.com", "*.npmjs.org", "registry.npmjs.org", "a-b.example.io"] {
+        for ok in [
+            "api.anthropic.com",
+            "*.npmjs.org",
+            "registry.npmjs.org",
+            "a-b.example.io",
+        ] {
             assert!(valid_host_pattern(ok), "{ok}");
         }
-        for bad in ["", "localhost", "1.2.3.4", "*.", "a..b", "-a.com", "https://x.com", "x.com:443", "*.*.com", "[::1]", "10.0.0.1"] {
+        for bad in [
+            "",
+            "localhost",
+            "1.2.3.4",
+            "*.",
+            "a..b",
+            "-a.com",
+            "https://x.com",
+            "x.com:443",
+            "*.*.com",
+            "[::1]",
+            "10.0.0.1",
+        ] {
             assert!(!valid_host_pattern(bad), "{bad}");
         }
     }

@@ -21,8 +21,14 @@ pub fn stock_image_missing() -> bool {
     if store.join("stock/manifest.json").is_file() {
         return false;
     }
-    let why = format!("no stock image in {}; run `bash rootfs/build-stock.sh`", store.display());
-    assert!(std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"), "{why}");
+    let why = format!(
+        "no stock image in {}; run `bash rootfs/build-stock.sh`",
+        store.display()
+    );
+    assert!(
+        std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"),
+        "{why}"
+    );
     eprintln!("skipped: {why}");
     true
 }
@@ -30,12 +36,18 @@ pub fn stock_image_missing() -> bool {
 pub fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-host"));
     // Never read the developer's .env in tests.
-    c.env("SANDBOX_HOST_DOTENV", "/nonexistent/.env").env_remove("SANDBOX_HOST_TOKEN").env_remove("SANDBOX_HOST_PORT");
+    c.env("SANDBOX_HOST_DOTENV", "/nonexistent/.env")
+        .env_remove("SANDBOX_HOST_TOKEN")
+        .env_remove("SANDBOX_HOST_PORT");
     c
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A running sandbox host.
@@ -49,7 +61,10 @@ pub struct Host {
 
 /// Starts a host with a fresh state directory and `env`, and waits for its `Listening on` line.
 pub fn start(env: &[(&str, &str)]) -> Host {
-    let tmp = tempfile::Builder::new().prefix("sbx-api").tempdir_in("/tmp").unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("sbx-api")
+        .tempdir_in("/tmp")
+        .unwrap();
     let state = tmp.path().join("state");
     let mut h = start_in(&state, env);
     h._tmp = Some(tmp);
@@ -78,7 +93,13 @@ pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
             l.lock().unwrap().push(line);
         }
     });
-    let h = Host { child, port, state: state.to_path_buf(), _tmp: None, logs };
+    let h = Host {
+        child,
+        port,
+        state: state.to_path_buf(),
+        _tmp: None,
+        logs,
+    };
     h.wait_log("Listening on", Duration::from_secs(120));
     h
 }
@@ -92,29 +113,59 @@ impl Host {
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> Value {
         let t = Instant::now();
         loop {
-            if let Some(l) = self.logs.lock().unwrap().iter().find(|l| l.contains(needle)) {
+            if let Some(l) = self
+                .logs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| l.contains(needle))
+            {
                 return serde_json::from_str(l).unwrap_or(Value::String(l.clone()));
             }
-            assert!(t.elapsed() < timeout, "no log line with `{needle}`; logs: {:?}", self.logs.lock().unwrap());
+            assert!(
+                t.elapsed() < timeout,
+                "no log line with `{needle}`; logs: {:?}",
+                self.logs.lock().unwrap()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
-    pub async fn req(&self, method: &str, path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> (u16, Bytes) {
+    pub async fn req(
+        &self,
+        method: &str,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> (u16, Bytes) {
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let mut b = hyper::Request::builder().method(method).uri(self.url(path)).header("authorization", format!("Bearer {TOKEN}"));
+        let mut b = hyper::Request::builder()
+            .method(method)
+            .uri(self.url(path))
+            .header("authorization", format!("Bearer {TOKEN}"));
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        let resp = client.request(b.body(Full::new(Bytes::from(body))).unwrap()).await.unwrap();
+        let resp = client
+            .request(b.body(Full::new(Bytes::from(body))).unwrap())
+            .await
+            .unwrap();
         let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
         (status, bytes)
     }
 
     pub async fn json(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         let (body, headers): (Vec<u8>, &[(&str, &str)]) = match body {
-            Some(v) => (v.to_string().into_bytes(), &[("content-type", "application/json")]),
+            Some(v) => (
+                v.to_string().into_bytes(),
+                &[("content-type", "application/json")],
+            ),
             None => (vec![], &[]),
         };
         let (s, b) = self.req(method, path, body, headers).await;
@@ -136,13 +187,25 @@ impl Host {
 
     /// Runs a shell command through the exec route; returns (stdout, stderr, final line).
     pub async fn exec(&self, id: &str, command: &str) -> (Vec<u8>, Vec<u8>, Value) {
-        let (s, body) = self.req("POST", &format!("/v1/sandboxes/{id}/exec"), serde_json::json!({"command": command}).to_string().into_bytes(), &[("content-type", "application/json")]).await;
+        let (s, body) = self
+            .req(
+                "POST",
+                &format!("/v1/sandboxes/{id}/exec"),
+                serde_json::json!({"command": command})
+                    .to_string()
+                    .into_bytes(),
+                &[("content-type", "application/json")],
+            )
+            .await;
         assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
         parse_ndjson(&body)
     }
 
     pub fn signal(&self, sig: &str) {
-        Command::new("kill").args(["-s", sig, &self.child.id().to_string()]).status().unwrap();
+        Command::new("kill")
+            .args(["-s", sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
     }
 
     /// Waits for the process to exit, returning its status code.
@@ -200,7 +263,12 @@ pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
 /// Entries in a state directory other than the lock file.
 pub fn state_entries(dir: &Path) -> Vec<String> {
     std::fs::read_dir(dir)
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n != ".lock").collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n != ".lock")
+                .collect()
+        })
         .unwrap_or_default()
 }
 

@@ -12,8 +12,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use flate2::read::GzDecoder;
-use sandbox_protocol::message::{code, Done, PathRequest};
 use sandbox_protocol::Kind;
+use sandbox_protocol::message::{Done, PathRequest, code};
 use tar::EntryType;
 
 use crate::files::io_error;
@@ -42,7 +42,10 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
     let dir = Path::new(&req.path);
     let result = (|| -> Result<(), Failure> {
         if !dir.is_absolute() {
-            return Err((code::BAD_REQUEST, format!("path `{}` is not absolute", dir.display())));
+            return Err((
+                code::BAD_REQUEST,
+                format!("path `{}` is not absolute", dir.display()),
+            ));
         }
         let meta = fs::symlink_metadata(dir).map_err(|e| io_error(dir, e))?;
         let dl = Download::new(ctx.out.clone(), ctx.id, Kind::Output, ctx.credit.clone());
@@ -52,7 +55,10 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
         let add = if meta.is_dir() {
             b.append_dir_all(".", dir)
         } else {
-            let name = dir.file_name().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("file"));
+            let name = dir
+                .file_name()
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("file"));
             b.append_path_with_name(dir, name)
         };
         add.map_err(|e| (code::IO, format!("archiving {}: {e}", dir.display())))?;
@@ -68,12 +74,22 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
 /// Unpacks a tar or gzip-compressed tar stream into `dst`, creating it if needed.
 pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
     if !dst.is_absolute() {
-        return Err((code::BAD_REQUEST, format!("path `{}` is not absolute", dst.display())));
+        return Err((
+            code::BAD_REQUEST,
+            format!("path `{}` is not absolute", dst.display()),
+        ));
     }
     fs::create_dir_all(dst).map_err(|e| io_error(dst, e))?;
     let mut src = BufReader::with_capacity(64 * 1024, src);
-    let gz = src.fill_buf().map(|b| b.starts_with(&[0x1f, 0x8b])).map_err(|e| (code::IO, e.to_string()))?;
-    let reader: Box<dyn Read> = if gz { Box::new(GzDecoder::new(src)) } else { Box::new(src) };
+    let gz = src
+        .fill_buf()
+        .map(|b| b.starts_with(&[0x1f, 0x8b]))
+        .map_err(|e| (code::IO, e.to_string()))?;
+    let reader: Box<dyn Read> = if gz {
+        Box::new(GzDecoder::new(src))
+    } else {
+        Box::new(src)
+    };
     let mut ar = tar::Archive::new(reader);
     ar.set_preserve_permissions(true);
     ar.set_preserve_mtime(true);
@@ -103,11 +119,21 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
         match entry.unpack_in(dst) {
             Ok(true) => {}
             Ok(false) => {
-                return Err((code::UNSAFE_ARCHIVE, format!("entry `{}` would be written outside {}", path.display(), dst.display())));
+                return Err((
+                    code::UNSAFE_ARCHIVE,
+                    format!(
+                        "entry `{}` would be written outside {}",
+                        path.display(),
+                        dst.display()
+                    ),
+                ));
             }
             Err(e) => {
                 let (code, _) = io_error(dst, io::Error::new(e.kind(), ""));
-                return Err((code, format!("unpacking `{}` into {}: {e}", path.display(), dst.display())));
+                return Err((
+                    code,
+                    format!("unpacking `{}` into {}: {e}", path.display(), dst.display()),
+                ));
             }
         }
     }
@@ -115,12 +141,23 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
 }
 
 fn bad_archive(e: &io::Error) -> Failure {
-    (code::BAD_REQUEST, format!("the body is not a valid tar or tar.gz archive: {e}"))
+    (
+        code::BAD_REQUEST,
+        format!("the body is not a valid tar or tar.gz archive: {e}"),
+    )
 }
 
 /// Refuses entries that could write outside the target or create devices.
 fn check_entry<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<(), Failure> {
-    let unsafe_entry = |why: &str| Err((code::UNSAFE_ARCHIVE, format!("entry `{}` {why}; nothing of it was written", path.display())));
+    let unsafe_entry = |why: &str| {
+        Err((
+            code::UNSAFE_ARCHIVE,
+            format!(
+                "entry `{}` {why}; nothing of it was written",
+                path.display()
+            ),
+        ))
+    };
     if path.is_absolute() {
         return unsafe_entry("has an absolute path");
     }
@@ -157,7 +194,10 @@ fn check_entry<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<(), Fa
 fn link_target<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<PathBuf, Failure> {
     match entry.link_name() {
         Ok(Some(t)) => Ok(t.into_owned()),
-        Ok(None) => Err((code::BAD_REQUEST, format!("link entry `{}` has no target", path.display()))),
+        Ok(None) => Err((
+            code::BAD_REQUEST,
+            format!("link entry `{}` has no target", path.display()),
+        )),
         Err(e) => Err(bad_archive(&e)),
     }
 }
@@ -195,8 +235,15 @@ impl Room {
         if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
             return Err(io_error(dir, io::Error::last_os_error()));
         }
-        let inodes = if st.f_files == 0 { u64::MAX } else { st.f_favail };
-        Ok(Room { bytes: st.f_bavail.saturating_mul(st.f_frsize), inodes })
+        let inodes = if st.f_files == 0 {
+            u64::MAX
+        } else {
+            st.f_favail
+        };
+        Ok(Room {
+            bytes: st.f_bavail.saturating_mul(st.f_frsize),
+            inodes,
+        })
     }
 }
 
@@ -244,8 +291,12 @@ mod tests {
 
     #[test]
     fn refuses_escaping_symlinks_and_devices() {
-        let cases: Vec<(EntryType, &str)> =
-            vec![(EntryType::Symlink, "../../etc"), (EntryType::Symlink, "/etc"), (EntryType::Link, "../x"), (EntryType::Char, "")];
+        let cases: Vec<(EntryType, &str)> = vec![
+            (EntryType::Symlink, "../../etc"),
+            (EntryType::Symlink, "/etc"),
+            (EntryType::Link, "../x"),
+            (EntryType::Char, ""),
+        ];
         for (kind, target) in cases {
             let dir = tempfile::tempdir().unwrap();
             let data = tar_with(|b| {

@@ -41,7 +41,9 @@ impl FromStr for ChannelSpec {
                 .parse()
                 .map(ChannelSpec::Vsock)
                 .map_err(|_| format!("bad vsock port `{port}` in channel `{s}`")),
-            _ => Err(format!("bad channel `{s}`: expected serial:<port name> or vsock:<port>")),
+            _ => Err(format!(
+                "bad channel `{s}`: expected serial:<port name> or vsock:<port>"
+            )),
         }
     }
 }
@@ -61,7 +63,10 @@ pub fn open(spec: &ChannelSpec) -> io::Result<Conn> {
             loop {
                 if let Some(dev) = find_serial_port(name)? {
                     let f = OpenOptions::new().read(true).write(true).open(&dev)?;
-                    return Ok(Conn { writer: f.try_clone()?, reader: f });
+                    return Ok(Conn {
+                        writer: f.try_clone()?,
+                        reader: f,
+                    });
                 }
                 if Instant::now() > deadline {
                     return Err(io::Error::new(
@@ -75,7 +80,10 @@ pub fn open(spec: &ChannelSpec) -> io::Result<Conn> {
         ChannelSpec::Vsock(port) => {
             let listener = vsock_listen(*port)?;
             let f = vsock_accept(&listener)?;
-            Ok(Conn { writer: f.try_clone()?, reader: f })
+            Ok(Conn {
+                writer: f.try_clone()?,
+                reader: f,
+            })
         }
     }
 }
@@ -127,7 +135,12 @@ fn vsock_accept(listener: &OwnedFd) -> io::Result<File> {
     loop {
         // SAFETY: null address pointers are allowed by accept4; the fd is a listening socket.
         let fd = unsafe {
-            libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
         };
         if fd >= 0 {
             // SAFETY: accept4 returned a new descriptor that nothing else owns.
@@ -146,7 +159,9 @@ mod tests {
 
     #[test]
     fn parses_channel_specs() {
-        assert!(matches!("serial:sandbox.agent".parse(), Ok(ChannelSpec::Serial(n)) if n == "sandbox.agent"));
+        assert!(
+            matches!("serial:sandbox.agent".parse(), Ok(ChannelSpec::Serial(n)) if n == "sandbox.agent")
+        );
         assert!(matches!("vsock:1024".parse(), Ok(ChannelSpec::Vsock(1024))));
         assert!("vsock:x".parse::<ChannelSpec>().is_err());
         assert!("serial:".parse::<ChannelSpec>().is_err());

@@ -16,7 +16,13 @@ struct State {
 impl Credit {
     /// Credit starting at `initial` bytes.
     pub fn new(initial: u32) -> Self {
-        Credit { state: Mutex::new(State { avail: initial.into(), closed: false }), cv: Condvar::new() }
+        Credit {
+            state: Mutex::new(State {
+                avail: initial.into(),
+                closed: false,
+            }),
+            cv: Condvar::new(),
+        }
     }
 
     /// Adds a grant. Grants are capped so a hostile host cannot overflow the counter.

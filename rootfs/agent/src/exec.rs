@@ -6,14 +6,14 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, RecvTimeoutError};
+use std::sync::mpsc::{RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
-use sandbox_protocol::message::{code, ExecRequest, ExitStatus};
 use sandbox_protocol::Kind;
+use sandbox_protocol::message::{ExecRequest, ExitStatus, code};
 
 use crate::reaper::{Reaper, Status};
-use crate::server::{kill_group, StreamCtx};
+use crate::server::{StreamCtx, kill_group};
 use crate::transfer::Download;
 
 /// PATH of every exec unless the request sets its own.
@@ -31,7 +31,12 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     let started = Instant::now();
     let (mut child, status_rx) = match reaper.spawn(&mut cmd) {
         Ok(x) => x,
-        Err(e) => return ctx.fail(code::SPAWN_FAILED, format!("cannot start `{}`: {e}", program(&req))),
+        Err(e) => {
+            return ctx.fail(
+                code::SPAWN_FAILED,
+                format!("cannot start `{}`: {e}", program(&req)),
+            );
+        }
     };
     let pgid = child.id() as i32;
     ctx.pgid.store(pgid, Ordering::SeqCst);
@@ -60,8 +65,20 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     let (done_tx, done_rx) = channel::<()>();
     let mut pumps = 0;
     for (pipe, kind) in [
-        (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), Kind::Stdout),
-        (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), Kind::Stderr),
+        (
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            Kind::Stdout,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            Kind::Stderr,
+        ),
     ] {
         if let Some(pipe) = pipe {
             let dl = Download::new(ctx.out.clone(), ctx.id, kind, ctx.credit.clone());
@@ -121,7 +138,12 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
         Some(Status::Signaled(s)) => (None, Some(s)),
         None => (None, None),
     };
-    let exit = ExitStatus { exit_code, signal, timed_out, duration_ms };
+    let exit = ExitStatus {
+        exit_code,
+        signal,
+        timed_out,
+        duration_ms,
+    };
     ctx.out.send_json(Kind::Exit, ctx.id, &exit);
 }
 
@@ -169,9 +191,15 @@ fn command(req: &ExecRequest) -> Result<Command, String> {
     };
     let cwd = req.cwd.as_deref().unwrap_or("/workspace");
     if !Path::new(cwd).is_dir() {
-        return Err(format!("working directory {cwd} does not exist or is not a directory"));
+        return Err(format!(
+            "working directory {cwd} does not exist or is not a directory"
+        ));
     }
-    if let Some(bad) = req.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
+    if let Some(bad) = req
+        .env
+        .keys()
+        .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    {
         return Err(format!("environment variable name `{bad}` is not valid"));
     }
     if req.env.values().any(|v| v.contains('\0')) {
@@ -186,7 +214,11 @@ fn command(req: &ExecRequest) -> Result<Command, String> {
         .envs(&req.env)
         .current_dir(cwd)
         .process_group(0)
-        .stdin(if req.stdin { Stdio::piped() } else { Stdio::null() })
+        .stdin(if req.stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     Ok(cmd)

@@ -5,8 +5,8 @@ use std::io::{self, Read};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
-use sandbox_protocol::message::{code, Done, FilePut, PathRequest};
 use sandbox_protocol::Kind;
+use sandbox_protocol::message::{Done, FilePut, PathRequest, code};
 
 use crate::server::StreamCtx;
 use crate::transfer::Download;
@@ -22,9 +22,18 @@ pub fn put(mut ctx: StreamCtx, req: FilePut) {
         let (dir, name) = split_abs(path)?;
         let mode = req.mode.unwrap_or(0o644) & 0o7777;
         fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
-        let tmp = dir.join(format!(".{}.sandbox-upload-{}", name.to_string_lossy(), ctx.id));
+        let tmp = dir.join(format!(
+            ".{}.sandbox-upload-{}",
+            name.to_string_lossy(),
+            ctx.id
+        ));
         let copy = (|| {
-            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(mode)
+                .open(&tmp)?;
             let n = io::copy(&mut upload, &mut f)?;
             f.set_permissions(fs::Permissions::from_mode(mode))?;
             fs::rename(&tmp, path)?;
@@ -37,7 +46,8 @@ pub fn put(mut ctx: StreamCtx, req: FilePut) {
     })();
     match result {
         Ok(bytes) => {
-            ctx.out.send_json(Kind::Done, ctx.id, &Done { entries: 1, bytes });
+            ctx.out
+                .send_json(Kind::Done, ctx.id, &Done { entries: 1, bytes });
         }
         Err((code, msg)) => {
             let _ = upload.drain();
@@ -54,7 +64,10 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
         let mut f = File::open(path).map_err(|e| io_error(path, e))?;
         let meta = f.metadata().map_err(|e| io_error(path, e))?;
         if meta.is_dir() {
-            return Err((code::BAD_REQUEST, format!("{} is a directory; read it as an archive", path.display())));
+            return Err((
+                code::BAD_REQUEST,
+                format!("{} is a directory; read it as an archive", path.display()),
+            ));
         }
         let mut dl = Download::new(ctx.out.clone(), ctx.id, Kind::Output, ctx.credit.clone());
         let mut buf = vec![0u8; sandbox_protocol::DATA_CHUNK];
@@ -65,7 +78,8 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(io_error(path, e)),
             };
-            dl.send_now(&buf[..n]).map_err(|e| (code::IO, e.to_string()))?;
+            dl.send_now(&buf[..n])
+                .map_err(|e| (code::IO, e.to_string()))?;
         }
         dl.finish().map_err(|e| (code::IO, e.to_string()))?;
         Ok(())
@@ -78,11 +92,17 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
 /// Parent directory and file name of an absolute path that names a file.
 fn split_abs(path: &Path) -> Result<(&Path, &std::ffi::OsStr), (&'static str, String)> {
     if !path.is_absolute() {
-        return Err((code::BAD_REQUEST, format!("path `{}` is not absolute", path.display())));
+        return Err((
+            code::BAD_REQUEST,
+            format!("path `{}` is not absolute", path.display()),
+        ));
     }
     match (path.parent(), path.file_name()) {
         (Some(dir), Some(name)) => Ok((dir, name)),
-        _ => Err((code::BAD_REQUEST, format!("path `{}` does not name a file", path.display()))),
+        _ => Err((
+            code::BAD_REQUEST,
+            format!("path `{}` does not name a file", path.display()),
+        )),
     }
 }
 
@@ -91,7 +111,9 @@ pub fn io_error(path: &Path, e: io::Error) -> (&'static str, String) {
     let code = match e.kind() {
         io::ErrorKind::NotFound => code::NOT_FOUND,
         io::ErrorKind::StorageFull => code::NO_SPACE,
-        _ if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) => code::NO_SPACE,
+        _ if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) => {
+            code::NO_SPACE
+        }
         _ => code::IO,
     };
     (code, format!("{}: {e}", path.display()))

@@ -52,7 +52,12 @@ fn main() -> ExitCode {
 /// defaulting to the virtio-serial port.
 fn channel_spec() -> Result<ChannelSpec, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+    match args
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
         [] => {}
         ["--channel", v] => return v.parse(),
         ["--channel"] => return Err("--channel needs a value, e.g. serial:sandbox.agent".into()),
@@ -60,11 +65,20 @@ fn channel_spec() -> Result<ChannelSpec, String> {
             println!("sandbox-agent {VERSION}");
             std::process::exit(0);
         }
-        other => return Err(format!("unknown arguments {other:?}; use --channel <spec> or --version")),
+        other => {
+            return Err(format!(
+                "unknown arguments {other:?}; use --channel <spec> or --version"
+            ));
+        }
     }
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    match cmdline.split_whitespace().find_map(|w| w.strip_prefix("sandbox.channel=")) {
+    match cmdline
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("sandbox.channel="))
+    {
         Some(v) => v.parse(),
-        None => Ok(ChannelSpec::Serial(sandbox_protocol::SERIAL_PORT_NAME.to_owned())),
+        None => Ok(ChannelSpec::Serial(
+            sandbox_protocol::SERIAL_PORT_NAME.to_owned(),
+        )),
     }
 }

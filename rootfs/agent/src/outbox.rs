@@ -2,7 +2,7 @@
 //! frames never interleave and a slow host stalls senders (bounded queue) instead of growing memory.
 
 use std::io::Write;
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use sandbox_protocol::message::ErrorMessage;
 use sandbox_protocol::{Frame, Kind};
@@ -35,7 +35,9 @@ impl Outbox {
 
     /// Queues a frame; returns false if the writer is gone.
     pub fn send(&self, kind: Kind, stream: u32, payload: Vec<u8>) -> bool {
-        self.tx.send(Frame::new(kind, stream, payload).encode()).is_ok()
+        self.tx
+            .send(Frame::new(kind, stream, payload).encode())
+            .is_ok()
     }
 
     /// Queues a JSON control frame.

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::process::{Child, Command};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -37,7 +37,10 @@ struct State {
 
 impl Reaper {
     pub fn start() -> Reaper {
-        let inner = Arc::new(Inner { state: Mutex::new(State::default()), spawned: Condvar::new() });
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State::default()),
+            spawned: Condvar::new(),
+        });
         let r = Reaper { inner };
         let r2 = r.clone();
         std::thread::Builder::new()
@@ -61,7 +64,12 @@ impl Reaper {
 
     fn run(&self) {
         loop {
-            let seen = self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).spawns;
+            let seen = self
+                .inner
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .spawns;
             let mut raw = 0;
             // SAFETY: `raw` is a valid out-pointer for the duration of the call.
             let pid = unsafe { libc::waitpid(-1, &mut raw, 0) };
@@ -83,7 +91,10 @@ impl Reaper {
                 _ => {
                     let state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
                     if state.spawns == seen {
-                        let _ = self.inner.spawned.wait_timeout(state, Duration::from_secs(1));
+                        let _ = self
+                            .inner
+                            .spawned
+                            .wait_timeout(state, Duration::from_secs(1));
                     }
                 }
             }

@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sandbox_protocol::message::{self, code, Ready};
-use sandbox_protocol::{Decoder, Frame, Kind, INITIAL_WINDOW, PROTOCOL_VERSION};
+use sandbox_protocol::message::{self, Ready, code};
+use sandbox_protocol::{Decoder, Frame, INITIAL_WINDOW, Kind, PROTOCOL_VERSION};
 use serde::de::DeserializeOwned;
 
 use crate::channel::{ChannelSpec, Conn};
@@ -107,7 +107,12 @@ pub fn kill_group(pgid: i32, sig: i32) {
 /// EOF means "host disconnected for now", so this only returns for vsock.
 pub fn serve(conn: Conn, spec: &ChannelSpec, reaper: &Reaper) {
     let out = Outbox::start(conn.writer);
-    let mut server = Server { out, streams: Streams::default(), reaper: reaper.clone(), spec: spec.clone() };
+    let mut server = Server {
+        out,
+        streams: Streams::default(),
+        reaper: reaper.clone(),
+        spec: spec.clone(),
+    };
     server.send_ready(0);
     server.read_loop(conn.reader);
     server.streams.cancel_all();
@@ -160,7 +165,11 @@ impl Server {
 
     fn handle(&mut self, f: Frame) {
         let Some(kind) = Kind::from_u8(f.kind) else {
-            self.out.error(f.stream, code::UNKNOWN_KIND, format!("unknown frame kind 0x{:02x}", f.kind));
+            self.out.error(
+                f.stream,
+                code::UNKNOWN_KIND,
+                format!("unknown frame kind 0x{:02x}", f.kind),
+            );
             return;
         };
         match kind {
@@ -201,15 +210,24 @@ impl Server {
         let id = f.stream;
         let mut streams = self.streams.lock();
         if id == 0 {
-            self.out.error(0, code::BAD_STREAM, "stream 0 is the control stream; open requests on a new id");
+            self.out.error(
+                0,
+                code::BAD_STREAM,
+                "stream 0 is the control stream; open requests on a new id",
+            );
             return;
         }
         if streams.contains_key(&id) {
-            self.out.error(id, code::BAD_STREAM, format!("stream {id} is already open"));
+            self.out
+                .error(id, code::BAD_STREAM, format!("stream {id} is already open"));
             return;
         }
         if streams.len() >= MAX_STREAMS {
-            self.out.error(id, code::BUSY, format!("{MAX_STREAMS} streams are already open; retry later"));
+            self.out.error(
+                id,
+                code::BUSY,
+                format!("{MAX_STREAMS} streams are already open; retry later"),
+            );
             return;
         }
         let takes_upload = matches!(kind, Kind::ArchivePut | Kind::FilePut);
@@ -241,19 +259,20 @@ impl Server {
 
         let reaper = self.reaper.clone();
         let payload = f.payload;
-        let spawned = std::thread::Builder::new().name(format!("stream-{id}")).spawn(move || {
-            match kind {
+        let spawned = std::thread::Builder::new()
+            .name(format!("stream-{id}"))
+            .spawn(move || match kind {
                 Kind::Exec => with_request(ctx, &payload, |ctx, req| exec::run(ctx, req, &reaper)),
                 Kind::ArchivePut => with_request(ctx, &payload, archive::put),
                 Kind::ArchiveGet => with_request(ctx, &payload, archive::get),
                 Kind::FilePut => with_request(ctx, &payload, files::put),
                 Kind::FileGet => with_request(ctx, &payload, files::get),
                 _ => unreachable!("open_stream is only called for request kinds"),
-            }
-        });
+            });
         if let Err(e) = spawned {
             self.streams.remove(id);
-            self.out.error(id, code::BUSY, format!("cannot start a worker thread: {e}"));
+            self.out
+                .error(id, code::BUSY, format!("cannot start a worker thread: {e}"));
         }
     }
 
@@ -264,8 +283,16 @@ impl Server {
             return;
         };
         let Some(inbox) = &entry.inbox else {
-            let what = if kind == Kind::Stdin { "stdin" } else { "the upload" };
-            self.out.error(f.stream, code::BAD_STREAM, format!("{what} of stream {} is already closed", f.stream));
+            let what = if kind == Kind::Stdin {
+                "stdin"
+            } else {
+                "the upload"
+            };
+            self.out.error(
+                f.stream,
+                code::BAD_STREAM,
+                format!("{what} of stream {} is already closed", f.stream),
+            );
             return;
         };
         let len = f.payload.len() as u64;
@@ -274,7 +301,11 @@ impl Server {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |a| a.checked_sub(len))
             .is_ok();
         if !fits {
-            self.out.error(f.stream, code::WINDOW_EXCEEDED, "more data sent than the window granted");
+            self.out.error(
+                f.stream,
+                code::WINDOW_EXCEEDED,
+                "more data sent than the window granted",
+            );
             entry.cancel();
             return;
         }
@@ -293,7 +324,11 @@ impl Server {
                 }
             }
             None => {
-                self.out.error(f.stream, code::BAD_REQUEST, "a window payload is exactly 4 bytes");
+                self.out.error(
+                    f.stream,
+                    code::BAD_REQUEST,
+                    "a window payload is exactly 4 bytes",
+                );
             }
         }
     }
@@ -307,13 +342,21 @@ impl Server {
             }
         };
         if !(1..=64).contains(&req.signal) {
-            self.out.error(f.stream, code::BAD_REQUEST, format!("signal {} is not 1..=64", req.signal));
+            self.out.error(
+                f.stream,
+                code::BAD_REQUEST,
+                format!("signal {} is not 1..=64", req.signal),
+            );
             return;
         }
         match self.streams.lock().get(&f.stream) {
             Some(e) => kill_group(e.pgid.load(Ordering::SeqCst), req.signal),
             None => {
-                self.out.error(f.stream, code::BAD_STREAM, format!("no exec on stream {}", f.stream));
+                self.out.error(
+                    f.stream,
+                    code::BAD_STREAM,
+                    format!("no exec on stream {}", f.stream),
+                );
             }
         }
     }

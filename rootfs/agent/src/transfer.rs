@@ -2,12 +2,12 @@
 //! the host (get data) as `Write`, both under the stream's window.
 
 use std::io::{self, Read, Write};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
-use std::sync::Arc;
 
 use sandbox_protocol::message::window_payload;
-use sandbox_protocol::{Kind, DATA_CHUNK};
+use sandbox_protocol::{DATA_CHUNK, Kind};
 
 use crate::credit::Credit;
 use crate::outbox::Outbox;
@@ -26,7 +26,15 @@ pub struct Upload {
 
 impl Upload {
     pub fn new(rx: Receiver<Vec<u8>>, out: Outbox, stream: u32, allowance: Arc<AtomicU64>) -> Self {
-        Upload { rx, out, stream, allowance, buf: Vec::new(), pos: 0, done: false }
+        Upload {
+            rx,
+            out,
+            stream,
+            allowance,
+            buf: Vec::new(),
+            pos: 0,
+            done: false,
+        }
     }
 
     /// Reads and discards the rest of the upload, so the host is never left waiting for window.
@@ -51,7 +59,10 @@ impl Read for Upload {
                     self.pos = 0;
                 }
                 Err(_) => {
-                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the host cancelled the upload"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "the host cancelled the upload",
+                    ));
                 }
             }
         }
@@ -74,18 +85,27 @@ pub struct Download {
 
 impl Download {
     pub fn new(out: Outbox, stream: u32, kind: Kind, credit: Arc<Credit>) -> Self {
-        Download { out, stream, kind, credit, buf: Vec::with_capacity(DATA_CHUNK), bytes: 0 }
+        Download {
+            out,
+            stream,
+            kind,
+            credit,
+            buf: Vec::with_capacity(DATA_CHUNK),
+            bytes: 0,
+        }
     }
 
     /// Sends `data` now, splitting it as the window allows.
     pub fn send_now(&mut self, mut data: &[u8]) -> io::Result<()> {
         while !data.is_empty() {
-            let n = self
-                .credit
-                .take(data.len())
-                .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "the host cancelled the stream"))?;
+            let n = self.credit.take(data.len()).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::BrokenPipe, "the host cancelled the stream")
+            })?;
             if !self.out.send(self.kind, self.stream, data[..n].to_vec()) {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the channel to the host is closed"));
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "the channel to the host is closed",
+                ));
             }
             self.bytes += n as u64;
             data = &data[n..];

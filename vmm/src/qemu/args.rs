@@ -20,7 +20,11 @@ pub enum Arch {
 impl Arch {
     /// The architecture of this host, which is the guest's.
     pub fn host() -> Arch {
-        if cfg!(target_arch = "aarch64") { Arch::Aarch64 } else { Arch::X86_64 }
+        if cfg!(target_arch = "aarch64") {
+            Arch::Aarch64
+        } else {
+            Arch::X86_64
+        }
     }
 
     /// The QEMU system emulator for it.
@@ -102,7 +106,15 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
     push(&spec.memory_mib.to_string());
     push("-smp");
     push(&spec.vcpus.to_string());
-    for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio"] {
+    for s in [
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+    ] {
         push(s);
     }
     push("-kernel");
@@ -129,9 +141,15 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
         // format=raw always: a guest-written image must never be probed for a format.
         let mut drive = OsString::from("file=");
         drive.push(escape_commas(disk.path.as_os_str()));
-        drive.push(format!(",if=none,id=disk{i},format=raw,readonly={}", if disk.read_only { "on" } else { "off" }));
+        drive.push(format!(
+            ",if=none,id=disk{i},format=raw,readonly={}",
+            if disk.read_only { "on" } else { "off" }
+        ));
         a.extend(["-drive".into(), drive]);
-        a.extend(["-device".into(), format!("virtio-blk-device,drive=disk{i}").into()]);
+        a.extend([
+            "-device".into(),
+            format!("virtio-blk-device,drive=disk{i}").into(),
+        ]);
     }
     a
 }
@@ -162,7 +180,10 @@ mod tests {
             vcpus: 2,
             kernel: "/img/vmlinux".into(),
             initrd: Some("/img/initramfs.cpio".into()),
-            disks: vec![Disk { path: PathBuf::from("/d/base,1.ext4"), read_only: true }],
+            disks: vec![Disk {
+                path: PathBuf::from("/d/base,1.ext4"),
+                read_only: true,
+            }],
             cmdline: vec!["extra=1".into()],
             state_dir: "/s".into(),
         }
@@ -181,7 +202,9 @@ mod tests {
         let s = joined(Arch::X86_64, Accel::Tcg);
         assert!(s.starts_with("-M microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on -accel tcg -cpu max -m 4096 -smp 2 "), "{s}");
         assert!(!s.contains("pit=off"));
-        assert!(s.contains("-kernel /img/vmlinux -initrd /img/initramfs.cpio -append console=ttyS0 reboot=t"));
+        assert!(s.contains(
+            "-kernel /img/vmlinux -initrd /img/initramfs.cpio -append console=ttyS0 reboot=t"
+        ));
         assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
         assert!(s.contains("-chardev socket,id=agent,path=/s/agent.sock -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
         assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0"));
@@ -197,7 +220,10 @@ mod tests {
     #[test]
     fn aarch64_hvf_virt() {
         let s = joined(Arch::Aarch64, Accel::Hvf);
-        assert!(s.starts_with("-M virt,highmem=on -accel hvf -cpu host -m 4096 -smp 2"), "{s}");
+        assert!(
+            s.starts_with("-M virt,highmem=on -accel hvf -cpu host -m 4096 -smp 2"),
+            "{s}"
+        );
         assert!(s.contains("-append console=ttyAMA0 panic=-1"));
         assert!(!s.contains("microvm") && !s.contains("ttyS0"));
         assert!(s.contains("virtio-serial-device") && s.contains("virtio-blk-device,drive=disk0"));

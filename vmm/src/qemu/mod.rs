@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 
-pub use accel::{resolve_accel, AccelChoice};
+pub use accel::{AccelChoice, resolve_accel};
 pub use args::{Accel, Arch};
 
 use crate::backend::{Backend, StartedVm, VmError, VmSpec};
@@ -35,12 +35,22 @@ impl QemuBackend {
         let arch = Arch::host();
         let program = find_qemu(arch)?;
         let choice = resolve_accel(setting, arch, &program, store).await;
-        Ok(QemuBackend { arch, accel: choice.accel, program, warning: choice.warning })
+        Ok(QemuBackend {
+            arch,
+            accel: choice.accel,
+            program,
+            warning: choice.warning,
+        })
     }
 
     /// A backend with a fixed accelerator and program, for tests and the KVM probe.
     pub fn with(arch: Arch, accel: Accel, program: PathBuf) -> QemuBackend {
-        QemuBackend { arch, accel, program, warning: None }
+        QemuBackend {
+            arch,
+            accel,
+            program,
+            warning: None,
+        }
     }
 
     /// Why the accelerator is not the best one, when it is not (e.g. TCG fallback).
@@ -75,7 +85,11 @@ pub fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|d| d.join(name))
-        .find(|p| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false))
+        .find(|p| {
+            p.metadata()
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
 }
 
 #[async_trait]
@@ -103,10 +117,16 @@ impl Backend for QemuBackend {
 
 fn validate(spec: &VmSpec) -> Result<(), VmError> {
     if spec.vcpus == 0 || spec.vcpus > 64 {
-        return Err(VmError::InvalidSpec(format!("vcpus must be 1 to 64, not {}", spec.vcpus)));
+        return Err(VmError::InvalidSpec(format!(
+            "vcpus must be 1 to 64, not {}",
+            spec.vcpus
+        )));
     }
     if spec.memory_mib < 128 {
-        return Err(VmError::InvalidSpec(format!("memory_mib must be at least 128, not {}", spec.memory_mib)));
+        return Err(VmError::InvalidSpec(format!(
+            "memory_mib must be at least 128, not {}",
+            spec.memory_mib
+        )));
     }
     let sock_len = spec.state_dir.join("agent.sock").as_os_str().len();
     if sock_len > MAX_SOCKET_PATH {
@@ -118,7 +138,10 @@ fn validate(spec: &VmSpec) -> Result<(), VmError> {
     }
     for p in std::iter::once(&spec.kernel).chain(spec.initrd.iter()) {
         if !p.is_file() {
-            return Err(VmError::InvalidSpec(format!("{} does not exist", p.display())));
+            return Err(VmError::InvalidSpec(format!(
+                "{} does not exist",
+                p.display()
+            )));
         }
     }
     Ok(())
@@ -127,7 +150,10 @@ fn validate(spec: &VmSpec) -> Result<(), VmError> {
 fn make_state_dir(dir: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.exists() {
-        return Err(VmError::InvalidSpec(format!("the VM state directory {} already exists", dir.display())));
+        return Err(VmError::InvalidSpec(format!(
+            "the VM state directory {} already exists",
+            dir.display()
+        )));
     }
     std::fs::DirBuilder::new()
         .recursive(true)

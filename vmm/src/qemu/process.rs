@@ -33,12 +33,21 @@ pub struct QemuVm {
 }
 
 /// Spawns QEMU with `args` and waits for it to connect to the agent socket.
-pub async fn spawn(program: &Path, args: Vec<std::ffi::OsString>, spec: &VmSpec) -> Result<StartedVm, VmError> {
+pub async fn spawn(
+    program: &Path,
+    args: Vec<std::ffi::OsString>,
+    spec: &VmSpec,
+) -> Result<StartedVm, VmError> {
     let sock = spec.state_dir.join("agent.sock");
-    let listener = UnixListener::bind(&sock).map_err(|e| VmError::io(format!("listening on {}", sock.display()), e))?;
+    let listener = UnixListener::bind(&sock)
+        .map_err(|e| VmError::io(format!("listening on {}", sock.display()), e))?;
 
     let mut cmd = Command::new(program);
-    cmd.args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+    cmd.args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
     // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which is
     // async-signal-safe; it makes the kernel kill QEMU if sandbox-host dies, so no VM outlives it.
     unsafe {
@@ -49,7 +58,9 @@ pub async fn spawn(program: &Path, args: Vec<std::ffi::OsString>, spec: &VmSpec)
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(|e| VmError::Start(format!("cannot run {}: {e}", program.display())))?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| VmError::Start(format!("cannot run {}: {e}", program.display())))?;
     let pid = child.id().unwrap_or(0);
 
     let console = Arc::new(Mutex::new(ConsoleLog::default()));
@@ -62,9 +73,21 @@ pub async fn spawn(program: &Path, args: Vec<std::ffi::OsString>, spec: &VmSpec)
 
     let (exit_tx, exit_rx) = watch::channel(None);
     let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    tokio::spawn(wait_exit(child, console.clone(), exit_tx, stop_requested.clone()));
+    tokio::spawn(wait_exit(
+        child,
+        console.clone(),
+        exit_tx,
+        stop_requested.clone(),
+    ));
 
-    let vm = QemuVm { pid, pidfd: pidfd_open(pid), console, exit: exit_rx, stop_requested, state_dir: spec.state_dir.clone() };
+    let vm = QemuVm {
+        pid,
+        pidfd: pidfd_open(pid),
+        console,
+        exit: exit_rx,
+        stop_requested,
+        state_dir: spec.state_dir.clone(),
+    };
     let accepted = tokio::select! {
         r = tokio::time::timeout(CONNECT_TIMEOUT, listener.accept()) => r,
         exit = vm.wait() => return Err(VmError::DiedEarly(exit)),
@@ -79,14 +102,26 @@ pub async fn spawn(program: &Path, args: Vec<std::ffi::OsString>, spec: &VmSpec)
         }
         Err(_) => {
             vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(format!("QEMU did not connect to the agent socket within {CONNECT_TIMEOUT:?}")));
+            return Err(VmError::Start(format!(
+                "QEMU did not connect to the agent socket within {CONNECT_TIMEOUT:?}"
+            )));
         }
     };
     let (read, write) = stream.into_split();
-    Ok(StartedVm { vm: Box::new(vm), channel: Channel { read: Box::new(read), write: Box::new(write) } })
+    Ok(StartedVm {
+        vm: Box::new(vm),
+        channel: Channel {
+            read: Box::new(read),
+            write: Box::new(write),
+        },
+    })
 }
 
-async fn pump(mut r: impl AsyncRead + Unpin, console: Arc<Mutex<ConsoleLog>>, prefix: &'static str) {
+async fn pump(
+    mut r: impl AsyncRead + Unpin,
+    console: Arc<Mutex<ConsoleLog>>,
+    prefix: &'static str,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     let mut line_start = true;
     loop {
@@ -115,14 +150,25 @@ async fn wait_exit(
     let status = child.wait().await;
     // Give the console pumps a moment to take QEMU's last words.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let lines = console.lock().unwrap_or_else(|e| e.into_inner()).tail(EXIT_CONSOLE_LINES);
+    let lines = console
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .tail(EXIT_CONSOLE_LINES);
     let requested = stop_requested.load(std::sync::atomic::Ordering::SeqCst);
     let reason = classify(status.as_ref().ok().copied(), requested, &lines);
-    tx.send_replace(Some(VmExit { reason, requested, console: lines }));
+    tx.send_replace(Some(VmExit {
+        reason,
+        requested,
+        console: lines,
+    }));
 }
 
 /// One line saying why QEMU ended.
-fn classify(status: Option<std::process::ExitStatus>, requested: bool, console: &[String]) -> String {
+fn classify(
+    status: Option<std::process::ExitStatus>,
+    requested: bool,
+    console: &[String],
+) -> String {
     use std::os::unix::process::ExitStatusExt;
     if requested {
         return "stopped by the host".into();
@@ -135,7 +181,9 @@ fn classify(status: Option<std::process::ExitStatus>, requested: bool, console: 
     }
     match status {
         Some(s) if s.code() == Some(0) => "the guest powered off or restarted".into(),
-        Some(s) if s.signal().is_some() => format!("QEMU was killed by signal {}", s.signal().unwrap_or(0)),
+        Some(s) if s.signal().is_some() => {
+            format!("QEMU was killed by signal {}", s.signal().unwrap_or(0))
+        }
         Some(s) => format!("QEMU exited with status {}", s.code().unwrap_or(-1)),
         None => "QEMU's exit status could not be read".into(),
     }
@@ -155,14 +203,19 @@ impl Vm for QemuVm {
             }
             if rx.changed().await.is_err() {
                 // The waiter task is gone without a result; only possible at runtime shutdown.
-                return VmExit { reason: "the VM monitor task ended".into(), requested: false, console: vec![] };
+                return VmExit {
+                    reason: "the VM monitor task ended".into(),
+                    requested: false,
+                    console: vec![],
+                };
             }
         }
     }
 
     async fn stop(&self, grace: Duration) -> VmExit {
         if self.exit().is_none() {
-            self.stop_requested.store(true, std::sync::atomic::Ordering::SeqCst);
+            self.stop_requested
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             self.signal(libc::SIGTERM);
             if tokio::time::timeout(grace, self.wait()).await.is_err() {
                 self.signal(libc::SIGKILL);
@@ -174,7 +227,10 @@ impl Vm for QemuVm {
     }
 
     fn console_tail(&self, n: usize) -> Vec<String> {
-        self.console.lock().unwrap_or_else(|e| e.into_inner()).tail(n)
+        self.console
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .tail(n)
     }
 
     fn pid(&self) -> Option<u32> {
@@ -187,7 +243,8 @@ impl Drop for QemuVm {
         // Dropped without a stop (an error path, a panic): kill now, clean up now. The waiter task
         // reaps the process.
         if self.exit().is_none() {
-            self.stop_requested.store(true, std::sync::atomic::Ordering::SeqCst);
+            self.stop_requested
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             self.signal(libc::SIGKILL);
         }
         remove_state_dir(&self.state_dir);
@@ -201,7 +258,13 @@ impl QemuVm {
             Some(fd) => {
                 // SAFETY: pidfd_send_signal with a valid pidfd we own and a null siginfo.
                 unsafe {
-                    libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0)
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        fd.as_raw_fd(),
+                        sig,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0,
+                    )
                 };
             }
             None if self.pid > 0 && self.exit().is_none() => {
