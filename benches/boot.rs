@@ -113,6 +113,20 @@ fn time_run(bin: &PathBuf, argv: &[&str], first_byte: bool) -> Duration {
     elapsed.unwrap_or_else(|| t.elapsed())
 }
 
+/// The VM every row boots: the stock image, 4096 MiB, 2 vCPUs (the defaults of a sandbox).
+fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> VmSpec {
+    VmSpec {
+        id: name.into(),
+        memory_mib: 4096,
+        vcpus: 2,
+        kernel: kernel.to_path_buf(),
+        initrd: Some(initrd.to_path_buf()),
+        disks: vec![],
+        cmdline: vec![],
+        state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
+    }
+}
+
 fn main() {
     let runs: usize = std::env::var("BENCH_RUNS")
         .ok()
@@ -149,16 +163,7 @@ fn main() {
             run_true.push(time_run(bin, &["true"], false));
             first_byte.push(time_run(bin, &["echo", "x"], true));
         }
-        let spec = VmSpec {
-            id: format!("bench-{i}"),
-            memory_mib: 4096,
-            vcpus: 2,
-            kernel: image.kernel.clone(),
-            initrd: Some(initrd.clone()),
-            disks: vec![],
-            cmdline: vec![],
-            state_dir: config::state_dir().join(format!("bench-{}-{i}", std::process::id())),
-        };
+        let spec = spec_for(&image.kernel, &initrd, &format!("bench-{i}"));
         rt.block_on(async {
             let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120))
                 .await
@@ -171,16 +176,7 @@ fn main() {
     // Exec round trips on one running sandbox.
     let mut exec_rt = vec![];
     rt.block_on(async {
-        let spec = VmSpec {
-            id: "bench-exec".into(),
-            memory_mib: 4096,
-            vcpus: 2,
-            kernel: image.kernel.clone(),
-            initrd: Some(initrd.clone()),
-            disks: vec![],
-            cmdline: vec![],
-            state_dir: config::state_dir().join(format!("bench-exec-{}", std::process::id())),
-        };
+        let spec = spec_for(&image.kernel, &initrd, "bench-exec");
         let sb = sandbox_vmm::boot(&backend, spec, Duration::from_secs(120))
             .await
             .expect("boot");

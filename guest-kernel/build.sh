@@ -8,12 +8,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 . "$root/scripts/cache-dir.sh"
 
-arch=${1:-x86_64}
-if [ "$arch" != x86_64 ]; then
-  echo "guest-kernel: only x86_64 builds on this machine; see guest-kernel/README.md for aarch64" >&2
-  exit 2
-fi
-fragment="$here/$arch.config"
+# Variants: x86_64 (the guest kernel), nested-host (the guest kernel plus built-in KVM, for the
+# nested test host of the KVM backend's tests).
+variant=${1:-x86_64}
+case "$variant" in
+  x86_64) fragments=("$here/x86_64.config") ;;
+  nested-host) fragments=("$here/x86_64.config" "$here/nested-host.config") ;;
+  *) echo "guest-kernel: unknown variant '$variant' (x86_64 or nested-host); aarch64: see guest-kernel/README.md" >&2; exit 2 ;;
+esac
+arch=$variant
 tarball=/usr/src/linux-source-6.12.tar.xz
 log() { printf '[guest-kernel %s] %s\n' "$(date +%T)" "$*" >&2; }
 
@@ -23,7 +26,10 @@ if [ ! -f "$tarball" ] || ! command -v flex >/dev/null || ! command -v bison >/d
 fi
 
 src_version=$(dpkg-query -W -f='${Version}' linux-source-6.12 2>/dev/null || stat -c %s "$tarball")
-key=$( { cat "$fragment" "$here/build.sh"; echo "$src_version"; } | sha256sum | cut -c1-16)
+# The key covers what decides the output: the fragments, the source version, and BUILD_REV, which
+# is bumped when a change to this script changes what it builds (edits that do not, keep the cache).
+BUILD_REV=2
+key=$( { cat "${fragments[@]}"; echo "$src_version rev $BUILD_REV"; } | sha256sum | cut -c1-16)
 cache=$(sandbox_cache_dir)
 out="$cache/kernel/$arch-$key"
 if [ -f "$out/vmlinux" ]; then
@@ -32,7 +38,8 @@ if [ -f "$out/vmlinux" ]; then
   exit 0
 fi
 
-work="$cache/kernel-build"
+# One source tree per variant, so switching variants does not rebuild everything.
+work="$cache/kernel-build/$variant"
 tree="$work/linux-source-6.12"
 mkdir -p "$work"
 if [ "$(cat "$work/.extracted" 2>/dev/null)" != "$src_version" ]; then
@@ -43,9 +50,9 @@ if [ "$(cat "$work/.extracted" 2>/dev/null)" != "$src_version" ]; then
 fi
 
 cd "$tree"
-log "configuring: tinyconfig + $(basename "$fragment")"
+log "configuring: tinyconfig + ${fragments[*]##*/}"
 make -s tinyconfig >/dev/null
-scripts/kconfig/merge_config.sh -m .config "$fragment" >/dev/null
+scripts/kconfig/merge_config.sh -m .config "${fragments[@]}" >/dev/null
 make -s olddefconfig >/dev/null
 
 # Every option the fragment asks for must have survived olddefconfig: a silently dropped option
@@ -56,8 +63,8 @@ while IFS= read -r line; do
     CONFIG_*=n) opt=${line%%=*}; grep -q "^$opt=" .config && { log "option $opt is set, fragment wants it off"; bad=1; } ;;
     CONFIG_*=*) grep -qx "$line" .config || { log "option ${line%%=*} did not take (wanted ${line#*=}; got: $(grep "^${line%%=*}=\|^# ${line%%=*} is not set" .config || echo absent))"; bad=1; } ;;
   esac
-done < <(grep -E '^CONFIG_' "$fragment")
-[ "$bad" = 0 ] || { log "the config fragment did not apply cleanly; fix $fragment"; exit 1; }
+done < <(cat "${fragments[@]}" | grep -E '^CONFIG_')
+[ "$bad" = 0 ] || { log "the config fragments did not apply cleanly; fix ${fragments[*]}"; exit 1; }
 
 jobs=${JOBS:-$(nproc)}
 log "building vmlinux with $jobs jobs (about 3 minutes on 2 cores); progress every 100 objects"

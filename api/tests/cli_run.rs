@@ -1,28 +1,8 @@
 //! `sandbox-host run` as an operator uses it: the real binary, a real VM on the stock image.
 
-use std::process::Command;
+mod common;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sandbox-host"))
-}
-
-/// The stock image must exist for the VM tests; CI builds it and sets SANDBOX_HOST_REQUIRE_E2E.
-fn stock_image_missing() -> bool {
-    let store = sandbox_vmm::config::image_dir();
-    if store.join("stock/manifest.json").is_file() {
-        return false;
-    }
-    let why = format!(
-        "no stock image in {}; run `bash rootfs/build-stock.sh`",
-        store.display()
-    );
-    assert!(
-        std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"),
-        "{why}"
-    );
-    eprintln!("skipped: {why}");
-    true
-}
+use common::{bin, stock_image_missing};
 
 #[test]
 fn run_streams_output_and_passes_the_exit_code_on() {

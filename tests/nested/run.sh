@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The nested test host: runs a command inside a QEMU/TCG guest whose processor is emulated with
+# AMD SVM (`-cpu max`), so that /dev/kvm in there is real KVM, whatever this machine's own /dev/kvm
+# can do. The guest gets the nested-host kernel (guest kernel + built-in KVM), busybox, QEMU, the
+# stock image at /images/stock, and the files named with --with (binaries get their shared
+# libraries). The command's output streams through; this script exits with the command's status.
+#
+#   tests/nested/run.sh [--with FILE]... [--mem MIB] [--timeout S] -- 'shell command'
+#
+# Files given with --with land in /work/<name>; binaries are stripped of debug info first.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+. "$root/scripts/cache-dir.sh"
+log() { printf '[nested %s] %s\n' "$(date +%T)" "$*" >&2; }
+
+with=(); mem=6144; timeout=1200
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --with) with+=("$2"); shift 2 ;;
+    --mem) mem=$2; shift 2 ;;
+    --timeout) timeout=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "usage: $0 [--with FILE]... [--mem MIB] [--timeout S] -- 'command'" >&2; exit 2 ;;
+  esac
+done
+[ $# -eq 1 ] || { echo "give exactly one shell command after --" >&2; exit 2; }
+cmd=$1
+
+kernel=$(bash "$root/guest-kernel/build.sh" nested-host)
+stock=$(bash "$root/rootfs/build-stock.sh")
+cache=$(sandbox_cache_dir)
+work=$(mktemp -d "${TMPDIR:-/tmp}/nested.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+tree="$work/tree"
+mkdir -p "$tree"/{bin,sbin,usr/bin,usr/sbin,usr/share/qemu,etc,proc,sys,dev,tmp,root,work,images,lib,lib64}
+
+# Copies a binary and every shared library it loads (with the same paths).
+add_binary() {
+  local src=$1 dst=$2
+  mkdir -p "$(dirname "$tree/$dst")"
+  strip --strip-debug -o "$tree/$dst" "$src" 2>/dev/null || cp "$src" "$tree/$dst"
+  chmod +x "$tree/$dst"
+  ldd "$src" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
+    [ -e "$tree/$lib" ] || { mkdir -p "$(dirname "$tree/$lib")"; cp -L "$lib" "$tree/$lib"; }
+  done
+}
+
+cp /bin/busybox "$tree/bin/busybox"
+for applet in $(/bin/busybox --list-full); do
+  [ -e "$tree/$applet" ] || ln -s /bin/busybox "$tree/$applet"
+done
+add_binary "$(command -v qemu-system-x86_64)" /usr/bin/qemu-system-x86_64
+add_binary "$(command -v qemu-img)" /usr/bin/qemu-img
+# QEMU's firmware and option ROMs for the microvm machine (qboot, PVH and Linux loaders); Debian
+# ships bios-microvm.bin with seabios.
+for fw in qboot.rom pvh.bin linuxboot_dma.bin linuxboot.bin multiboot_dma.bin bios-microvm.bin; do
+  for d in /usr/share/qemu /usr/share/seabios; do
+    if [ -e "$d/$fw" ]; then cp -L "$d/$fw" "$tree/usr/share/qemu/$fw"; break; fi
+  done
+done
+[ -e "$tree/usr/share/qemu/qboot.rom" ] || { log "QEMU's qboot.rom is missing; install qemu-system-x86"; exit 125; }
+for f in "${with[@]}"; do
+  if ldd "$f" >/dev/null 2>&1; then add_binary "$f" "/work/$(basename "$f")"; else cp -L "$f" "$tree/work/"; fi
+done
+cp -rL "$stock" "$tree/images/stock"
+install -m 0755 "$here/init" "$tree/init"
+env | grep -E '^(SANDBOX_HOST_[A-Z_]+|RUST_BACKTRACE)=' | grep -vE 'SANDBOX_HOST_(CACHE|IMAGE_DIR|STATE_DIR)=' \
+  | sed "s/=\(.*\)/='\1'/; s/^/export /" > "$tree/nested.env" || true
+printf 'root:x:0:0:root:/root:/bin/sh\n' > "$tree/etc/passwd"
+printf '%s\n' "$cmd" > "$tree/nested.cmd"
+(cd "$tree" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc --owner=0:0) > "$work/initramfs.cpio"
+log "initramfs $(du -h "$work/initramfs.cpio" | cut -f1); booting the nested host (TCG, emulated SVM, $mem MiB)"
+
+out="$work/console.log"
+set +e
+timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel tcg -cpu max \
+  -m "$mem" -smp 2 -nodefaults -no-user-config -display none -no-reboot -serial stdio \
+  -kernel "$kernel" -initrd "$work/initramfs.cpio" \
+  -append "console=ttyS0 reboot=t panic=-1 quiet" \
+  -device virtio-rng-device </dev/null | tee "$out"
+qemu_status=${PIPESTATUS[0]}
+set -e
+status=$(sed -n 's/^NESTED-EXIT \([0-9]*\).*/\1/p' "$out" | tail -n 1)
+if [ -z "$status" ]; then
+  log "the nested host ended without running the command to completion (QEMU status $qemu_status)"
+  exit 125
+fi
+exit "$status"
