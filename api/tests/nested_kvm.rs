@@ -13,7 +13,13 @@ use common::{bin, stock_image_missing};
 fn selected_accel(stderr: &str) -> Option<String> {
     let line = stderr.lines().find(|l| l.contains("backend selected"))?;
     let at = line.find("accel=")? + "accel=".len();
-    Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
+    Some(
+        line[at..]
+            .split_whitespace()
+            .next()?
+            .trim_matches('"')
+            .to_string(),
+    )
 }
 
 #[test]
@@ -35,10 +41,15 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         return;
     }
     assert_eq!(accel, "tcg", "{stderr}");
-    assert!(stderr.contains("QEMU emulates the processor (tcg)"), "the fallback must be announced: {stderr}");
+    assert!(
+        stderr.contains("QEMU emulates the processor (tcg)"),
+        "the fallback must be announced: {stderr}"
+    );
 
     // This host's /dev/kvm cannot boot Linux: prove the KVM path one level down.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
     let out = Command::new("bash")
         .arg(root.join("tests/nested/run.sh"))
         .args(["--with", env!("CARGO_BIN_EXE_sandbox-host"), "--"])
@@ -50,8 +61,20 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("NESTED-START kvm=yes"), "the nested host has no /dev/kvm: {text}");
-    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(selected_accel(&text).as_deref(), Some("kvm"), "auto did not pick KVM on a real KVM host: {text}");
+    assert!(
+        text.contains("NESTED-START kvm=yes"),
+        "the nested host has no /dev/kvm: {text}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        selected_accel(&text).as_deref(),
+        Some("kvm"),
+        "auto did not pick KVM on a real KVM host: {text}"
+    );
     assert!(text.contains("nested-ok"), "{text}");
 }

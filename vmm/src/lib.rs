@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod config;
 pub mod image;
+pub mod kvm;
 pub mod qemu;
 pub mod sandbox;
 
