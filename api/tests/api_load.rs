@@ -47,7 +47,7 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
     let h = std::sync::Arc::new(start(&[]));
     let pid = h.child.id();
     // A first sandbox warms up what is allocated once (runtime threads, the HTTP server).
-    let warm = h.create(json!({"memory_mib": 128})).await;
+    let warm = h.create(json!({"memory_mib": 256})).await;
     h.exec(&warm, "true").await;
     assert_eq!(
         h.req("DELETE", &format!("/v1/sandboxes/{warm}"), vec![], &[])
@@ -65,7 +65,7 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
             let h = h.clone();
             tasks.push(tokio::spawn(async move {
                 let id = h
-                    .create(json!({"run_id": format!("load-{round}-{i}"), "memory_mib": 128}))
+                    .create(json!({"run_id": format!("load-{round}-{i}"), "memory_mib": 256}))
                     .await;
                 let (out, _, last) = h.exec(&id, &format!("echo {round}-{i}")).await;
                 assert_eq!(String::from_utf8_lossy(&out), format!("{round}-{i}\n"));

@@ -77,7 +77,7 @@ pub async fn boot(
             boot_time: t0.elapsed(),
         }),
         Err(e) => {
-            let console = vm.console_tail(20);
+            let console = diagnostic_lines(vm.as_ref());
             vm.stop(Duration::ZERO).await;
             Err(match e {
                 ClientError::Timeout(_) => BootError::NotReady { timeout, console },
@@ -88,4 +88,25 @@ pub async fn boot(
             })
         }
     }
+}
+
+/// The console lines that explain a failed boot: any kernel panic, BUG, oops or OOM line from the
+/// recent console (these scroll away behind a call trace), then the last lines.
+pub fn diagnostic_lines(vm: &dyn Vm) -> Vec<String> {
+    const MARKERS: [&str; 5] = [
+        "Kernel panic",
+        "BUG:",
+        "Oops",
+        "Out of memory",
+        "general protection fault",
+    ];
+    let recent = vm.console_tail(400);
+    let mut lines: Vec<String> = recent
+        .iter()
+        .filter(|l| MARKERS.iter().any(|m| l.contains(m)))
+        .take(3)
+        .cloned()
+        .collect();
+    lines.extend(recent.iter().rev().take(8).rev().cloned());
+    lines
 }
