@@ -77,6 +77,8 @@ pub async fn boot(
             boot_time: t0.elapsed(),
         }),
         Err(e) => {
+            // The channel usually closes because the VM is ending: let its console finish first.
+            let _ = tokio::time::timeout(Duration::from_secs(1), vm.wait()).await;
             let console = diagnostic_lines(vm.as_ref());
             vm.stop(Duration::ZERO).await;
             Err(match e {
