@@ -133,12 +133,19 @@ async fn twenty_sandboxes_ten_rounds_nothing_leaks() {
     );
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     let m = String::from_utf8_lossy(&m);
+    let booted = rounds * 20 + 1 - failed;
     assert!(
-        m.contains(&format!("sandbox_host_boots_total {}", rounds * 20 + 1)),
+        m.contains(&format!("sandbox_host_boots_total {booted}")),
         "{m}"
     );
-    assert!(m.contains(&format!(
-        "sandbox_host_disposals_total{{reason=\"deleted\"}} {}",
-        rounds * 20 + 1
-    )));
+    assert!(
+        m.contains(&format!("sandbox_host_boot_failures_total {failed}")),
+        "{m}"
+    );
+    assert!(
+        m.contains(&format!(
+            "sandbox_host_disposals_total{{reason=\"deleted\"}} {booted}"
+        )),
+        "{m}"
+    );
 }
