@@ -100,7 +100,9 @@ mod tests {
         assert_eq!(log.tail(5), vec!["line 998", "line 999"]);
         assert_eq!(
             log.total_bytes(),
-            (0..1000).map(|i| format!("line {i}\n").len() as u64).sum()
+            (0..1000)
+                .map(|i| format!("line {i}\n").len() as u64)
+                .sum::<u64>()
         );
     }
 

@@ -1,10 +1,13 @@
 //! Device models of sandbox-host.
 //!
-//! The virtio-mmio transport and the virtio-blk, virtio-vsock and virtio-net devices of the KVM
-//! backend land here (issue 3). What is here already is shared by both backends: the console log,
-//! the bounded record of what a guest printed, kept so a VM that dies can say why.
+//! The console log is shared by both backends: the bounded record of what a guest printed, kept
+//! so a VM that dies can say why. The virtio devices (block, vsock, net) and their virtio-mmio
+//! transport belong to the KVM backend, which runs them in-process on its device thread.
 #![forbid(unsafe_code)]
 
+pub mod boot_marker;
 pub mod console_log;
+pub mod virtio;
 
+pub use boot_marker::BootMarker;
 pub use console_log::ConsoleLog;

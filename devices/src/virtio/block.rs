@@ -1,0 +1,351 @@
+//! virtio-blk on a raw host file (virtio 1.2, section 5.2).
+//!
+//! The file is never probed for a format: the guest may have written anything into it. Every
+//! request is checked against the disk's size before any host I/O; requests run synchronously on
+//! the device thread through a bounded bounce buffer, so a guest asking for a huge transfer
+//! costs time, not host memory.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT,
+};
+
+use event_manager::EventOps;
+
+use super::queue::{add_used, pop, reader, writer};
+use super::{DeviceError, Queues, VIRTIO_F_VERSION_1, VirtioDevice};
+
+/// virtio device id of block devices.
+pub const DEVICE_TYPE: u32 = 2;
+const SECTOR: u64 = 512;
+const QUEUE_SIZES: [u16; 1] = [256];
+/// Bounce buffer size: the most host memory one request holds at a time.
+const CHUNK: usize = 128 * 1024;
+
+/// A block device.
+pub struct Block {
+    file: File,
+    read_only: bool,
+    capacity_sectors: u64,
+    id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    buf: Vec<u8>,
+    /// Requests answered with an error because they were malformed or out of range.
+    pub bad_requests: u64,
+}
+
+impl Block {
+    /// Opens `path` (read-only if `read_only`) as a disk called `id` (at most 20 bytes used).
+    pub fn open(path: &Path, read_only: bool, id: &str) -> std::io::Result<Block> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)?;
+        let len = file.metadata()?.len();
+        let mut idb = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        for (d, s) in idb.iter_mut().zip(id.bytes()) {
+            *d = s;
+        }
+        Ok(Block {
+            file,
+            read_only,
+            capacity_sectors: len / SECTOR,
+            id: idb,
+            buf: Vec::new(),
+            bad_requests: 0,
+        })
+    }
+
+    fn execute(&mut self, q: &mut Queues, chain: super::queue::Chain<'_>) -> (u8, u32) {
+        let Some(mut r) = reader(q.mem, chain.clone()) else {
+            return (VIRTIO_BLK_S_IOERR as u8, 0);
+        };
+        let Some(mut w) = writer(q.mem, chain) else {
+            return (VIRTIO_BLK_S_IOERR as u8, 0);
+        };
+        let mut hdr = [0u8; 16];
+        if r.read_exact(&mut hdr).is_err() || w.available_bytes() == 0 {
+            return (VIRTIO_BLK_S_IOERR as u8, 0);
+        }
+        // The status byte is the last writable byte; the data (for reads) comes before it.
+        let data_len = w.available_bytes() - 1;
+        let Ok(mut status_w) = w.split_at(data_len) else {
+            return (VIRTIO_BLK_S_IOERR as u8, 0);
+        };
+        let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or([0; 8]));
+        let (status, written) = match kind {
+            VIRTIO_BLK_T_IN => self.read(sector, &mut w),
+            VIRTIO_BLK_T_OUT => self.write(sector, &mut r),
+            VIRTIO_BLK_T_FLUSH => {
+                if self.read_only || self.file.sync_data().is_ok() {
+                    (VIRTIO_BLK_S_OK, 0)
+                } else {
+                    (VIRTIO_BLK_S_IOERR, 0)
+                }
+            }
+            VIRTIO_BLK_T_GET_ID => {
+                let n = self.id.len().min(data_len);
+                match w.write_all(&self.id[..n]) {
+                    Ok(()) => (VIRTIO_BLK_S_OK, n as u32),
+                    Err(_) => (VIRTIO_BLK_S_IOERR, 0),
+                }
+            }
+            _ => (VIRTIO_BLK_S_UNSUPP, 0),
+        };
+        if status != VIRTIO_BLK_S_OK {
+            self.bad_requests += 1;
+        }
+        let _ = status_w.write_all(&[status as u8]);
+        (status as u8, written + 1)
+    }
+
+    /// The byte range of `len` bytes at `sector`, if it is whole sectors inside the disk.
+    fn range(&self, sector: u64, len: usize) -> Option<u64> {
+        let len = len as u64;
+        if !len.is_multiple_of(SECTOR) {
+            return None;
+        }
+        let end = sector.checked_add(len / SECTOR)?;
+        (end <= self.capacity_sectors).then(|| sector * SECTOR)
+    }
+
+    fn read(&mut self, sector: u64, w: &mut virtio_queue::Writer<'_>) -> (u32, u32) {
+        let total = w.available_bytes();
+        let Some(mut off) = self.range(sector, total) else {
+            return (VIRTIO_BLK_S_IOERR, 0);
+        };
+        let mut done = 0usize;
+        while done < total {
+            let n = (total - done).min(CHUNK);
+            self.buf.resize(n, 0);
+            if self.file.read_exact_at(&mut self.buf[..n], off).is_err()
+                || w.write_all(&self.buf[..n]).is_err()
+            {
+                return (VIRTIO_BLK_S_IOERR, done as u32);
+            }
+            done += n;
+            off += n as u64;
+        }
+        (VIRTIO_BLK_S_OK, done as u32)
+    }
+
+    fn write(&mut self, sector: u64, r: &mut virtio_queue::Reader<'_>) -> (u32, u32) {
+        if self.read_only {
+            return (VIRTIO_BLK_S_IOERR, 0);
+        }
+        let total = r.available_bytes();
+        let Some(mut off) = self.range(sector, total) else {
+            return (VIRTIO_BLK_S_IOERR, 0);
+        };
+        let mut done = 0usize;
+        while done < total {
+            let n = (total - done).min(CHUNK);
+            self.buf.resize(n, 0);
+            if r.read_exact(&mut self.buf[..n]).is_err()
+                || self.file.write_all_at(&self.buf[..n], off).is_err()
+            {
+                return (VIRTIO_BLK_S_IOERR, 0);
+            }
+            done += n;
+            off += n as u64;
+        }
+        (VIRTIO_BLK_S_OK, 0)
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        DEVICE_TYPE
+    }
+
+    fn features(&self) -> u64 {
+        let mut f = VIRTIO_F_VERSION_1 | (1 << VIRTIO_BLK_F_FLUSH);
+        if self.read_only {
+            f |= 1 << VIRTIO_BLK_F_RO;
+        }
+        f
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // Only `capacity` (le64 at offset 0); the rest of the layout reads as zero.
+        let cfg = self.capacity_sectors.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = usize::try_from(offset)
+                .ok()
+                .and_then(|o| o.checked_add(i))
+                .and_then(|o| cfg.get(o).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn queue_notify(
+        &mut self,
+        index: usize,
+        q: &mut Queues,
+        _ops: &mut EventOps,
+    ) -> Result<(), DeviceError> {
+        let mut used = false;
+        // Bounded: a guest that refills the ring as fast as we drain it gets a pause (its next
+        // kick resumes it), never the device thread forever.
+        for _ in 0..usize::from(QUEUE_SIZES[0]) * 4 {
+            let Some(chain) = pop(index, &mut q.queues[index], q.mem)? else {
+                break;
+            };
+            let head = chain.head_index();
+            let (_, len) = self.execute(q, chain);
+            add_used(index, &mut q.queues[index], q.mem, head, len)?;
+            used = true;
+        }
+        if used {
+            q.interrupt.signal_used();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::testing::Driver;
+
+    const HDR: u64 = 0x20_0000;
+    const BUF: u64 = 0x30_0000;
+    const STATUS: u64 = 0x40_0000;
+
+    fn disk(read_only: bool) -> (tempfile::NamedTempFile, Driver<Block>) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(64 * 1024).unwrap();
+        let mut d = Driver::new(Block::open(f.path(), read_only, "disk-id-0").unwrap());
+        d.setup(Block::open(f.path(), read_only, "x").unwrap().features());
+        (f, d)
+    }
+
+    fn header(d: &Driver<Block>, kind: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        d.put(HDR, &h);
+        d.put(STATUS, &[0xff]);
+    }
+
+    fn status(d: &Driver<Block>) -> u8 {
+        d.get(STATUS, 1)[0]
+    }
+
+    #[test]
+    fn write_flush_read_back_and_id() {
+        let (f, mut d) = disk(false);
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        d.put(BUF, &data);
+        header(&d, VIRTIO_BLK_T_OUT, 3);
+        d.add_chain(
+            0,
+            &[(HDR, 16, false), (BUF, 4096, false), (STATUS, 1, true)],
+        );
+        d.kick(0);
+        assert_eq!(d.used(0).len(), 1);
+        assert_eq!(status(&d), 0);
+        let on_disk = std::fs::read(f.path()).unwrap();
+        assert_eq!(&on_disk[3 * 512..3 * 512 + 4096], &data[..]);
+
+        header(&d, VIRTIO_BLK_T_FLUSH, 0);
+        d.add_chain(0, &[(HDR, 16, false), (STATUS, 1, true)]);
+        d.kick(0);
+        assert_eq!(status(&d), 0);
+        assert_eq!(d.used(0), vec![(3, 1)]);
+
+        d.put(BUF, &[0u8; 4096]);
+        header(&d, VIRTIO_BLK_T_IN, 3);
+        d.add_chain(0, &[(HDR, 16, false), (BUF, 4096, true), (STATUS, 1, true)]);
+        d.kick(0);
+        assert_eq!(d.used(0)[0].1, 4097);
+        assert_eq!(d.get(BUF, 4096), data);
+
+        header(&d, VIRTIO_BLK_T_GET_ID, 0);
+        d.add_chain(0, &[(HDR, 16, false), (BUF, 20, true), (STATUS, 1, true)]);
+        d.kick(0);
+        assert_eq!(status(&d), 0);
+        assert_eq!(&d.get(BUF, 9), b"disk-id-0");
+    }
+
+    #[test]
+    fn out_of_range_unaligned_and_unknown_requests_fail_alone() {
+        let (_f, mut d) = disk(false);
+        for (kind, sector, len) in [
+            (VIRTIO_BLK_T_IN, 127, 1024u32),  // runs past the end (128 sectors)
+            (VIRTIO_BLK_T_IN, u64::MAX, 512), // overflows
+            (VIRTIO_BLK_T_OUT, 0, 100),       // not whole sectors
+            (99, 0, 512),                     // unknown type
+        ] {
+            header(&d, kind, sector);
+            let w = kind == VIRTIO_BLK_T_IN;
+            d.add_chain(0, &[(HDR, 16, false), (BUF, len, w), (STATUS, 1, true)]);
+            d.kick(0);
+            assert_ne!(status(&d), 0, "kind {kind} sector {sector} len {len}");
+        }
+        assert_eq!(d.used(0).len(), 4);
+        assert!(d.t.lock().unwrap().is_active());
+        assert_eq!(d.t.lock().unwrap().device().bad_requests, 4);
+    }
+
+    #[test]
+    fn read_only_disks_refuse_writes() {
+        let (f, mut d) = disk(true);
+        d.put(BUF, &[1u8; 512]);
+        header(&d, VIRTIO_BLK_T_OUT, 0);
+        d.add_chain(0, &[(HDR, 16, false), (BUF, 512, false), (STATUS, 1, true)]);
+        d.kick(0);
+        assert_eq!(status(&d), VIRTIO_BLK_S_IOERR as u8);
+        assert!(std::fs::read(f.path()).unwrap().iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn descriptor_loops_and_wild_addresses_end_in_an_error_not_a_hang() {
+        let (_f, mut d) = disk(false);
+        header(&d, VIRTIO_BLK_T_IN, 0);
+        // A chain whose second descriptor points back at the first, forever.
+        d.put_desc(0, 10, HDR, 16, 1, 11);
+        d.put_desc(0, 11, BUF, 512, 1 | 2, 10);
+        d.publish(0, 10);
+        d.kick(0);
+        assert_eq!(d.used(0).len(), 1);
+        // A data buffer far outside guest memory.
+        header(&d, VIRTIO_BLK_T_IN, 0);
+        d.put_desc(0, 20, HDR, 16, 1, 21);
+        d.put_desc(0, 21, 0xffff_ffff_0000, 512, 1 | 2, 22);
+        d.put_desc(0, 22, STATUS, 1, 2, 0);
+        d.publish(0, 20);
+        d.kick(0);
+        assert_eq!(d.used(0), vec![(20, 0)]);
+        // The device kept serving well-formed requests.
+        header(&d, VIRTIO_BLK_T_FLUSH, 0);
+        d.put_desc(0, 30, HDR, 16, 1, 31);
+        d.put_desc(0, 31, STATUS, 1, 2, 0);
+        d.publish(0, 30);
+        d.kick(0);
+        assert_eq!(status(&d), 0);
+        // A head index past the table cannot even be returned: the device needs a reset, and
+        // says so, rather than stalling or touching anything.
+        d.publish(0, 4000);
+        d.kick(0);
+        let t = d.t.lock().unwrap();
+        assert!(!t.is_active());
+        assert_ne!(t.status() & 0x40, 0, "DEVICE_NEEDS_RESET");
+        assert!(
+            t.failure().unwrap().contains("queue 0"),
+            "{:?}",
+            t.failure()
+        );
+        assert_ne!(d.irq.status() & 2, 0, "config interrupt");
+    }
+}

@@ -1,0 +1,581 @@
+//! The virtio-mmio transport (virtio 1.2, section 4.2.2, version 2 register layout).
+//!
+//! The rules the driver must follow are enforced here rather than trusted: the status bits
+//! only move forward (ACKNOWLEDGE, DRIVER, FEATURES_OK, DRIVER_OK) or back to zero (reset);
+//! features outside the offer are refused at FEATURES_OK; queue registers take writes only
+//! between FEATURES_OK and DRIVER_OK; a queue is only used if the driver made it ready with a
+//! valid size and rings inside guest memory. A device that fails is marked DEVICE_NEEDS_RESET
+//! and left alone; nothing the guest writes reaches the host process as a panic.
+
+use std::sync::Arc;
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
+};
+use virtio_bindings::virtio_mmio as reg;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::{HOST_EVENT_BASE, Interrupt, Queues, VIRTIO_F_VERSION_1, VirtioDevice};
+
+/// "virt", little-endian.
+const MAGIC: u32 = 0x7472_6976;
+/// The modern (non-legacy) register layout.
+const VERSION: u32 = 2;
+/// "SBXH": our vendor id.
+const VENDOR: u32 = 0x4858_4253;
+/// Size of a device's register window (one page).
+pub const WINDOW: u64 = 0x1000;
+
+/// A guest's access to a device's register window (offset within it), from a vCPU.
+pub trait MmioDevice: Send {
+    /// A read of `data.len()` bytes at `offset`.
+    fn mmio_read(&mut self, offset: u64, data: &mut [u8]);
+    /// A write of `data` at `offset`.
+    fn mmio_write(&mut self, offset: u64, data: &[u8]);
+}
+
+/// A device behind the virtio-mmio register interface.
+pub struct MmioTransport<D: VirtioDevice> {
+    device: D,
+    mem: GuestMemoryMmap,
+    interrupt: Arc<Interrupt>,
+    queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
+    status: u32,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    driver_features: u64,
+    queue_sel: u32,
+    config_generation: u32,
+    active: bool,
+    /// Guest accesses the transport ignored (bad width, bad state, unknown register): kept
+    /// for diagnostics and tests.
+    ignored: u64,
+    /// Why the device failed, if it did.
+    failure: Option<String>,
+}
+
+impl<D: VirtioDevice> MmioTransport<D> {
+    /// Wraps `device`, interrupting through `interrupt`. Its queue kicks arrive on the
+    /// eventfds of [`queue_evts`](Self::queue_evts), which the VMM registers with KVM as
+    /// ioeventfds on the QueueNotify register.
+    pub fn new(
+        device: D,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+    ) -> std::io::Result<Self> {
+        let sizes = device.queue_max_sizes().to_vec();
+        let mut queues = Vec::with_capacity(sizes.len());
+        let mut queue_evts = Vec::with_capacity(sizes.len());
+        for max in sizes {
+            // virtio-queue refuses sizes that are zero, above 32768 or not powers of two: a
+            // device of ours offering one is a bug in this crate, not guest input.
+            queues.push(Queue::new(max).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e:?}"))
+            })?);
+            queue_evts.push(EventFd::new(EFD_NONBLOCK)?);
+        }
+        Ok(MmioTransport {
+            device,
+            mem,
+            interrupt,
+            queues,
+            queue_evts,
+            status: 0,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            driver_features: 0,
+            queue_sel: 0,
+            config_generation: 0,
+            active: false,
+            ignored: 0,
+            failure: None,
+        })
+    }
+
+    /// The eventfds the driver's QueueNotify writes should signal, one per queue in order.
+    pub fn queue_evts(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The device, mutably (host-side control from the VMM).
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.device
+    }
+
+    /// The device status register.
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    /// Whether the driver activated the device and it has not failed.
+    pub fn is_active(&self) -> bool {
+        self.active
+    }
+
+    /// Why the device stopped working, if it did (for diagnostics).
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    /// How many guest accesses were ignored as invalid.
+    pub fn ignored_accesses(&self) -> u64 {
+        self.ignored
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_sel as usize)
+    }
+
+    /// Queue registers may only be written between FEATURES_OK and DRIVER_OK.
+    fn queue_writable(&self) -> bool {
+        self.status & VIRTIO_CONFIG_S_FEATURES_OK != 0
+            && self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0
+            && self.status & VIRTIO_CONFIG_S_FAILED == 0
+    }
+
+    fn read_reg(&mut self, offset: u32) -> u32 {
+        match offset {
+            reg::VIRTIO_MMIO_MAGIC_VALUE => MAGIC,
+            reg::VIRTIO_MMIO_VERSION => VERSION,
+            reg::VIRTIO_MMIO_DEVICE_ID => self.device.device_type(),
+            reg::VIRTIO_MMIO_VENDOR_ID => VENDOR,
+            reg::VIRTIO_MMIO_DEVICE_FEATURES => match self.device_features_sel {
+                0 => self.device.features() as u32,
+                1 => (self.device.features() >> 32) as u32,
+                _ => 0,
+            },
+            reg::VIRTIO_MMIO_QUEUE_NUM_MAX => {
+                self.selected_queue().map_or(0, |q| u32::from(q.max_size()))
+            }
+            reg::VIRTIO_MMIO_QUEUE_READY => {
+                self.selected_queue().map_or(0, |q| u32::from(q.ready()))
+            }
+            reg::VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt.status(),
+            reg::VIRTIO_MMIO_STATUS => self.status,
+            reg::VIRTIO_MMIO_CONFIG_GENERATION => self.config_generation,
+            _ => {
+                self.ignored += 1;
+                0
+            }
+        }
+    }
+
+    fn write_reg(&mut self, offset: u32, v: u32) {
+        let writable = self.queue_writable();
+        match offset {
+            reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_sel = v,
+            reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_sel = v,
+            reg::VIRTIO_MMIO_DRIVER_FEATURES => {
+                // Only while negotiating: after FEATURES_OK the set is frozen.
+                if self.status & VIRTIO_CONFIG_S_DRIVER != 0
+                    && self.status & VIRTIO_CONFIG_S_FEATURES_OK == 0
+                {
+                    match self.driver_features_sel {
+                        0 => {
+                            self.driver_features =
+                                (self.driver_features & !0xffff_ffff) | u64::from(v)
+                        }
+                        1 => {
+                            self.driver_features =
+                                (self.driver_features & 0xffff_ffff) | (u64::from(v) << 32)
+                        }
+                        _ => self.ignored += 1,
+                    }
+                } else {
+                    self.ignored += 1;
+                }
+            }
+            reg::VIRTIO_MMIO_QUEUE_SEL => self.queue_sel = v,
+            reg::VIRTIO_MMIO_QUEUE_NUM if writable => match self.selected_queue() {
+                // virtio-queue keeps the old size if the new one is zero, above the
+                // maximum or not a power of two; the queue then fails validation at
+                // QueueReady/DRIVER_OK instead of being used with a bad size.
+                Some(q) => q.set_size(v as u16),
+                None => self.ignored += 1,
+            },
+            reg::VIRTIO_MMIO_QUEUE_READY if writable => {
+                let mem = self.mem.clone();
+                match self.queues.get_mut(self.queue_sel as usize) {
+                    Some(q) => {
+                        // A queue whose size or rings are invalid never becomes ready
+                        // (virtio-queue validates only a queue marked ready).
+                        q.set_ready(v == 1);
+                        let ready = v == 1 && q.is_valid(&mem);
+                        q.set_ready(ready);
+                        if v == 1 && !ready {
+                            self.ignored += 1;
+                        }
+                    }
+                    None => self.ignored += 1,
+                }
+            }
+            reg::VIRTIO_MMIO_QUEUE_DESC_LOW
+            | reg::VIRTIO_MMIO_QUEUE_DESC_HIGH
+            | reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW
+            | reg::VIRTIO_MMIO_QUEUE_AVAIL_HIGH
+            | reg::VIRTIO_MMIO_QUEUE_USED_LOW
+            | reg::VIRTIO_MMIO_QUEUE_USED_HIGH
+                if writable =>
+            {
+                let Some(q) = self.queues.get_mut(self.queue_sel as usize) else {
+                    self.ignored += 1;
+                    return;
+                };
+                if q.ready() {
+                    // Addresses of a live queue do not change under the device.
+                    self.ignored += 1;
+                    return;
+                }
+                match offset {
+                    reg::VIRTIO_MMIO_QUEUE_DESC_LOW => q.set_desc_table_address(Some(v), None),
+                    reg::VIRTIO_MMIO_QUEUE_DESC_HIGH => q.set_desc_table_address(None, Some(v)),
+                    reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW => q.set_avail_ring_address(Some(v), None),
+                    reg::VIRTIO_MMIO_QUEUE_AVAIL_HIGH => q.set_avail_ring_address(None, Some(v)),
+                    reg::VIRTIO_MMIO_QUEUE_USED_LOW => q.set_used_ring_address(Some(v), None),
+                    _ => q.set_used_ring_address(None, Some(v)),
+                }
+            }
+            reg::VIRTIO_MMIO_QUEUE_NOTIFY => {
+                // Normally an ioeventfd catches this write before it leaves KVM; when it does
+                // not (tests, or a VMM without ioeventfd), signal the same eventfd.
+                match self.queue_evts.get(v as usize) {
+                    Some(evt) => {
+                        let _ = evt.write(1);
+                    }
+                    None => self.ignored += 1,
+                }
+            }
+            reg::VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt.ack(v),
+            reg::VIRTIO_MMIO_STATUS => self.set_status(v),
+            _ => self.ignored += 1,
+        }
+    }
+
+    fn set_status(&mut self, v: u32) {
+        if v == 0 {
+            self.reset();
+            return;
+        }
+        if v & VIRTIO_CONFIG_S_FAILED != 0 {
+            self.status |= VIRTIO_CONFIG_S_FAILED;
+            self.active = false;
+            return;
+        }
+        // Bits only accumulate, one step at a time, in the spec's order.
+        let old = self.status;
+        if v & old != old {
+            self.ignored += 1;
+            return;
+        }
+        let added = v & !old;
+        let order = [
+            VIRTIO_CONFIG_S_ACKNOWLEDGE,
+            VIRTIO_CONFIG_S_DRIVER,
+            VIRTIO_CONFIG_S_FEATURES_OK,
+            VIRTIO_CONFIG_S_DRIVER_OK,
+        ];
+        for (i, bit) in order.iter().enumerate() {
+            if added & bit != 0 && order[..i].iter().any(|b| v & b == 0) {
+                self.ignored += 1;
+                return;
+            }
+        }
+        if added & !(order.iter().fold(0, |a, b| a | b)) != 0 {
+            self.ignored += 1;
+            return;
+        }
+        if added & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
+            let offered = self.device.features();
+            if self.driver_features & !offered != 0
+                || self.driver_features & VIRTIO_F_VERSION_1 == 0
+            {
+                // Leave FEATURES_OK clear: the driver reads it back and gives up.
+                self.status = v & !VIRTIO_CONFIG_S_FEATURES_OK & !VIRTIO_CONFIG_S_DRIVER_OK;
+                return;
+            }
+        }
+        self.status = v;
+        if added & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            self.activate();
+        }
+    }
+
+    fn activate(&mut self) {
+        let mem = self.mem.clone();
+        let usable = self.queues.iter().all(|q| !q.ready() || q.is_valid(&mem));
+        if !usable {
+            self.fail("a ready queue has an invalid size or rings outside guest memory".into());
+            return;
+        }
+        let mut q = Queues {
+            mem: &self.mem,
+            queues: &mut self.queues,
+            interrupt: &self.interrupt,
+        };
+        match self.device.activate(self.driver_features, &mut q) {
+            Ok(()) => self.active = true,
+            Err(e) => self.fail(e.to_string()),
+        }
+    }
+
+    /// Marks the device broken and tells the driver (DEVICE_NEEDS_RESET + config interrupt).
+    fn fail(&mut self, why: String) {
+        self.failure = Some(why);
+        self.active = false;
+        self.status |= VIRTIO_CONFIG_S_NEEDS_RESET;
+        self.interrupt.signal_config();
+    }
+
+    fn reset(&mut self) {
+        self.device.reset();
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.interrupt.clear();
+        self.status = 0;
+        self.driver_features = 0;
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.queue_sel = 0;
+        self.active = false;
+        self.failure = None;
+        self.config_generation = self.config_generation.wrapping_add(1);
+    }
+}
+
+impl<D: VirtioDevice> MmioDevice for MmioTransport<D> {
+    fn mmio_read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= u64::from(reg::VIRTIO_MMIO_CONFIG) {
+            self.device
+                .read_config(offset - u64::from(reg::VIRTIO_MMIO_CONFIG), data);
+            return;
+        }
+        if data.len() != 4 || !offset.is_multiple_of(4) {
+            self.ignored += 1;
+            data.fill(0);
+            return;
+        }
+        let v = self.read_reg(offset as u32);
+        data.copy_from_slice(&v.to_le_bytes());
+    }
+
+    fn mmio_write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= u64::from(reg::VIRTIO_MMIO_CONFIG) {
+            self.device
+                .write_config(offset - u64::from(reg::VIRTIO_MMIO_CONFIG), data);
+            return;
+        }
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
+            self.ignored += 1;
+            return;
+        };
+        if !offset.is_multiple_of(4) {
+            self.ignored += 1;
+            return;
+        }
+        self.write_reg(offset as u32, u32::from_le_bytes(bytes));
+    }
+}
+
+impl<D: VirtioDevice> MutEventSubscriber for MmioTransport<D> {
+    fn init(&mut self, ops: &mut EventOps) {
+        for (i, evt) in self.queue_evts.iter().enumerate() {
+            // Registration only fails for a closed fd or a full epoll set, both bugs of ours;
+            // the device would then simply never see kicks of that queue.
+            let _ = ops.add(Events::with_data(evt, i as u32, EventSet::IN));
+        }
+        self.device.init(ops);
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let data = events.data();
+        let result = if data < HOST_EVENT_BASE {
+            let index = data as usize;
+            if let Some(evt) = self.queue_evts.get(index) {
+                let _ = evt.read();
+            }
+            if !self.active || index >= self.queues.len() {
+                return;
+            }
+            let mut q = Queues {
+                mem: &self.mem,
+                queues: &mut self.queues,
+                interrupt: &self.interrupt,
+            };
+            self.device.queue_notify(index, &mut q, ops)
+        } else if self.active {
+            let mut q = Queues {
+                mem: &self.mem,
+                queues: &mut self.queues,
+                interrupt: &self.interrupt,
+            };
+            self.device
+                .host_event(data, events.event_set(), Some(&mut q), ops)
+        } else {
+            self.device.host_event(data, events.event_set(), None, ops)
+        };
+        if let Err(e) = result {
+            self.fail(e.to_string());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::block::Block;
+    use crate::virtio::testing::{Driver, MEM_SIZE, queue_base};
+
+    fn block() -> (tempfile::NamedTempFile, Driver<Block>) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let d = Driver::new(Block::open(f.path(), false, "t").unwrap());
+        (f, d)
+    }
+
+    #[test]
+    fn identifies_itself_and_ignores_bad_widths() {
+        let (_f, d) = block();
+        assert_eq!(d.read(reg::VIRTIO_MMIO_MAGIC_VALUE), MAGIC);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_VERSION), 2);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_DEVICE_ID), 2);
+        let mut two = [0xaau8; 2];
+        d.t.lock().unwrap().mmio_read(0, &mut two);
+        assert_eq!(two, [0, 0]);
+        d.t.lock().unwrap().mmio_write(0x70, &[1]);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 0);
+        d.t.lock().unwrap().mmio_write(0x71, &1u32.to_le_bytes());
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 0);
+        assert!(d.t.lock().unwrap().ignored_accesses() >= 3);
+    }
+
+    #[test]
+    fn features_outside_the_offer_or_without_version_1_are_refused() {
+        let (_f, d) = block();
+        d.write(reg::VIRTIO_MMIO_STATUS, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 3);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 0);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 1 << 20); // not offered
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 11);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS) & 8, 0);
+        // Without VERSION_1 (legacy drivers) likewise.
+        d.write(reg::VIRTIO_MMIO_STATUS, 0);
+        d.write(reg::VIRTIO_MMIO_STATUS, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 3);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 0);
+        d.write(reg::VIRTIO_MMIO_STATUS, 11);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS) & 8, 0);
+    }
+
+    #[test]
+    fn status_bits_move_forward_in_order_only() {
+        let (_f, d) = block();
+        d.write(reg::VIRTIO_MMIO_STATUS, 4); // DRIVER_OK first
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 0);
+        d.write(reg::VIRTIO_MMIO_STATUS, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 1 | 8); // FEATURES_OK before DRIVER
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 3);
+        d.write(reg::VIRTIO_MMIO_STATUS, 2); // dropping a bit
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 3);
+        assert!(!d.t.lock().unwrap().is_active());
+    }
+
+    #[test]
+    fn zero_oversized_and_odd_queue_sizes_never_become_ready() {
+        let (_f, d) = block();
+        d.write(reg::VIRTIO_MMIO_STATUS, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 3);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 11);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX), 256);
+        for size in [0u16, 512, 100] {
+            d.write(reg::VIRTIO_MMIO_QUEUE_SEL, 0);
+            d.write(reg::VIRTIO_MMIO_QUEUE_NUM, u32::from(size));
+            // The size is refused, so the queue keeps its maximum and the rings must fit it;
+            // put them outside memory to see that nothing becomes ready.
+            d.write(reg::VIRTIO_MMIO_QUEUE_DESC_LOW, MEM_SIZE as u32);
+            d.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+            assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_READY), 0, "size {size}");
+        }
+        // A queue that does not exist reads as size 0 and cannot be made ready.
+        d.write(reg::VIRTIO_MMIO_QUEUE_SEL, 7);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_NUM_MAX), 0);
+        d.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_READY), 0);
+    }
+
+    #[test]
+    fn queue_registers_are_frozen_after_driver_ok() {
+        let (_f, mut d) = block();
+        d.setup(VIRTIO_F_VERSION_1);
+        assert!(d.t.lock().unwrap().is_active());
+        let before = d.t.lock().unwrap().ignored_accesses();
+        d.write(reg::VIRTIO_MMIO_QUEUE_SEL, 0);
+        d.write(reg::VIRTIO_MMIO_QUEUE_DESC_LOW, 0xdead_0000);
+        d.write(reg::VIRTIO_MMIO_QUEUE_NUM, 2);
+        d.write(reg::VIRTIO_MMIO_QUEUE_READY, 0);
+        assert_eq!(d.t.lock().unwrap().ignored_accesses(), before + 3);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_READY), 1);
+        // The queue still works where it was set up.
+        d.put(0x20_0000, &[8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // GET_ID
+        d.add_chain(
+            0,
+            &[
+                (0x20_0000, 16, false),
+                (0x20_1000, 20, true),
+                (0x20_2000, 1, true),
+            ],
+        );
+        d.kick(0);
+        assert_eq!(d.used(0), vec![(0, 21)]);
+        assert_eq!(d.get(0x20_2000, 1), vec![0]);
+        let _ = queue_base(0);
+    }
+
+    #[test]
+    fn rings_outside_guest_memory_are_refused() {
+        let (_f, d) = block();
+        d.write(reg::VIRTIO_MMIO_STATUS, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 3);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
+        d.write(reg::VIRTIO_MMIO_DRIVER_FEATURES, 1);
+        d.write(reg::VIRTIO_MMIO_STATUS, 11);
+        d.write(reg::VIRTIO_MMIO_QUEUE_SEL, 0);
+        d.write(reg::VIRTIO_MMIO_QUEUE_DESC_LOW, 0);
+        d.write(reg::VIRTIO_MMIO_QUEUE_DESC_HIGH, 7); // 28 GiB: no such memory
+        d.write(reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW, 0x1000);
+        d.write(reg::VIRTIO_MMIO_QUEUE_USED_LOW, 0x2000);
+        d.write(reg::VIRTIO_MMIO_QUEUE_READY, 1);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_READY), 0);
+    }
+
+    #[test]
+    fn reset_forgets_the_driver() {
+        let (_f, mut d) = block();
+        d.setup(VIRTIO_F_VERSION_1);
+        let generation = d.read(reg::VIRTIO_MMIO_CONFIG_GENERATION);
+        d.write(reg::VIRTIO_MMIO_STATUS, 0);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_STATUS), 0);
+        assert_eq!(d.read(reg::VIRTIO_MMIO_QUEUE_READY), 0);
+        assert!(!d.t.lock().unwrap().is_active());
+        assert_ne!(d.read(reg::VIRTIO_MMIO_CONFIG_GENERATION), generation);
+        // And it can be set up again.
+        d.setup(VIRTIO_F_VERSION_1);
+        assert!(d.t.lock().unwrap().is_active());
+    }
+}

@@ -1,0 +1,104 @@
+//! virtio devices for the KVM backend and the virtio-mmio transport they sit behind.
+//!
+//! A device implements [`VirtioDevice`]: what it offers (type, features, queues, config space)
+//! and what it does when the driver kicks a queue or a host-side source it watches becomes
+//! ready. The transport ([`mmio::MmioTransport`]) does everything the spec asks of the
+//! register interface and hands the device its queues only once the driver has set them up
+//! (DRIVER_OK). Every device runs on the VM's device thread (event-manager); vCPU threads only
+//! touch registers.
+
+pub mod block;
+mod interrupt;
+pub mod mmio;
+pub mod net;
+mod queue;
+pub mod vsock;
+
+use event_manager::{EventOps, EventSet};
+use thiserror::Error;
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+
+pub use interrupt::Interrupt;
+pub use queue::QueueError;
+
+/// The device complies with virtio 1.x (modern only; we never offer legacy).
+pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+
+/// `data` values at or above this name a device's own event sources; below it, queue kicks.
+pub const HOST_EVENT_BASE: u32 = 0x100;
+
+/// What a device needs to work on its queues: guest memory, the queues, and its interrupt.
+pub struct Queues<'a> {
+    /// Guest memory (all of it; every address from the guest is checked against it).
+    pub mem: &'a GuestMemoryMmap,
+    /// The device's queues, in the device type's order.
+    pub queues: &'a mut [Queue],
+    /// Raises the device's interrupt.
+    pub interrupt: &'a Interrupt,
+}
+
+/// A device's failure. The transport marks the device broken (DEVICE_NEEDS_RESET): the guest
+/// loses that device, the host and the other devices carry on.
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    /// A queue could not be used.
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    /// The driver did something the device cannot go on from.
+    #[error("the driver broke the device protocol: {0}")]
+    Protocol(String),
+    /// A host resource failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: &'static str,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One virtio device type, as the transport sees it.
+pub trait VirtioDevice: Send {
+    /// The virtio device id (2 = block, 1 = net, 19 = vsock).
+    fn device_type(&self) -> u32;
+    /// The feature bits offered (must include [`VIRTIO_F_VERSION_1`]).
+    fn features(&self) -> u64;
+    /// The largest size of each queue, one entry per queue.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Reads the device-specific config space at `offset`; bytes past its end read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the config space (no device of ours has writable config: ignored by default).
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// Registers the host-side event sources the device watches from the start (data values
+    /// from [`HOST_EVENT_BASE`] on).
+    fn init(&mut self, _ops: &mut EventOps) {}
+    /// The driver finished setting up (DRIVER_OK) with `features` acknowledged.
+    fn activate(&mut self, _features: u64, _q: &mut Queues) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    /// The driver made buffers available on queue `index`.
+    fn queue_notify(
+        &mut self,
+        index: usize,
+        q: &mut Queues,
+        ops: &mut EventOps,
+    ) -> Result<(), DeviceError>;
+    /// A host-side source the device registered is ready. `q` is `None` while the driver has
+    /// not activated the device (or after a reset): the device must not touch guest memory.
+    fn host_event(
+        &mut self,
+        _data: u32,
+        _events: EventSet,
+        _q: Option<&mut Queues>,
+        _ops: &mut EventOps,
+    ) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    /// The driver reset the device: forget everything about the guest's side.
+    fn reset(&mut self) {}
+}
+
+#[cfg(test)]
+pub(crate) mod testing;
