@@ -1,4 +1,4 @@
-//! Raw virtio-blk disks on the QEMU backend: a read-only disk reads back what the host wrote and
+//! Raw virtio-blk disks on the selected backend (QEMU here, KVM in the nested test host): a read-only disk reads back what the host wrote and
 //! refuses writes; a writable disk's writes reach the host file.
 
 use sandbox_e2e::{boot_stock_with_disks, pseudo_random, sh, sha256_hex};
@@ -58,6 +58,22 @@ async fn raw_disks_read_and_write() {
 
     let disk = std::fs::read(&rw).unwrap();
     assert_eq!(&disk[1536..1536 + 20], b"written by the guest");
+
+    // A new VM on the same disk (the sandbox rebooted) reads back what the first one wrote.
+    let disks = vec![Disk {
+        path: rw.clone(),
+        read_only: false,
+    }];
+    let Some(vm) = boot_stock_with_disks(256, 1, disks).await else {
+        return;
+    };
+    let out = sh(
+        &vm.sandbox.client,
+        "dd if=/dev/vda bs=512 skip=3 count=1 2>/dev/null | head -c 20",
+    )
+    .await;
+    assert_eq!(out.stdout_str(), "written by the guest");
+    vm.sandbox.stop().await;
     assert_eq!(
         std::fs::read(&ro).unwrap(),
         content,

@@ -1,7 +1,9 @@
-//! The QEMU backend on real KVM: with `SANDBOX_HOST_QEMU_ACCEL=auto`, a host whose /dev/kvm boots
-//! Linux gets KVM (and runs work on it); a host whose /dev/kvm cannot falls back to TCG. Natively
-//! where KVM works; otherwise inside the nested test host (`tests/nested/run.sh`), where /dev/kvm
-//! is real KVM on an emulated AMD SVM processor.
+//! Backend selection on real KVM. With `SANDBOX_HOST_VMM=qemu` and `SANDBOX_HOST_QEMU_ACCEL=auto`,
+//! a host whose /dev/kvm boots Linux gets QEMU on KVM; a host whose /dev/kvm cannot falls back to
+//! TCG. With `SANDBOX_HOST_VMM=auto` (the default) a host whose /dev/kvm boots Linux gets the
+//! in-process KVM backend, else QEMU, and says why. Natively where KVM works; otherwise inside the
+//! nested test host (`tests/nested/run.sh`), where /dev/kvm is real KVM on an emulated AMD SVM
+//! processor.
 
 mod common;
 
@@ -11,8 +13,14 @@ use common::{bin, stock_image_missing};
 
 /// The accelerator a `run` selected, from its `backend selected` log line.
 fn selected_accel(stderr: &str) -> Option<String> {
+    selected(stderr, "accel")
+}
+
+/// A field of the `backend selected` log line.
+fn selected(stderr: &str, field: &str) -> Option<String> {
     let line = stderr.lines().find(|l| l.contains("backend selected"))?;
-    let at = line.find("accel=")? + "accel=".len();
+    let key = format!("{field}=");
+    let at = line.find(&key)? + key.len();
     Some(
         line[at..]
             .split_whitespace()
@@ -29,6 +37,7 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
     }
     let native = bin()
         .env("SANDBOX_HOST_LOG", "info")
+        .env("SANDBOX_HOST_VMM", "qemu")
         .env("SANDBOX_HOST_QEMU_ACCEL", "auto")
         .args(["run", "--memory-mib", "256", "--vcpus", "1", "--", "true"])
         .output()
@@ -46,6 +55,25 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         "the fallback must be announced: {stderr}"
     );
 
+    // With the default SANDBOX_HOST_VMM=auto, the KVM backend's failed proof is announced too.
+    let auto = bin()
+        .env("SANDBOX_HOST_LOG", "info")
+        .env_remove("SANDBOX_HOST_VMM")
+        .args(["run", "--memory-mib", "256", "--vcpus", "1", "--", "true"])
+        .output()
+        .unwrap();
+    let auto_err = String::from_utf8_lossy(&auto.stderr);
+    assert_eq!(auto.status.code(), Some(0), "{auto_err}");
+    assert_eq!(
+        selected(&auto_err, "backend").as_deref(),
+        Some("qemu"),
+        "{auto_err}"
+    );
+    assert!(
+        auto_err.contains("the KVM backend cannot be used ("),
+        "the fallback from the KVM backend must be announced with its reason: {auto_err}"
+    );
+
     // This host's /dev/kvm cannot boot Linux: prove the KVM path one level down.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -54,9 +82,12 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         .arg(root.join("tests/nested/run.sh"))
         .args(["--with", env!("CARGO_BIN_EXE_sandbox-host"), "--"])
         .arg(
-            // Through a pipe, so the logs are plain text; pipefail keeps the run's status.
-            "set -o pipefail; SANDBOX_HOST_LOG=info ./sandbox-host run --memory-mib 512 --vcpus 1 -- sh -c \
-             'grep -c ^processor /proc/cpuinfo; echo nested-ok' 2>&1 | cat",
+            // Through a pipe, so the logs are plain text; pipefail keeps the run's status. First
+            // QEMU on KVM, then the default (auto), which must pick the in-process KVM backend.
+            "set -o pipefail; SANDBOX_HOST_VMM=qemu SANDBOX_HOST_LOG=info ./sandbox-host run --memory-mib 512 --vcpus 1 -- sh -c \
+             'grep -c ^processor /proc/cpuinfo; echo nested-ok' 2>&1 | cat && echo ==auto && \
+             SANDBOX_HOST_LOG=info ./sandbox-host run --memory-mib 512 --vcpus 2 -- sh -c \
+             'grep -c ^processor /proc/cpuinfo; echo nested-kvm-ok' 2>&1 | cat",
         )
         .output()
         .unwrap();
@@ -71,10 +102,21 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let (qemu, auto) = text.split_once("==auto").expect("both runs happened");
     assert_eq!(
-        selected_accel(&text).as_deref(),
+        selected_accel(qemu).as_deref(),
         Some("kvm"),
-        "auto did not pick KVM on a real KVM host: {text}"
+        "auto accel did not pick KVM on a real KVM host: {text}"
     );
-    assert!(text.contains("nested-ok"), "{text}");
+    assert_eq!(selected(qemu, "backend").as_deref(), Some("qemu"), "{text}");
+    assert!(qemu.contains("nested-ok"), "{text}");
+    assert_eq!(
+        selected(auto, "backend").as_deref(),
+        Some("kvm"),
+        "SANDBOX_HOST_VMM=auto did not pick the KVM backend on a real KVM host: {text}"
+    );
+    assert!(
+        auto.contains("2\nnested-kvm-ok"),
+        "two vCPUs in the guest: {text}"
+    );
 }

@@ -72,12 +72,20 @@ printf '%s\n' "$cmd" > "$tree/nested.cmd"
 (cd "$tree" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc --owner=0:0) > "$work/initramfs.cpio"
 log "initramfs $(du -h "$work/initramfs.cpio" | cut -f1); booting the nested host (TCG, emulated SVM, $mem MiB)"
 
+# Under TCG the nested host's TSC runs at this machine's TSC rate, but its kernel often fails to
+# calibrate it (no HPET, a PIT too slow to measure against) and then marks the TSC unstable with
+# no known frequency; KVM in there then cannot keep its guests' kvm-clock, and they hang before
+# printing a line. Telling the kernel the frequency avoids the calibration.
+tsc_mhz=$(awk -F: '/^cpu MHz/ {print $2; exit}' /proc/cpuinfo | tr -d ' ')
+tsc_arg=""
+[ -n "$tsc_mhz" ] && tsc_arg="tsc_early_khz=$(awk -v m="$tsc_mhz" 'BEGIN {printf "%d", m * 1000}')"
+
 out="$work/console.log"
 set +e
 timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel tcg -cpu max \
   -m "$mem" -smp 2 -nodefaults -no-user-config -display none -no-reboot -serial stdio \
   -kernel "$kernel" -initrd "$work/initramfs.cpio" \
-  -append "console=ttyS0 reboot=t panic=-1 quiet" \
+  -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg" \
   -device virtio-rng-device </dev/null | tee "$out"
 qemu_status=${PIPESTATUS[0]}
 set -e

@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use sandbox_protocol::client::{Client, ExecEvent};
 use sandbox_protocol::message::{ExecRequest, ExitStatus};
-use sandbox_vmm::config::{self, AccelSetting};
-use sandbox_vmm::qemu::QemuBackend;
+use sandbox_vmm::config;
 use sandbox_vmm::{ImageStore, Sandbox, VmSpec};
 
 /// A booted sandbox and the temporary directory that holds its state.
@@ -27,8 +26,8 @@ pub fn skip(why: &str) {
     eprintln!("skipped: {why}");
 }
 
-/// Boots the stock image on the QEMU backend (accelerator from the environment, `auto` by
-/// default). `None` after printing "skipped" if QEMU or the image is missing.
+/// Boots the stock image on the backend the environment selects (`SANDBOX_HOST_VMM`, `auto`
+/// by default: KVM where it boots guests, else QEMU). `None` after printing "skipped" if QEMU or the image is missing.
 pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
     boot_stock_with_disks(memory_mib, vcpus, vec![]).await
 }
@@ -47,11 +46,10 @@ pub async fn boot_stock_with_disks(
             return None;
         }
     };
-    let accel = AccelSetting::from_env().expect("SANDBOX_HOST_QEMU_ACCEL is valid");
-    let backend = match QemuBackend::new(accel, &store).await {
-        Ok(b) => b,
+    let backend = match sandbox_vmm::select::select(&store).await {
+        Ok(b) => b.backend,
         Err(e) => {
-            skip(&format!("{e}"));
+            skip(&e);
             return None;
         }
     };
@@ -70,7 +68,7 @@ pub async fn boot_stock_with_disks(
         cmdline: vec![],
         state_dir: state_dir.clone(),
     };
-    let sandbox = sandbox_vmm::boot(&backend, spec, Duration::from_secs(180))
+    let sandbox = sandbox_vmm::boot(backend.as_ref(), spec, Duration::from_secs(180))
         .await
         .expect("the stock image boots");
     Some(TestVm {

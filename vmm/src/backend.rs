@@ -147,4 +147,37 @@ pub trait Vm: Send + Sync {
     fn console_tail(&self, n: usize) -> Vec<String>;
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
+    /// From the VM's start to the guest's boot marker (userspace up), where the backend
+    /// records it (the KVM backend does; QEMU does not decode the marker port).
+    fn boot_marker(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// Checks what every backend needs of a spec: vCPUs, memory, and files that exist.
+pub(crate) fn validate_spec(spec: &VmSpec) -> Result<(), VmError> {
+    if spec.vcpus == 0 || spec.vcpus > 64 {
+        return Err(VmError::InvalidSpec(format!(
+            "vcpus must be 1 to 64, not {}",
+            spec.vcpus
+        )));
+    }
+    if spec.memory_mib < 128 {
+        return Err(VmError::InvalidSpec(format!(
+            "memory_mib must be at least 128, not {}",
+            spec.memory_mib
+        )));
+    }
+    for p in std::iter::once(&spec.kernel)
+        .chain(spec.initrd.iter())
+        .chain(spec.disks.iter().map(|d| &d.path))
+    {
+        if !p.is_file() {
+            return Err(VmError::InvalidSpec(format!(
+                "{} does not exist",
+                p.display()
+            )));
+        }
+    }
+    Ok(())
 }

@@ -9,8 +9,10 @@ pub mod backend;
 pub mod config;
 pub mod image;
 pub mod kvm;
+pub mod probe;
 pub mod qemu;
 pub mod sandbox;
+pub mod select;
 
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
 pub use image::{Image, ImageError, ImageStore};

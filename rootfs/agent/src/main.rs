@@ -6,6 +6,7 @@
 //! with `READY` and then serves frames until the host asks it to shut down.
 
 mod archive;
+mod boot_marker;
 mod channel;
 mod credit;
 mod exec;
@@ -23,6 +24,9 @@ use channel::ChannelSpec;
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 fn main() -> ExitCode {
+    if std::process::id() == 1 {
+        boot_marker::mark();
+    }
     let spec = match channel_spec() {
         Ok(s) => s,
         Err(e) => {

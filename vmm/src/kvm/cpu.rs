@@ -1,7 +1,9 @@
 //! Putting a vCPU in the state the PVH entry expects: 32-bit protected mode, paging off, flat
-//! segments, `ebx` pointing at the start info; CPUID filtered for the guest; FPU and LAPIC set.
+//! segments, `ebx` pointing at the start info (the boot processor only: the others wait for
+//! the kernel's INIT/SIPI in KVM's LAPIC); CPUID filtered for the guest (topology, no PMU,
+//! the hypervisor bit); the MSRs a freshly reset processor has; FPU and LAPIC set.
 
-use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_fpu, kvm_regs, kvm_segment};
+use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, Msrs, kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment};
 use kvm_ioctls::{Kvm, VcpuFd};
 use thiserror::Error;
 use vm_memory::GuestAddress;
@@ -18,6 +20,17 @@ pub struct CpuError {
     source: kvm_ioctls::Error,
 }
 
+impl CpuError {
+    /// A machine asked for with no vCPU at all.
+    pub fn zero() -> CpuError {
+        CpuError {
+            cpu: 0,
+            step: "a machine needs at least one vCPU",
+            source: kvm_ioctls::Error::new(libc::EINVAL),
+        }
+    }
+}
+
 /// LAPIC register offsets and delivery modes.
 const APIC_LVT0: usize = 0x350;
 const APIC_LVT1: usize = 0x360;
@@ -27,7 +40,24 @@ const APIC_MODE_EXTINT: u32 = 0x7;
 /// CPUID leaf 1 ECX: running under a hypervisor.
 const CPUID_HYPERVISOR: u32 = 1 << 31;
 
-/// Sets up vCPU `id` of `count` to start at `entry`.
+/// MSRs set on every vCPU: SYSENTER and SYSCALL targets cleared, TSC from zero, fast strings
+/// on, MTRRs enabled with write-back as the default type (else the guest maps all RAM
+/// uncached).
+const BOOT_MSRS: [(u32, u64); 11] = [
+    (0x174, 0),             // IA32_SYSENTER_CS
+    (0x175, 0),             // IA32_SYSENTER_ESP
+    (0x176, 0),             // IA32_SYSENTER_EIP
+    (0xc000_0081, 0),       // STAR
+    (0xc000_0082, 0),       // LSTAR
+    (0xc000_0083, 0),       // CSTAR
+    (0xc000_0084, 0),       // SYSCALL_MASK
+    (0xc000_0102, 0),       // KERNEL_GS_BASE
+    (0x10, 0),              // IA32_TSC
+    (0x1a0, 1),             // IA32_MISC_ENABLE: fast strings
+    (0x2ff, (1 << 11) | 6), // MTRRdefType: enabled, write-back
+];
+
+/// Sets up vCPU `id` of `count`; the boot processor (0) starts at `entry`.
 pub fn setup(
     kvm: &Kvm,
     vcpu: &VcpuFd,
@@ -46,18 +76,23 @@ pub fn setup(
     let mut cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
-    for e in cpuid.as_mut_slice() {
-        match e.function {
-            1 => {
-                // Initial APIC id, logical processor count, and the hypervisor bit.
-                e.ebx = (e.ebx & 0x0000_ffff) | (u32::from(count) << 16) | (u32::from(id) << 24);
-                e.ecx |= CPUID_HYPERVISOR;
-            }
-            0xb => e.edx = u32::from(id),
-            _ => {}
-        }
-    }
+    filter_cpuid(cpuid.as_mut_slice(), id, count);
     vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
+
+    let entries: Vec<kvm_msr_entry> = BOOT_MSRS
+        .iter()
+        .map(|&(index, data)| kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        })
+        .collect();
+    let msrs = Msrs::from_entries(&entries).map_err(|_| CpuError {
+        cpu: id,
+        step: "building the MSR list",
+        source: kvm_ioctls::Error::new(libc::EINVAL),
+    })?;
+    vcpu.set_msrs(&msrs).map_err(err("KVM_SET_MSRS"))?;
 
     let fpu = kvm_fpu {
         fcw: 0x37f,
@@ -65,6 +100,10 @@ pub fn setup(
         ..Default::default()
     };
     vcpu.set_fpu(&fpu).map_err(err("KVM_SET_FPU"))?;
+    set_lapic(vcpu, id)?;
+    if id != 0 {
+        return Ok(());
+    }
 
     let regs = kvm_regs {
         rip: entry.0,
@@ -112,7 +151,17 @@ pub fn setup(
     sregs.cr4 = 0;
     sregs.efer = 0;
     vcpu.set_sregs(&sregs).map_err(err("KVM_SET_SREGS"))?;
+    Ok(())
+}
 
+fn set_lapic(vcpu: &VcpuFd, id: u8) -> Result<(), CpuError> {
+    let err = |step| {
+        move |source| CpuError {
+            cpu: id,
+            step,
+            source,
+        }
+    };
     // LINT0 delivers the legacy PIC's interrupts (ExtINT), LINT1 NMIs, as on real boards.
     let mut lapic = vcpu.get_lapic().map_err(err("KVM_GET_LAPIC"))?;
     for (off, mode) in [(APIC_LVT0, APIC_MODE_EXTINT), (APIC_LVT1, APIC_MODE_NMI)] {
@@ -121,6 +170,66 @@ pub fn setup(
     }
     vcpu.set_lapic(&lapic).map_err(err("KVM_SET_LAPIC"))?;
     Ok(())
+}
+
+/// Topology: `count` single-threaded cores in one package, this one with APIC id `id`;
+/// no performance monitoring (the guest would program counters KVM may not emulate); the
+/// hypervisor bit, so the guest takes the paravirtual paths.
+fn filter_cpuid(entries: &mut [kvm_bindings::kvm_cpuid_entry2], id: u8, count: u8) {
+    let (id, count) = (u32::from(id), u32::from(count));
+    // Bits of an x2APIC id taken by the core number.
+    let core_bits = 32 - (count.max(1) - 1).leading_zeros();
+    for e in entries {
+        match e.function {
+            1 => {
+                e.ebx = (e.ebx & 0x0000_ffff) | (count << 16) | (id << 24);
+                e.ecx |= CPUID_HYPERVISOR;
+                if count > 1 {
+                    e.edx |= 1 << 28; // HTT: the logical processor count is valid
+                }
+            }
+            4 => {
+                // Cores per package, minus one.
+                e.eax = (e.eax & 0x03ff_ffff) | ((count - 1) << 26);
+            }
+            0xa => {
+                e.eax = 0;
+                e.ebx = 0;
+                e.ecx = 0;
+                e.edx = 0;
+            }
+            0xb | 0x1f => {
+                e.edx = id;
+                match e.index {
+                    0 => {
+                        // SMT level: one thread per core.
+                        e.eax = 0;
+                        e.ebx = 1;
+                        e.ecx = 1 << 8;
+                    }
+                    1 => {
+                        // Core level.
+                        e.eax = core_bits;
+                        e.ebx = count;
+                        e.ecx = (2 << 8) | 1;
+                    }
+                    i => {
+                        e.eax = 0;
+                        e.ebx = 0;
+                        e.ecx = i;
+                    }
+                }
+            }
+            0x8000_0001 => e.ecx &= !(1 << 23), // AMD PERFCTR_CORE
+            0x8000_0008 => e.ecx = (e.ecx & !0xff) | (count - 1),
+            0x8000_001e => {
+                e.eax = id;
+                e.ebx = id & 0xff;
+                e.ecx = 0;
+            }
+            _ => {}
+        }
+    }
 }
 
 fn read_reg(regs: &[std::os::raw::c_char; 1024], off: usize) -> u32 {

@@ -1,23 +1,50 @@
 //! One KVM virtual machine: memory, the in-kernel irqchip and PIT, the legacy devices on the I/O
-//! bus (serial console, i8042 reset), and the vCPU run loop.
+//! bus (serial console, i8042 reset, boot marker), the virtio-mmio devices, one thread per vCPU,
+//! a device thread (event-manager) and a supervisor thread that ends them all.
 //!
-//! This is the first step of the KVM backend (issue 3): it boots the guest kernel on one vCPU to
-//! its console and reports how the guest ended. The virtio-mmio devices (and with them the agent
-//! channel) come next; until then [`KvmBackend`](super) is not offered by backend selection.
+//! How it ends: the first of a guest reset (i8042), a triple fault or reboot, a KVM failure, or
+//! [`Machine::stop`] is recorded as the machine's exit; the supervisor then kicks every vCPU out
+//! of KVM_RUN (a signal, repeated until each thread has left) and stops the device thread. After
+//! [`Machine::stop`] returns, no thread of the machine is left and its fds are closed once the
+//! last handle is dropped.
 
+use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region};
-use kvm_ioctls::{Kvm, VcpuExit, VmFd};
-use sandbox_devices::ConsoleLog;
+use kvm_ioctls::{IoEventAddress, Kvm, VcpuExit, VcpuFd, VmFd};
+use sandbox_devices::virtio::block::Block;
+use sandbox_devices::virtio::mmio::{MmioDevice, MmioTransport, WINDOW};
+use sandbox_devices::virtio::net::{Net, NullNet};
+use sandbox_devices::virtio::vsock::{Vsock, VsockHandle};
+use sandbox_devices::virtio::{Interrupt, VirtioDevice};
+use sandbox_devices::{BootMarker, ConsoleLog};
 use thiserror::Error;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::{boot, cpu, layout, serial};
+use super::{boot, cpu, layout, mptable, serial};
+
+/// Where the virtio-mmio windows start (inside the hole below 4 GiB), one page each.
+pub const MMIO_BASE: u64 = 0xd000_0000;
+/// The interrupt lines handed to virtio devices, in order (ISA lines nothing else uses here).
+const DEVICE_IRQS: [u32; 8] = [5, 6, 7, 9, 10, 11, 14, 15];
+/// The QueueNotify register's offset in a window.
+const QUEUE_NOTIFY: u64 = 0x50;
+
+/// A disk for the machine.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    /// Raw image on the host.
+    pub path: PathBuf,
+    /// Whether the guest may write it.
+    pub read_only: bool,
+}
 
 /// What to boot.
 #[derive(Debug, Clone)]
@@ -26,12 +53,18 @@ pub struct MachineConfig {
     pub kernel: PathBuf,
     /// Initramfs.
     pub initrd: Option<PathBuf>,
-    /// Kernel command line.
+    /// Kernel command line; the machine appends a `virtio_mmio.device=` entry per device.
     pub cmdline: String,
     /// Guest memory.
     pub memory_mib: u32,
-    /// Give up (and report a timeout) after this long.
-    pub timeout: Duration,
+    /// vCPUs (1 to 254).
+    pub vcpus: u8,
+    /// Disks, as /dev/vda, /dev/vdb, ... in this order.
+    pub disks: Vec<DiskConfig>,
+    /// The guest's vsock context id (3 or more).
+    pub vsock_cid: u64,
+    /// A network device with this MAC address, if any (its frames go nowhere until egress).
+    pub net_mac: Option<[u8; 6]>,
 }
 
 /// How the guest ended.
@@ -39,13 +72,15 @@ pub struct MachineConfig {
 pub struct MachineExit {
     /// For a person.
     pub reason: String,
-    /// The guest asked for it (reboot, power-off), as opposed to a failure or a timeout.
+    /// The guest asked for it (reboot, power-off, triple fault), as opposed to a failure.
     pub by_guest: bool,
+    /// The host stopped it.
+    pub requested: bool,
     /// The last console lines.
     pub console: Vec<String>,
 }
 
-/// Why a machine could not be built or run.
+/// Why a machine could not be built.
 #[derive(Debug, Error)]
 pub enum MachineError {
     /// A KVM ioctl failed.
@@ -66,93 +101,457 @@ pub enum MachineError {
     /// A vCPU could not be set up.
     #[error(transparent)]
     Cpu(#[from] cpu::CpuError),
-    /// An eventfd could not be made.
-    #[error("eventfd: {0}")]
-    EventFd(std::io::Error),
+    /// The MP table could not be written.
+    #[error(transparent)]
+    MpTable(#[from] mptable::MpTableError),
+    /// Too many devices for the interrupt lines we hand out.
+    #[error("{0} virtio devices are more than the {max} this machine wires up", max = DEVICE_IRQS.len())]
+    TooManyDevices(usize),
+    /// A host resource (disk file, eventfd, thread) failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn kvm_err(step: &'static str) -> impl Fn(kvm_ioctls::Error) -> MachineError {
     move |source| MachineError::Kvm { step, source }
 }
 
-/// Builds the machine and runs it on this thread until the guest ends, fails, or times out.
-pub fn run(cfg: &MachineConfig) -> Result<MachineExit, MachineError> {
-    let kvm = Kvm::new().map_err(kvm_err("opening /dev/kvm"))?;
-    let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-    vm.set_tss_address(layout::KVM_TSS_ADDRESS)
-        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
-    vm.create_irq_chip()
-        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-    let pit = kvm_pit_config {
-        flags: KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    };
-    vm.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> MachineError {
+    let context = context.into();
+    move |source| MachineError::Io { context, source }
+}
 
-    let mem_bytes = u64::from(cfg.memory_mib) << 20;
-    let mem = guest_memory(&vm, mem_bytes)?;
-    let entry = boot::load(
-        &mem,
-        mem_bytes,
-        &cfg.kernel,
-        cfg.initrd.as_deref(),
-        &cfg.cmdline,
-    )?;
+type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+/// Runs once when the machine has fully stopped.
+pub type OnExit = Box<dyn FnOnce(&MachineExit) + Send>;
+type SharedOnExit = Arc<Mutex<Option<OnExit>>>;
+type BusDevice = Arc<Mutex<dyn MmioDevice>>;
 
-    let log = Arc::new(Mutex::new(ConsoleLog::default()));
-    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
-    vm.register_irqfd(&irq, serial::COM1_IRQ)
-        .map_err(kvm_err("KVM_IRQFD (serial)"))?;
-    let mut console = serial::console(irq, log.clone());
+/// State shared by the machine's threads.
+struct Shared {
+    exit: Mutex<Option<MachineExit>>,
+    ended: Condvar,
+    /// Set once everything of the machine has stopped.
+    finished: Mutex<bool>,
+    finished_cv: Condvar,
+    stopping: AtomicBool,
+    running_vcpus: AtomicUsize,
+    log: Arc<Mutex<ConsoleLog>>,
+    marker: BootMarker,
+}
 
-    let mut vcpu = vm.create_vcpu(0).map_err(kvm_err("KVM_CREATE_VCPU"))?;
-    cpu::setup(&kvm, &vcpu, 0, 1, entry)?;
+impl Shared {
+    fn tail(&self, n: usize) -> Vec<String> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).tail(n)
+    }
 
-    // A watchdog ends a guest that runs past its time: it sets `expired` and kicks the vCPU out of
-    // KVM_RUN with a signal (the handler does nothing; KVM_RUN returns EINTR).
-    let expired = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicBool::new(false));
-    install_kick_handler();
-    let vcpu_thread = current_pthread();
-    let watchdog = {
-        let (expired, done, timeout) = (expired.clone(), done.clone(), cfg.timeout);
-        std::thread::spawn(move || {
-            let start = Instant::now();
-            while !done.load(Ordering::SeqCst) {
-                if start.elapsed() > timeout {
-                    expired.store(true, Ordering::SeqCst);
-                    kick(vcpu_thread);
-                    return;
+    /// Records how the machine ended (the first report wins) and wakes the supervisor.
+    fn end(&self, reason: String, by_guest: bool, requested: bool) {
+        let mut exit = self.exit.lock().unwrap_or_else(|e| e.into_inner());
+        if exit.is_none() {
+            *exit = Some(MachineExit {
+                reason,
+                by_guest,
+                requested,
+                console: self.tail(20),
+            });
+        }
+        self.stopping.store(true, Ordering::SeqCst);
+        self.ended.notify_all();
+    }
+}
+
+/// A running (or ended) machine.
+pub struct Machine {
+    shared: Arc<Shared>,
+    vsock: VsockHandle,
+    supervisor: Mutex<Option<JoinHandle<()>>>,
+    on_exit: SharedOnExit,
+}
+
+impl Machine {
+    /// Builds the machine and starts its threads. `on_exit` runs once, on the supervisor
+    /// thread, when the machine has fully stopped.
+    pub fn start(cfg: &MachineConfig, on_exit: Option<OnExit>) -> Result<Machine, MachineError> {
+        let t0 = Instant::now();
+        if cfg.vcpus == 0 {
+            return Err(MachineError::Cpu(cpu::CpuError::zero()));
+        }
+        let kvm = Kvm::new().map_err(kvm_err("opening /dev/kvm"))?;
+        let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        vm.set_tss_address(layout::KVM_TSS_ADDRESS)
+            .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+        vm.create_irq_chip()
+            .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+
+        let mem_bytes = u64::from(cfg.memory_mib) << 20;
+        let mem = guest_memory(&vm, mem_bytes)?;
+
+        // Devices: vsock first (the agent channel), then the disks in order, then the network.
+        let mut devices: Vec<(BusDevice, Subscriber, Vec<EventFd>)> = Vec::new();
+        let mut cmdline = cfg.cmdline.clone();
+        let (vsock, vsock_handle) =
+            Vsock::new(cfg.vsock_cid).map_err(io_err("creating the vsock device"))?;
+        let count = 1 + cfg.disks.len() + usize::from(cfg.net_mac.is_some());
+        if count > DEVICE_IRQS.len() {
+            return Err(MachineError::TooManyDevices(count));
+        }
+        add_device(&vm, &mem, vsock, &mut devices, &mut cmdline)?;
+        for (i, d) in cfg.disks.iter().enumerate() {
+            let blk = Block::open(&d.path, d.read_only, &format!("disk{i}"))
+                .map_err(io_err(format!("opening disk {}", d.path.display())))?;
+            add_device(&vm, &mem, blk, &mut devices, &mut cmdline)?;
+        }
+        if let Some(mac) = cfg.net_mac {
+            add_device(
+                &vm,
+                &mem,
+                Net::new(mac, NullNet::default()),
+                &mut devices,
+                &mut cmdline,
+            )?;
+        }
+
+        let entry = boot::load(
+            &mem,
+            mem_bytes,
+            &cfg.kernel,
+            cfg.initrd.as_deref(),
+            &cmdline,
+        )?;
+        mptable::write(&mem, cfg.vcpus)?;
+
+        let log = Arc::new(Mutex::new(ConsoleLog::default()));
+        let irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+        vm.register_irqfd(&irq, serial::COM1_IRQ)
+            .map_err(kvm_err("KVM_IRQFD (serial)"))?;
+        let console = Arc::new(Mutex::new(serial::console(irq, log.clone())));
+
+        let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+        for id in 0..cfg.vcpus {
+            let vcpu = vm
+                .create_vcpu(u64::from(id))
+                .map_err(kvm_err("KVM_CREATE_VCPU"))?;
+            cpu::setup(&kvm, &vcpu, id, cfg.vcpus, entry)?;
+            vcpus.push(vcpu);
+        }
+
+        let shared = Arc::new(Shared {
+            exit: Mutex::new(None),
+            ended: Condvar::new(),
+            finished: Mutex::new(false),
+            finished_cv: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            running_vcpus: AtomicUsize::new(vcpus.len()),
+            log,
+            marker: BootMarker::new(t0),
+        });
+        install_kick_handler();
+
+        // The device thread.
+        let device_kick = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?);
+        let mut em: EventManager<Subscriber> =
+            EventManager::new().map_err(|e| MachineError::Io {
+                context: "creating the device event loop".into(),
+                source: std::io::Error::other(format!("{e:?}")),
+            })?;
+        em.add_subscriber(Arc::new(Mutex::new(Wake(device_kick.clone()))));
+        let bus: Arc<Vec<(u64, BusDevice)>> = Arc::new(
+            devices
+                .iter()
+                .enumerate()
+                .map(|(i, (dev, sub, _))| {
+                    em.add_subscriber(sub.clone());
+                    (MMIO_BASE + i as u64 * WINDOW, dev.clone())
+                })
+                .collect(),
+        );
+        // The ioeventfds stay registered with the VM, which owns them until it is closed.
+        let ioevents: Vec<EventFd> = devices.into_iter().flat_map(|(_, _, e)| e).collect();
+
+        let device_thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("vm-devices".into())
+                .spawn(move || {
+                    while !shared.stopping.load(Ordering::SeqCst) {
+                        if em.run_with_timeout(1000).is_err() {
+                            shared.end("the device event loop failed".into(), false, false);
+                        }
+                    }
+                })
+                .map_err(io_err("starting the device thread"))?
+        };
+
+        let mut vcpu_threads = Vec::new();
+        for (id, vcpu) in vcpus.into_iter().enumerate() {
+            let (thread_shared, bus, console) = (shared.clone(), bus.clone(), console.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || {
+                    vcpu_loop(vcpu, id, &thread_shared, &bus, &console);
+                    thread_shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
+                    thread_shared.ended.notify_all();
+                });
+            match handle {
+                Ok(h) => vcpu_threads.push(h),
+                Err(e) => {
+                    shared.end(format!("starting vCPU thread {id}: {e}"), false, false);
+                    shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
                 }
-                std::thread::sleep(Duration::from_millis(20));
             }
-        })
-    };
+        }
 
-    let tail =
-        |log: &Arc<Mutex<ConsoleLog>>| log.lock().unwrap_or_else(|e| e.into_inner()).tail(20);
-    let exit = loop {
+        let on_exit: SharedOnExit = Arc::new(Mutex::new(on_exit));
+        let supervisor = {
+            let shared = shared.clone();
+            let on_exit = on_exit.clone();
+            std::thread::Builder::new()
+                .name("vm-supervisor".into())
+                .spawn(move || {
+                    supervise(
+                        &shared,
+                        vcpu_threads,
+                        device_thread,
+                        &device_kick,
+                        vm,
+                        ioevents,
+                        mem,
+                    );
+                    let exit = shared
+                        .exit
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone();
+                    if let (Some(exit), Some(f)) = (
+                        exit,
+                        on_exit.lock().unwrap_or_else(|e| e.into_inner()).take(),
+                    ) {
+                        f(&exit);
+                    }
+                    *shared.finished.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                    shared.finished_cv.notify_all();
+                })
+                .map_err(io_err("starting the supervisor thread"))?
+        };
+
+        Ok(Machine {
+            shared,
+            vsock: vsock_handle,
+            supervisor: Mutex::new(Some(supervisor)),
+            on_exit,
+        })
+    }
+
+    /// Opens connections to guest vsock ports.
+    pub fn vsock(&self) -> &VsockHandle {
+        &self.vsock
+    }
+
+    /// How the machine ended, once it has.
+    pub fn exit(&self) -> Option<MachineExit> {
+        self.shared
+            .exit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Waits up to `timeout` for the machine to end by itself.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<MachineExit> {
+        let exit = self.shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+        let (exit, _) = self
+            .shared
+            .ended
+            .wait_timeout_while(exit, timeout, |e| e.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        exit.clone()
+    }
+
+    /// Ends the machine (if it has not ended) and returns once every thread of it is gone.
+    pub fn stop(&self) -> MachineExit {
+        self.shared.end("stopped by the host".into(), false, true);
+        if let Some(h) = self
+            .supervisor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = h.join();
+        }
+        let finished = self
+            .shared
+            .finished
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let _finished = self
+            .shared
+            .finished_cv
+            .wait_while(finished, |f| !*f)
+            .unwrap_or_else(|e| e.into_inner());
+        self.exit().unwrap_or_else(|| MachineExit {
+            reason: "stopped by the host".into(),
+            by_guest: false,
+            requested: true,
+            console: Vec::new(),
+        })
+    }
+
+    /// The last `n` console lines.
+    pub fn console_tail(&self, n: usize) -> Vec<String> {
+        self.shared.tail(n)
+    }
+
+    /// From the start of building the VM to the guest's boot marker, once it came.
+    pub fn boot_marker(&self) -> Option<Duration> {
+        self.shared.marker.elapsed()
+    }
+
+    /// Drops the exit callback (the caller lost interest).
+    pub fn forget_on_exit(&self) {
+        self.on_exit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Waits for the machine to end, then brings every thread down and releases the VM.
+fn supervise(
+    shared: &Shared,
+    vcpu_threads: Vec<JoinHandle<()>>,
+    device_thread: JoinHandle<()>,
+    device_kick: &EventFd,
+    vm: VmFd,
+    ioevents: Vec<EventFd>,
+    mem: GuestMemoryMmap,
+) {
+    {
+        let exit = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+        let _exit = shared
+            .ended
+            .wait_while(exit, |e| e.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+    }
+    // A kick can land just before a vCPU enters KVM_RUN and be lost; repeat until each is out.
+    while shared.running_vcpus.load(Ordering::SeqCst) > 0 {
+        for h in &vcpu_threads {
+            kick(h.as_pthread_t());
+        }
+        let guard = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = shared.ended.wait_timeout(guard, Duration::from_millis(5));
+    }
+    for h in vcpu_threads {
+        let _ = h.join();
+    }
+    let _ = device_kick.write(1);
+    let _ = device_thread.join();
+    drop(ioevents);
+    drop(vm);
+    drop(mem);
+}
+
+/// Adds a virtio device: its window on the bus, its irqfd and ioeventfds, its command-line entry.
+fn add_device<D: VirtioDevice + 'static>(
+    vm: &VmFd,
+    mem: &GuestMemoryMmap,
+    device: D,
+    devices: &mut Vec<(BusDevice, Subscriber, Vec<EventFd>)>,
+    cmdline: &mut String,
+) -> Result<(), MachineError> {
+    let i = devices.len();
+    let (base, irq) = (MMIO_BASE + i as u64 * WINDOW, DEVICE_IRQS[i]);
+    let evt = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+    vm.register_irqfd(&evt, irq)
+        .map_err(kvm_err("KVM_IRQFD (virtio)"))?;
+    let t = MmioTransport::new(device, mem.clone(), Arc::new(Interrupt::new(evt)))
+        .map_err(io_err("creating a virtio transport"))?;
+    let mut ioevents = Vec::new();
+    for (q, e) in t.queue_evts().iter().enumerate() {
+        let e = e.try_clone().map_err(io_err("eventfd"))?;
+        vm.register_ioevent(&e, &IoEventAddress::Mmio(base + QUEUE_NOTIFY), q as u32)
+            .map_err(kvm_err("KVM_IOEVENTFD"))?;
+        ioevents.push(e);
+    }
+    let t = Arc::new(Mutex::new(t));
+    cmdline.push_str(&format!(" virtio_mmio.device=4K@{base:#x}:{irq}"));
+    devices.push((t.clone(), t, ioevents));
+    Ok(())
+}
+
+/// Wakes the device thread's epoll so it notices `stopping`.
+struct Wake(Arc<EventFd>);
+
+impl MutEventSubscriber for Wake {
+    fn init(&mut self, ops: &mut EventOps) {
+        let _ = ops.add(Events::new(&*self.0, EventSet::IN));
+    }
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.0.read();
+    }
+}
+
+fn vcpu_loop(
+    mut vcpu: VcpuFd,
+    id: usize,
+    shared: &Shared,
+    bus: &[(u64, BusDevice)],
+    console: &Mutex<serial::Console>,
+) {
+    let find = |addr: u64| {
+        bus.iter()
+            .find(|(base, _)| (*base..*base + WINDOW).contains(&addr))
+    };
+    while !shared.stopping.load(Ordering::SeqCst) {
         match vcpu.run() {
             Ok(VcpuExit::IoOut(port, data)) => match port {
                 p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
                     if let Some(&b) = data.first() {
-                        let _ = console.write((p - serial::COM1_BASE) as u8, b);
+                        let _ = console
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .write((p - serial::COM1_BASE) as u8, b);
                     }
                 }
                 // i8042 command 0xFE: pulse the reset line.
                 0x64 if data.first() == Some(&0xfe) => {
-                    break MachineExit {
-                        reason: "the guest reset the machine (i8042)".into(),
-                        by_guest: true,
-                        console: tail(&log),
-                    };
+                    shared.end(
+                        "the guest powered off or restarted (i8042 reset)".into(),
+                        true,
+                        false,
+                    );
+                }
+                BootMarker::PORT => {
+                    if let Some(&b) = data.first() {
+                        shared.marker.write(b);
+                    }
                 }
                 _ => {}
             },
             Ok(VcpuExit::IoIn(port, data)) => {
                 let v = match port {
                     p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
-                        console.read((p - serial::COM1_BASE) as u8)
+                        console
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .read((p - serial::COM1_BASE) as u8)
                     }
                     // i8042 status: no data, input buffer empty.
                     0x64 | 0x60 => 0,
@@ -160,71 +559,48 @@ pub fn run(cfg: &MachineConfig) -> Result<MachineExit, MachineError> {
                 };
                 data.fill(v);
             }
-            Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
-            Ok(VcpuExit::MmioWrite(..)) => {}
-            Ok(VcpuExit::Hlt) => {
-                break MachineExit {
-                    reason: "the guest halted".into(),
-                    by_guest: true,
-                    console: tail(&log),
-                };
-            }
-            Ok(VcpuExit::Shutdown) => {
-                break MachineExit {
-                    reason: "the guest restarted (triple fault or reboot)".into(),
-                    by_guest: true,
-                    console: tail(&log),
-                };
-            }
-            Ok(VcpuExit::SystemEvent(kind, _)) => {
-                break MachineExit {
-                    reason: format!("the guest sent system event {kind}"),
-                    by_guest: true,
-                    console: tail(&log),
-                };
-            }
-            Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                break MachineExit {
-                    reason: format!("KVM could not enter vCPU {cpu} (hardware reason {reason:#x})"),
-                    by_guest: false,
-                    console: tail(&log),
-                };
-            }
-            Ok(VcpuExit::InternalError) => {
-                break MachineExit {
-                    reason: "KVM internal error (the host's KVM cannot run this guest)".into(),
-                    by_guest: false,
-                    console: tail(&log),
-                };
-            }
-            Ok(other) => {
-                break MachineExit {
-                    reason: format!("unexpected vCPU exit {other:?}"),
-                    by_guest: false,
-                    console: tail(&log),
-                };
-            }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                if expired.load(Ordering::SeqCst) {
-                    break MachineExit {
-                        reason: format!("the guest ran past its {:?}", cfg.timeout),
-                        by_guest: false,
-                        console: tail(&log),
-                    };
+            Ok(VcpuExit::MmioRead(addr, data)) => match find(addr) {
+                Some((base, dev)) => dev
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .mmio_read(addr - base, data),
+                None => data.fill(0xff),
+            },
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if let Some((base, dev)) = find(addr) {
+                    dev.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .mmio_write(addr - base, data);
                 }
             }
-            Err(e) => {
-                break MachineExit {
-                    reason: format!("KVM_RUN failed: {e}"),
-                    by_guest: false,
-                    console: tail(&log),
-                };
+            Ok(VcpuExit::Hlt) => shared.end("the guest halted".into(), true, false),
+            Ok(VcpuExit::Shutdown) => shared.end(
+                "the guest powered off or restarted (triple fault)".into(),
+                true,
+                false,
+            ),
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                shared.end(format!("the guest sent system event {kind}"), true, false)
             }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => shared.end(
+                format!("KVM could not enter vCPU {cpu} (hardware reason {reason:#x})"),
+                false,
+                false,
+            ),
+            Ok(VcpuExit::InternalError) => shared.end(
+                format!("KVM internal error on vCPU {id} (the host's KVM cannot run this guest)"),
+                false,
+                false,
+            ),
+            Ok(other) => shared.end(
+                format!("unexpected exit of vCPU {id}: {other:?}"),
+                false,
+                false,
+            ),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+            Err(e) => shared.end(format!("KVM_RUN failed on vCPU {id}: {e}"), false, false),
         }
-    };
-    done.store(true, Ordering::SeqCst);
-    let _ = watchdog.join();
-    Ok(exit)
+    }
 }
 
 /// Maps guest RAM (anonymous, MAP_NORESERVE: a guest costs what it touches) and registers each
@@ -248,7 +624,7 @@ fn guest_memory(vm: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, MachineErr
             userspace_addr: host as u64,
         };
         // SAFETY: the region is a live mapping of `memory_size` bytes owned by `mem`, which the
-        // caller keeps for as long as the VM exists (the VM fd is dropped first).
+        // supervisor drops only after the VM fd (and every vCPU) is closed.
         unsafe { vm.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
     }
     Ok(mem)
@@ -257,19 +633,13 @@ fn guest_memory(vm: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, MachineErr
 extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
 fn install_kick_handler() {
-    // Failure leaves the default action of a real-time signal (terminate), so it must not fail
-    // silently; registering a handler for SIGRTMIN only fails for an invalid signal number.
+    // Registering a handler for SIGRTMIN only fails for an invalid signal number.
     let _ =
         vmm_sys_util::signal::register_signal_handler(vmm_sys_util::signal::SIGRTMIN(), on_kick);
 }
 
-fn current_pthread() -> libc::pthread_t {
-    // SAFETY: pthread_self has no preconditions.
-    unsafe { libc::pthread_self() }
-}
-
 fn kick(thread: libc::pthread_t) {
-    // SAFETY: the thread is the vCPU thread, alive until it sets `done` after the watchdog exits
-    // its loop; the signal has a no-op handler installed.
+    // SAFETY: `thread` belongs to a JoinHandle not yet joined, so the thread id is valid; the
+    // signal has a no-op handler installed, so its only effect is to interrupt KVM_RUN.
     unsafe { libc::pthread_kill(thread, vmm_sys_util::signal::SIGRTMIN()) };
 }

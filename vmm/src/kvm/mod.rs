@@ -1,13 +1,14 @@
-//! The in-process KVM backend (issue 3), being built: today it boots the guest kernel on one
-//! vCPU with a serial console and reports how the guest ended. It is not yet a [`Backend`]
-//! (no virtio devices, so no agent channel), so backend selection does not offer it.
-//!
-//! [`Backend`]: crate::Backend
+//! The in-process KVM backend: a VMM on kvm-ioctls and the rust-vmm crates that boots the same
+//! kernel and images as the QEMU backend, with its devices (virtio-mmio: vsock for the agent
+//! channel, block, net) running on threads of this process.
 
+pub mod backend;
 pub mod boot;
 pub mod cpu;
 pub mod layout;
 pub mod machine;
+pub mod mptable;
 pub mod serial;
 
-pub use machine::{MachineConfig, MachineError, MachineExit, run};
+pub use backend::KvmBackend;
+pub use machine::{DiskConfig, Machine, MachineConfig, MachineError, MachineExit};

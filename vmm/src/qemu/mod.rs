@@ -116,18 +116,7 @@ impl Backend for QemuBackend {
 }
 
 fn validate(spec: &VmSpec) -> Result<(), VmError> {
-    if spec.vcpus == 0 || spec.vcpus > 64 {
-        return Err(VmError::InvalidSpec(format!(
-            "vcpus must be 1 to 64, not {}",
-            spec.vcpus
-        )));
-    }
-    if spec.memory_mib < 128 {
-        return Err(VmError::InvalidSpec(format!(
-            "memory_mib must be at least 128, not {}",
-            spec.memory_mib
-        )));
-    }
+    crate::backend::validate_spec(spec)?;
     let sock_len = spec.state_dir.join("agent.sock").as_os_str().len();
     if sock_len > MAX_SOCKET_PATH {
         return Err(VmError::InvalidSpec(format!(
@@ -136,18 +125,10 @@ fn validate(spec: &VmSpec) -> Result<(), VmError> {
             spec.state_dir.display()
         )));
     }
-    for p in std::iter::once(&spec.kernel).chain(spec.initrd.iter()) {
-        if !p.is_file() {
-            return Err(VmError::InvalidSpec(format!(
-                "{} does not exist",
-                p.display()
-            )));
-        }
-    }
     Ok(())
 }
 
-fn make_state_dir(dir: &Path) -> Result<(), VmError> {
+pub(crate) fn make_state_dir(dir: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.exists() {
         return Err(VmError::InvalidSpec(format!(

@@ -1,0 +1,258 @@
+//! The KVM backend as a [`Backend`]: each VM is a [`Machine`] in this process, its agent
+//! channel a vsock connection the device opens to the agent's port.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::{oneshot, watch};
+
+use super::machine::{DiskConfig, Machine, MachineConfig, MachineExit};
+use crate::backend::{Backend, Channel, StartedVm, Vm, VmError, VmExit, VmSpec, validate_spec};
+use sandbox_devices::virtio::vsock::ConnectError;
+
+/// The vsock port the agent listens on.
+pub const AGENT_PORT: u32 = 1024;
+/// The guest's vsock context id (each VM has its own device, so every guest can be 3).
+const GUEST_CID: u64 = 3;
+/// How long a guest gets from start to listening on the agent port.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Pause between connection attempts while the agent is not listening yet.
+const RETRY: Duration = Duration::from_millis(5);
+/// Console lines kept in a `VmExit`.
+const EXIT_CONSOLE_LINES: usize = 20;
+
+/// The in-process KVM backend.
+#[derive(Debug, Clone, Default)]
+pub struct KvmBackend;
+
+impl KvmBackend {
+    /// Checks that /dev/kvm can be opened and has what the machine uses. This does not prove
+    /// the host's KVM can run Linux; [`probe`] does.
+    pub fn new() -> Result<KvmBackend, String> {
+        let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
+            libc::ENOENT => "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host with hardware virtualisation)".to_string(),
+            libc::EACCES | libc::EPERM => "/dev/kvm exists but this user may not open it (add the user to the kvm group)".to_string(),
+            _ => format!("/dev/kvm cannot be opened: {e}"),
+        })?;
+        for (cap, name) in [
+            (kvm_ioctls::Cap::Irqchip, "an in-kernel irqchip"),
+            (kvm_ioctls::Cap::Irqfd, "irqfd"),
+            (kvm_ioctls::Cap::Ioeventfd, "ioeventfd"),
+            (kvm_ioctls::Cap::Pit2, "an in-kernel PIT"),
+        ] {
+            if !kvm.check_extension(cap) {
+                return Err(format!("the host's KVM lacks {name}"));
+            }
+        }
+        Ok(KvmBackend)
+    }
+}
+
+/// The kernel command line of a KVM guest.
+pub fn kernel_cmdline(spec: &VmSpec) -> String {
+    let mut words = vec![
+        "console=ttyS0".to_string(),
+        "reboot=k".into(),
+        "panic=-1".into(),
+        "quiet".into(),
+        "i8042.noaux".into(),
+        "i8042.nomux".into(),
+        "i8042.dumbkbd".into(),
+        format!("sandbox.memory_mib={}", spec.memory_mib),
+        format!("sandbox.channel=vsock:{AGENT_PORT}"),
+    ];
+    words.extend(spec.cmdline.iter().cloned());
+    words.join(" ")
+}
+
+fn to_vm_exit(e: &MachineExit) -> VmExit {
+    VmExit {
+        reason: e.reason.clone(),
+        requested: e.requested,
+        console: e.console.clone(),
+    }
+}
+
+#[async_trait]
+impl Backend for KvmBackend {
+    fn name(&self) -> &'static str {
+        "kvm"
+    }
+
+    fn accel(&self) -> String {
+        "kvm".into()
+    }
+
+    async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
+        validate_spec(&spec)?;
+        crate::qemu::make_state_dir(&spec.state_dir)?;
+        let result = start(&spec).await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&spec.state_dir);
+        }
+        result
+    }
+}
+
+async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
+    let cfg = MachineConfig {
+        kernel: spec.kernel.clone(),
+        initrd: spec.initrd.clone(),
+        cmdline: kernel_cmdline(spec),
+        memory_mib: spec.memory_mib,
+        vcpus: spec.vcpus,
+        disks: spec
+            .disks
+            .iter()
+            .map(|d| DiskConfig {
+                path: d.path.clone(),
+                read_only: d.read_only,
+            })
+            .collect(),
+        vsock_cid: GUEST_CID,
+        net_mac: None,
+    };
+    let (exit_tx, exit_rx) = watch::channel(None);
+    let on_exit: super::machine::OnExit = Box::new(move |e| {
+        let _ = exit_tx.send(Some(to_vm_exit(e)));
+    });
+    let machine = tokio::task::spawn_blocking(move || Machine::start(&cfg, Some(on_exit)))
+        .await
+        .map_err(|e| VmError::Start(format!("the VM start task failed: {e}")))?
+        .map_err(|e| VmError::Start(e.to_string()))?;
+    let machine = Arc::new(machine);
+    let vm = KvmVm {
+        machine: machine.clone(),
+        exit: exit_rx,
+        state_dir: spec.state_dir.clone(),
+    };
+    match connect(&machine, &vm.exit).await {
+        Ok(stream) => {
+            let (read, write) = stream.into_split();
+            Ok(StartedVm {
+                vm: Box::new(vm),
+                channel: Channel {
+                    read: Box::new(read),
+                    write: Box::new(write),
+                },
+            })
+        }
+        Err(e) => {
+            vm.stop(Duration::ZERO).await;
+            Err(e)
+        }
+    }
+}
+
+/// Connects to the agent's vsock port, retrying while nothing listens there yet.
+async fn connect(
+    machine: &Machine,
+    exit: &watch::Receiver<Option<VmExit>>,
+) -> Result<tokio::net::UnixStream, VmError> {
+    let deadline = Instant::now() + CONNECT_TIMEOUT;
+    let mut exit = exit.clone();
+    loop {
+        let (tx, rx) = oneshot::channel();
+        machine.vsock().connect(
+            AGENT_PORT,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let result = tokio::select! {
+            r = rx => r.unwrap_or(Err(ConnectError::Reset)),
+            e = exit.wait_for(|e| e.is_some()) => {
+                let e = e.ok().and_then(|e| e.clone()).unwrap_or_else(unreachable_exit);
+                return Err(VmError::DiedEarly(e));
+            }
+        };
+        match result {
+            Ok(stream) => {
+                stream
+                    .set_nonblocking(true)
+                    .map_err(|e| VmError::io("the agent channel", e))?;
+                return tokio::net::UnixStream::from_std(stream)
+                    .map_err(|e| VmError::io("the agent channel", e));
+            }
+            Err(ConnectError::Refused(_) | ConnectError::NotReady) if Instant::now() < deadline => {
+                tokio::time::sleep(RETRY).await;
+            }
+            Err(e) => {
+                return Err(VmError::Start(format!(
+                    "the guest agent did not accept the host's connection within {CONNECT_TIMEOUT:?}: {e}{}",
+                    crate::backend::console_suffix(&machine.console_tail(8))
+                )));
+            }
+        }
+    }
+}
+
+/// A VM of the KVM backend.
+pub struct KvmVm {
+    machine: Arc<Machine>,
+    exit: watch::Receiver<Option<VmExit>>,
+    state_dir: std::path::PathBuf,
+}
+
+fn remove_state_dir(dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[async_trait]
+impl Vm for KvmVm {
+    fn exit(&self) -> Option<VmExit> {
+        self.exit.borrow().clone()
+    }
+
+    async fn wait(&self) -> VmExit {
+        let mut rx = self.exit.clone();
+        match rx.wait_for(|e| e.is_some()).await {
+            Ok(e) => e.clone().unwrap_or_else(unreachable_exit),
+            Err(_) => self
+                .machine
+                .exit()
+                .map(|e| to_vm_exit(&e))
+                .unwrap_or_else(unreachable_exit),
+        }
+    }
+
+    async fn stop(&self, _grace: Duration) -> VmExit {
+        // Nothing in the guest needs a grace period: disks are written through (the guest's
+        // unflushed cache is lost, as on power loss), and no host process is left to reap.
+        let m = self.machine.clone();
+        let exit = tokio::task::spawn_blocking(move || m.stop())
+            .await
+            .map(|e| to_vm_exit(&e))
+            .unwrap_or_else(|_| unreachable_exit());
+        remove_state_dir(&self.state_dir);
+        exit
+    }
+
+    fn console_tail(&self, n: usize) -> Vec<String> {
+        self.machine.console_tail(n.min(EXIT_CONSOLE_LINES.max(n)))
+    }
+
+    fn pid(&self) -> Option<u32> {
+        None
+    }
+
+    fn boot_marker(&self) -> Option<Duration> {
+        self.machine.boot_marker()
+    }
+}
+
+impl Drop for KvmVm {
+    fn drop(&mut self) {
+        remove_state_dir(&self.state_dir);
+    }
+}
+
+fn unreachable_exit() -> VmExit {
+    VmExit {
+        reason: "the VM ended without a recorded reason".into(),
+        requested: false,
+        console: Vec::new(),
+    }
+}

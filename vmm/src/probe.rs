@@ -1,0 +1,206 @@
+//! Proving that a backend boots a guest here: boot the stock image, wait for its agent, run
+//! `true`. Some hosts offer a `/dev/kvm` that opens fine but cannot run a Linux kernel (nested
+//! hypervisors that emulate kernel code and fail); only a real boot tells. The result is
+//! remembered per host boot, backend and image, so only the first start after a change pays.
+
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Backend, VmSpec};
+use crate::image::{ImageStore, STOCK};
+
+/// How long a probe boot may take; a real KVM host needs well under a second.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ProbeRecord {
+    key: u64,
+    ok: bool,
+    reason: String,
+}
+
+/// Whether `backend` boots the stock image, cached in `<cache>/probe/<name>.json`, keyed by
+/// the host's boot id, `extra` files (e.g. the QEMU binary), the image and our own binary.
+pub async fn boots_cached(
+    backend: &dyn Backend,
+    what: &str,
+    name: &str,
+    extra: &[&Path],
+    store: &ImageStore,
+) -> Result<(), String> {
+    let image = store
+        .resolve(STOCK)
+        .map_err(|e| format!("{what} could not be checked: {e}"))?;
+    let exe = std::env::current_exe().ok();
+    let mut keyed: Vec<&Path> = extra.to_vec();
+    keyed.push(&image.kernel);
+    if let Some(i) = image.initrd.as_deref() {
+        keyed.push(i);
+    }
+    if let Some(e) = exe.as_deref() {
+        keyed.push(e);
+    }
+    let key = probe_key(&keyed);
+    let record_path = crate::config::cache_dir().join(format!("probe/{name}.json"));
+    let cached = std::fs::read(&record_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<ProbeRecord>(&b).ok());
+    if let Some(r) = cached.filter(|r| r.key == key) {
+        return if r.ok { Ok(()) } else { Err(r.reason) };
+    }
+    let result = probe(backend, what, &image.kernel, image.initrd.clone()).await;
+    let record = ProbeRecord {
+        key,
+        ok: result.is_ok(),
+        reason: result.clone().err().unwrap_or_default(),
+    };
+    if let Some(dir) = record_path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+        let _ = std::fs::write(
+            &record_path,
+            serde_json::to_vec(&record).unwrap_or_default(),
+        );
+    }
+    result
+}
+
+const EMULATION_FAILURE: &str =
+    "/dev/kvm cannot run a Linux guest here (KVM internal error: emulation failure)";
+
+fn emulation_failed(lines: &[String]) -> bool {
+    lines
+        .iter()
+        .any(|l| l.contains("KVM internal error") || l.contains("emulation failure"))
+}
+
+/// Boots the stock image once on `backend` and runs `true` in it.
+pub async fn probe(
+    backend: &dyn Backend,
+    what: &str,
+    kernel: &Path,
+    initrd: Option<PathBuf>,
+) -> Result<(), String> {
+    let state_dir =
+        crate::config::state_dir().join(format!("probe-{}-{}", backend.name(), std::process::id()));
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let spec = VmSpec {
+        id: "probe".into(),
+        memory_mib: 256,
+        vcpus: 1,
+        kernel: kernel.to_path_buf(),
+        initrd,
+        disks: vec![],
+        cmdline: vec![],
+        state_dir,
+    };
+    let started = Instant::now();
+    let vm = match tokio::time::timeout(PROBE_TIMEOUT, backend.start(spec)).await {
+        Ok(Ok(vm)) => vm,
+        Ok(Err(e)) => {
+            let text = e.to_string();
+            return Err(if text.contains("KVM internal error") {
+                EMULATION_FAILURE.to_string()
+            } else {
+                format!("{what} did not start a guest ({text})")
+            });
+        }
+        Err(_) => {
+            return Err(format!(
+                "{what} did not boot a guest within {PROBE_TIMEOUT:?}"
+            ));
+        }
+    };
+    let client = sandbox_protocol::client::Client::new(vm.channel.read, vm.channel.write);
+    let vm = vm.vm;
+    let outcome = loop {
+        tokio::select! {
+            r = client.wait_ready(Duration::from_millis(200)) => match r {
+                Ok(_) => break Ok(()),
+                Err(sandbox_protocol::client::ClientError::Timeout(_)) => {}
+                Err(e) => match tokio::time::timeout(Duration::from_secs(1), vm.wait()).await {
+                    Ok(exit) => break Err(stopped(what, &exit)),
+                    Err(_) => break Err(format!("the {what} probe guest lost its channel ({e})")),
+                },
+            },
+            exit = vm.wait() => break Err(stopped(what, &exit)),
+        }
+        if emulation_failed(&vm.console_tail(50)) {
+            break Err(EMULATION_FAILURE.into());
+        }
+        if started.elapsed() > PROBE_TIMEOUT {
+            break Err(format!(
+                "a {what} guest did not boot within {PROBE_TIMEOUT:?}"
+            ));
+        }
+    };
+    let outcome = match outcome {
+        Ok(()) => run_true(&client, what).await,
+        Err(e) => Err(e),
+    };
+    // Whatever went wrong, an emulation failure in the console is the real reason.
+    let outcome = outcome.map_err(|why| {
+        if emulation_failed(&vm.console_tail(50)) {
+            EMULATION_FAILURE.to_string()
+        } else {
+            why
+        }
+    });
+    vm.stop(Duration::from_millis(500)).await;
+    outcome
+}
+
+async fn run_true(client: &sandbox_protocol::client::Client, what: &str) -> Result<(), String> {
+    let req = sandbox_protocol::message::ExecRequest {
+        argv: Some(vec!["true".into()]),
+        cwd: Some("/".into()),
+        ..Default::default()
+    };
+    match client.exec(&req).await {
+        Ok(mut e) => loop {
+            match e.output.next().await {
+                Some(Ok(sandbox_protocol::client::ExecEvent::Exit(s)))
+                    if s.exit_code == Some(0) =>
+                {
+                    break Ok(());
+                }
+                Some(Ok(sandbox_protocol::client::ExecEvent::Exit(s))) => {
+                    break Err(format!("`true` failed in the {what} probe guest: {s:?}"));
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => break Err(format!("exec in the {what} probe guest failed: {e}")),
+                None => {
+                    break Err(format!(
+                        "exec in the {what} probe guest ended without a status"
+                    ));
+                }
+            }
+        },
+        Err(e) => Err(format!("exec in the {what} probe guest failed: {e}")),
+    }
+}
+
+fn stopped(what: &str, exit: &crate::backend::VmExit) -> String {
+    format!(
+        "{what} could not boot a guest: {}{}",
+        exit.reason,
+        crate::backend::console_suffix(&exit.console)
+    )
+}
+
+fn probe_key(paths: &[&Path]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .unwrap_or_default()
+        .hash(&mut h);
+    for p in paths {
+        p.hash(&mut h);
+        if let Ok(m) = std::fs::metadata(p) {
+            m.len().hash(&mut h);
+            m.modified().ok().hash(&mut h);
+        }
+    }
+    h.finish()
+}
