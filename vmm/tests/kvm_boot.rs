@@ -17,14 +17,14 @@ fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").unwrap().count()
 }
 
-fn boot_stock(image: &sandbox_vmm::Image, vcpus: u8) -> MachineExit {
+fn boot_stock(image: &sandbox_vmm::Image, vcpus: u8, memory_mib: u32) -> MachineExit {
     let cfg = MachineConfig {
         kernel: image.kernel.clone(),
         initrd: image.initrd.clone(),
         // init is busybox's `true`: its exit panics the kernel (which names the status), and
         // panic=-1 restarts the guest at once.
         cmdline: "console=ttyS0 reboot=t panic=-1 rdinit=/bin/busybox -- true".into(),
-        memory_mib: 512,
+        memory_mib,
         vcpus,
         disks: vec![],
         vsock_cid: 3,
@@ -52,7 +52,7 @@ fn boots_the_guest_kernel_to_userspace() {
     };
     let nested = std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1");
     let native_ok = Path::new("/dev/kvm").exists() && {
-        let exit = boot_stock(&image, 1);
+        let exit = boot_stock(&image, 1, 512);
         if exit.reason.contains("KVM internal error") && !nested {
             eprintln!(
                 "native /dev/kvm cannot run Linux ({}); going one level down",
@@ -60,7 +60,8 @@ fn boots_the_guest_kernel_to_userspace() {
             );
             false
         } else {
-            for (vcpus, exit) in [(1, exit), (2, boot_stock(&image, 2))] {
+            // The product's default guest: 2 vCPUs, 4096 MiB (RAM on both sides of the MMIO hole).
+            for (vcpus, exit) in [(1, exit), (2, boot_stock(&image, 2, 4096))] {
                 let console = exit.console.join("\n");
                 assert!(
                     console.contains(MARKER),
