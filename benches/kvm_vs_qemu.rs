@@ -129,7 +129,6 @@ async fn measure(
             match ev {
                 Ok(ExecEvent::Stdout(b)) | Ok(ExecEvent::Stderr(b)) => out.extend_from_slice(&b),
                 Ok(ExecEvent::Exit(_)) | Err(_) => break,
-                _ => {}
             }
         }
         // dd's own figure where it prints one (busybox may not); else the exec's wall time.
