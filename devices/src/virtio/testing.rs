@@ -124,6 +124,11 @@ impl<D: VirtioDevice + 'static> Driver<D> {
             .unwrap();
     }
 
+    /// The descriptor index the next chain of queue `q` will start at.
+    pub fn next_head(&self, q: usize) -> u16 {
+        self.next_desc[q]
+    }
+
     /// Adds a chain of (address, length, device-writable) buffers and publishes it.
     pub fn add_chain(&mut self, q: usize, bufs: &[(u64, u32, bool)]) -> u16 {
         let size = self.sizes[q];

@@ -13,6 +13,11 @@ use super::ConnectDone;
 pub const BUF_ALLOC: u32 = 256 * 1024;
 /// Most bytes read from the host socket at once (one rx packet's payload at most).
 pub const MAX_STAGE: usize = 64 * 1024;
+/// Most data packets the guest may hold unread. Linux (6.12) also counts each queued packet's
+/// metadata (about 700 bytes) against its 256 KiB receive buffer and resets the connection when
+/// many small packets exceed it (about 370), however few bytes they carry. At this many we stop
+/// and ask the guest for its buffer state (CREDIT_REQUEST) until it has read some.
+pub const MAX_PACKETS_IN_FLIGHT: usize = 128;
 
 /// Where a connection is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +35,8 @@ pub struct Pending {
     pub request: bool,
     /// Our buffer state, because the guest asked or we freed a lot.
     pub credit_update: bool,
+    /// Ask the guest for its buffer state: we hold back data until it has read more packets.
+    pub credit_request: bool,
 }
 
 /// One connection.
@@ -44,6 +51,11 @@ pub struct Conn {
     /// The guest's receive buffer and how much of it it has consumed.
     pub peer_buf_alloc: u32,
     pub peer_fwd_cnt: Wrapping<u32>,
+    /// `tx_cnt` at the end of each data packet the guest may not have read yet (bounded by
+    /// MAX_PACKETS_IN_FLIGHT).
+    pub sent_ends: VecDeque<Wrapping<u32>>,
+    /// A credit request is out and unanswered.
+    pub credit_requested: bool,
     /// Bytes we sent the guest, ever.
     pub tx_cnt: Wrapping<u32>,
     /// Bytes of the guest we wrote to the host socket, ever, and what we last told the guest.
@@ -77,9 +89,12 @@ impl Conn {
             pending: Pending {
                 request: true,
                 credit_update: false,
+                credit_request: false,
             },
             peer_buf_alloc: 0,
             peer_fwd_cnt: Wrapping(0),
+            sent_ends: VecDeque::new(),
+            credit_requested: false,
             tx_cnt: Wrapping(0),
             fwd_cnt: Wrapping(0),
             fwd_cnt_sent: Wrapping(0),
@@ -97,6 +112,25 @@ impl Conn {
         self.peer_buf_alloc.saturating_sub(in_flight)
     }
 
+    /// Data packets the guest has not read yet, as far as its last `fwd_cnt` tells.
+    pub fn packets_in_flight(&mut self) -> usize {
+        while let Some(end) = self.sent_ends.front() {
+            // Wrapping comparison: the guest has read up to `peer_fwd_cnt`.
+            if (self.peer_fwd_cnt - *end).0 < (1 << 31) {
+                self.sent_ends.pop_front();
+            } else {
+                break;
+            }
+        }
+        self.sent_ends.len()
+    }
+
+    /// Records a data packet sent to the guest.
+    pub fn sent_packet(&mut self, len: u32) {
+        self.tx_cnt += len;
+        self.sent_ends.push_back(self.tx_cnt);
+    }
+
     /// Unsent staged host bytes.
     pub fn staged_len(&self) -> usize {
         self.staged.len() - self.staged_off
@@ -106,6 +140,12 @@ impl Conn {
     /// the host closed its end (or the socket failed).
     pub fn fill_stage(&mut self) -> bool {
         if self.state != State::Established || !self.readable || self.staged_len() > 0 {
+            return true;
+        }
+        if self.packets_in_flight() >= MAX_PACKETS_IN_FLIGHT {
+            if !self.credit_requested {
+                self.pending.credit_request = true;
+            }
             return true;
         }
         let want = (self.peer_credit() as usize).min(MAX_STAGE);

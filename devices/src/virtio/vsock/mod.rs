@@ -331,6 +331,8 @@ impl Vsock {
         }
         c.peer_buf_alloc = h.buf_alloc;
         c.peer_fwd_cnt = Wrapping(h.fwd_cnt);
+        // Any packet carries the guest's buffer state: an outstanding credit request is answered.
+        c.credit_requested = false;
         let port = c.local_port;
         match (h.op, c.state) {
             (op::RESPONSE, State::Connecting) => {
@@ -391,7 +393,10 @@ impl Vsock {
                 gone.push(c.local_port);
                 continue;
             }
-            work |= c.pending.request || c.pending.credit_update || c.staged_len() > 0;
+            work |= c.pending.request
+                || c.pending.credit_update
+                || c.pending.credit_request
+                || c.staged_len() > 0;
         }
         for port in gone {
             // The host closed its end: the guest sees a reset connection.
@@ -470,10 +475,19 @@ impl Vsock {
                 };
                 let data = c.staged[c.staged_off..c.staged_off + n].to_vec();
                 c.staged_off += n;
-                c.tx_cnt += n as u32;
+                c.sent_packet(n as u32);
                 c.fwd_cnt_sent = c.fwd_cnt;
                 c.pending.credit_update = false;
                 return (h, data);
+            }
+            if c.pending.credit_request {
+                let h = self.header(c, op::CREDIT_REQUEST, 0, 0);
+                if let Some(c) = self.conns.get_mut(&port) {
+                    c.pending.credit_request = false;
+                    c.credit_requested = true;
+                    c.fwd_cnt_sent = c.fwd_cnt;
+                }
+                return (h, Vec::new());
             }
             if c.pending.credit_update {
                 let h = self.header(c, op::CREDIT_UPDATE, 0, 0);
@@ -602,23 +616,32 @@ mod tests {
         let (v, h) = Vsock::new(GUEST_CID).unwrap();
         let mut d = Driver::new(v);
         d.setup(VIRTIO_F_VERSION_1);
-        for i in 0..16 {
-            d.add_chain(RX, &[(RX_BUFS + i * 0x1_2000, 4096 + 44, true)]);
+        for _ in 0..16 {
+            add_rx_buffer(&mut d);
         }
         d.kick(RX);
         (d, h)
+    }
+
+    /// Each rx buffer lives at an address given by its head index, so a used entry finds it.
+    fn add_rx_buffer(d: &mut Driver<Vsock>) {
+        let addr = RX_BUFS + u64::from(d.next_head(RX)) * 0x1100;
+        d.add_chain(RX, &[(addr, 4096 + 44, true)]);
     }
 
     /// Packets the device put in rx buffers since the last call.
     fn received(d: &mut Driver<Vsock>) -> Vec<(Header, Vec<u8>)> {
         let mut out = Vec::new();
         for (id, len) in d.used(RX) {
-            let addr = RX_BUFS + u64::from(id) * 0x1_2000;
+            let addr = RX_BUFS + u64::from(id) * 0x1100;
             let b = d.get(addr, len as usize);
             let h = Header::decode(b[..HEADER_LEN].try_into().unwrap());
             out.push((h, b[HEADER_LEN..].to_vec()));
-            // Give the buffer back, as the driver does.
-            d.add_chain(RX, &[(addr, 4096 + 44, true)]);
+            // Give a buffer back, as the driver does.
+            add_rx_buffer(d);
+        }
+        if !out.is_empty() {
+            d.kick(RX);
         }
         out
     }
@@ -760,6 +783,38 @@ mod tests {
         d.kick(TX);
         assert!(h.stats().bad_packets.load(Ordering::Relaxed) >= 4);
         assert!(d.t.lock().unwrap().is_active());
+    }
+
+    #[test]
+    fn many_small_writes_never_flood_the_guest_with_packets() {
+        let (mut d, h) = device();
+        let (mut s, port) = connect(&mut d, &h);
+        let mut rw = 0usize;
+        let mut requests = 0usize;
+        // The guest never reads (its fwd_cnt stays 0): small writes, one packet each.
+        for _ in 0..conn::MAX_PACKETS_IN_FLIGHT + 20 {
+            s.write_all(&[7u8; 300]).unwrap();
+            d.run();
+            for (p, _) in received(&mut d) {
+                match p.op {
+                    op::RW => rw += 1,
+                    op::CREDIT_REQUEST => requests += 1,
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(rw, conn::MAX_PACKETS_IN_FLIGHT, "packets beyond the cap");
+        assert_eq!(requests, 1, "one credit request, not a storm");
+        // The guest answers: it has read everything so far; the rest flows.
+        let mut upd = guest_header(op::CREDIT_UPDATE, port, 0);
+        upd.fwd_cnt = (rw * 300) as u32;
+        send(&mut d, upd, &[]);
+        let rest: usize = received(&mut d)
+            .iter()
+            .filter(|(p, _)| p.op == op::RW)
+            .map(|(_, b)| b.len())
+            .sum();
+        assert_eq!(rest, 20 * 300);
     }
 
     #[test]
