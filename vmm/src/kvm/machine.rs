@@ -574,11 +574,21 @@ fn vcpu_loop(
                 }
             }
             Ok(VcpuExit::Hlt) => shared.end("the guest halted".into(), true, false),
-            Ok(VcpuExit::Shutdown) => shared.end(
-                "the guest powered off or restarted (triple fault)".into(),
-                true,
-                false,
-            ),
+            Ok(VcpuExit::Shutdown) => {
+                // Where the vCPU was helps tell a reboot (reboot=t) from a crash early in boot.
+                let at = match (vcpu.get_regs(), vcpu.get_sregs()) {
+                    (Ok(r), Ok(s)) => format!(
+                        " on vCPU {id} at rip {:#x}, cr0 {:#x}, cr3 {:#x}, cr4 {:#x}",
+                        r.rip, s.cr0, s.cr3, s.cr4
+                    ),
+                    _ => String::new(),
+                };
+                shared.end(
+                    format!("the guest powered off or restarted (triple fault{at})"),
+                    true,
+                    false,
+                )
+            }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 shared.end(format!("the guest sent system event {kind}"), true, false)
             }
