@@ -179,13 +179,7 @@ impl VirtioDevice for Block {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // Only `capacity` (le64 at offset 0); the rest of the layout reads as zero.
         let cfg = self.capacity_sectors.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| cfg.get(o).copied())
-                .unwrap_or(0);
-        }
+        super::read_config_bytes(&cfg, offset, data);
     }
 
     fn queue_notify(

@@ -28,6 +28,18 @@ pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_
 /// `data` values at or above this name a device's own event sources; below it, queue kicks.
 pub const HOST_EVENT_BASE: u32 = 0x100;
 
+/// Copies the bytes of a device's config space `cfg` at `offset` into `data`; bytes past its
+/// end (or an offset beyond any) read as zero, whatever the guest asks for.
+pub fn read_config_bytes(cfg: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(i))
+            .and_then(|o| cfg.get(o).copied())
+            .unwrap_or(0);
+    }
+}
+
 /// What a device needs to work on its queues: guest memory, the queues, and its interrupt.
 pub struct Queues<'a> {
     /// Guest memory (all of it; every address from the guest is checked against it).

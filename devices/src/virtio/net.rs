@@ -188,13 +188,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         let mut cfg = [0u8; 8];
         cfg[..6].copy_from_slice(&self.mac);
         cfg[6..8].copy_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| cfg.get(o).copied())
-                .unwrap_or(0);
-        }
+        super::read_config_bytes(&cfg, offset, data);
     }
 
     fn init(&mut self, ops: &mut EventOps) {

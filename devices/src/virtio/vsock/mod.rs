@@ -537,13 +537,7 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let cfg = self.guest_cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| cfg.get(o).copied())
-                .unwrap_or(0);
-        }
+        crate::virtio::read_config_bytes(&cfg, offset, data);
     }
 
     fn init(&mut self, ops: &mut EventOps) {
