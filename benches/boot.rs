@@ -122,6 +122,7 @@ fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> V
         kernel: kernel.to_path_buf(),
         initrd: Some(initrd.to_path_buf()),
         disks: vec![],
+        scratch_disk_mib: None,
         cmdline: vec![],
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
     }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Brings a machine to the point where sandbox-host runs: Debian packages, the guest kernel, the
-# stock image and the sandbox-host binary. Every step is cached; a second run takes seconds.
+# stock image, the guest image (as root) and the sandbox-host binary. Every step is cached; a second run takes seconds.
 # Prints the path of the sandbox-host binary on its last line.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,6 +12,12 @@ log() { printf '[prepare %s] %s\n' "$(date +%T)" "$*" >&2; }
 command -v cargo >/dev/null || { log "cargo is not installed: install Rust (https://rustup.rs) and run this again"; exit 1; }
 bash "$root/scripts/install-deps.sh" >&2
 bash "$root/rootfs/build-stock.sh" >/dev/null
+# The default image of a create request; building it needs root (debootstrap, chroot, mounts).
+if [ "$(id -u)" -eq 0 ]; then
+  python3 "$root/rootfs/build-guest.py" >/dev/null
+else
+  log "not root, so the guest image vantik-guest:latest is not built and sandboxes get the stock image; build it with: sudo python3 rootfs/build-guest.py"
+fi
 log "building sandbox-host"
 (cd "$root" && cargo build --quiet -p sandbox-host) >&2
 echo "$CARGO_TARGET_DIR/debug/sandbox-host"

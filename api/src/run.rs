@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
-use sandbox_vmm::{ImageStore, VmSpec, config};
+use sandbox_vmm::{ImageStore, config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::backend_select;
@@ -26,6 +26,10 @@ pub struct RunArgs {
     /// Image from the image store.
     #[arg(long, default_value = "stock")]
     image: String,
+    /// Size of the sandbox's disk in MiB (images with a root file system; the stock image keeps
+    /// /workspace in memory). Sparse: it costs only what the command writes.
+    #[arg(long, default_value_t = 20480, value_parser = clap::value_parser!(u64).range(64..=16_777_216))]
+    disk_mib: u64,
     /// Working directory in the guest.
     #[arg(long, default_value = "/workspace")]
     cwd: String,
@@ -74,16 +78,13 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
     }
     remove_stale_runs(&config::state_dir());
     let id = format!("run-{}-{}", std::process::id(), unique());
-    let spec = VmSpec {
-        id: id.clone(),
-        memory_mib: args.memory_mib,
-        vcpus: args.vcpus,
-        kernel: image.kernel.clone(),
-        initrd: image.initrd.clone(),
-        disks: vec![],
-        cmdline: vec![],
-        state_dir: config::state_dir().join(&id),
-    };
+    let spec = image.vm_spec(
+        id.clone(),
+        args.memory_mib,
+        args.vcpus,
+        args.disk_mib,
+        config::state_dir().join(&id),
+    );
     let sandbox = sandbox_vmm::boot(selected.backend.as_ref(), spec, BOOT_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;

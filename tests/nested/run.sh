@@ -3,25 +3,29 @@
 # AMD SVM (`-cpu max`), so that /dev/kvm in there is real KVM, whatever this machine's own /dev/kvm
 # can do. The guest gets the nested-host kernel (guest kernel + built-in KVM), busybox, QEMU, the
 # stock image at /images/stock, and the files named with --with (binaries get their shared
-# libraries). The command's output streams through; this script exits with the command's status.
+# libraries), and the images named with --image. The command's output streams through; this script
+# exits with the command's status.
 #
-#   tests/nested/run.sh [--with FILE]... [--mem MIB] [--timeout S] -- 'shell command'
+#   tests/nested/run.sh [--with FILE]... [--image NAME[:TAG]]... [--mem MIB] [--timeout S] -- 'shell command'
 #
 # Files given with --with land in /work/<name>; binaries are stripped of debug info first.
+# SANDBOX_HOST_NESTED_CPUS sets its processor count (1: see README.md, "One processor"). SANDBOX_HOST_NESTED_ACCEL replaces the outer QEMU's `-accel tcg`; SANDBOX_HOST_NESTED_QEMU_ARGS adds options to the outer QEMU (for debugging, e.g.
+# `-d int,cpu_reset -D /tmp/l0.log` logs every exception of both guest levels).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 . "$root/scripts/cache-dir.sh"
 log() { printf '[nested %s] %s\n' "$(date +%T)" "$*" >&2; }
 
-with=(); mem=6144; timeout=1200
+with=(); images=(); mem=6144; timeout=1200
 while [ $# -gt 0 ]; do
   case "$1" in
     --with) with+=("$2"); shift 2 ;;
+    --image) images+=("$2"); shift 2 ;;
     --mem) mem=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "usage: $0 [--with FILE]... [--mem MIB] [--timeout S] -- 'command'" >&2; exit 2 ;;
+    *) echo "usage: $0 [--with FILE]... [--image NAME[:TAG]]... [--mem MIB] [--timeout S] -- 'command'" >&2; exit 2 ;;
   esac
 done
 [ $# -eq 1 ] || { echo "give exactly one shell command after --" >&2; exit 2; }
@@ -64,6 +68,14 @@ for f in "${with[@]}"; do
   if ldd "$f" >/dev/null 2>&1; then add_binary "$f" "/work/$(basename "$f")"; else cp -L "$f" "$tree/work/"; fi
 done
 cp -rL "$stock" "$tree/images/stock"
+# Other images of this machine's store (hard links where possible: a disk image is a gigabyte).
+store=${SANDBOX_HOST_IMAGE_DIR:-$cache/images}
+for image in "${images[@]}"; do
+  src="$store/${image/://}"
+  [ -f "$src/manifest.json" ] || { log "no image $image in $store; build it first"; exit 125; }
+  mkdir -p "$(dirname "$tree/images/${image/://}")"
+  cp -rlL "$src" "$tree/images/${image/://}" 2>/dev/null || cp -rL "$src" "$tree/images/${image/://}"
+done
 install -m 0755 "$here/init" "$tree/init"
 env | grep -E '^(SANDBOX_HOST_[A-Z_]+|RUST_BACKTRACE)=' | grep -vE 'SANDBOX_HOST_(CACHE|IMAGE_DIR|STATE_DIR)=' \
   | sed "s/=\(.*\)/='\1'/; s/^/export /" > "$tree/nested.env" || true
@@ -82,11 +94,11 @@ tsc_arg=""
 
 out="$work/console.log"
 set +e
-timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel tcg -cpu max \
-  -m "$mem" -smp 2 -nodefaults -no-user-config -display none -no-reboot -serial stdio \
+timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
+  -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
   -kernel "$kernel" -initrd "$work/initramfs.cpio" \
   -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg" \
-  -device virtio-rng-device </dev/null | tee "$out"
+  -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null | tee "$out"
 qemu_status=${PIPESTATUS[0]}
 set -e
 status=$(sed -n 's/^NESTED-EXIT \([0-9]*\).*/\1/p' "$out" | tail -n 1)

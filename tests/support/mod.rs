@@ -8,7 +8,7 @@ use std::time::Duration;
 use sandbox_protocol::client::{Client, ExecEvent};
 use sandbox_protocol::message::{ExecRequest, ExitStatus};
 use sandbox_vmm::config;
-use sandbox_vmm::{ImageStore, Sandbox, VmSpec};
+use sandbox_vmm::{ImageStore, Sandbox};
 
 /// A booted sandbox and the temporary directory that holds its state.
 pub struct TestVm {
@@ -32,7 +32,7 @@ pub async fn boot_stock(memory_mib: u32, vcpus: u8) -> Option<TestVm> {
     boot_stock_with_disks(memory_mib, vcpus, vec![]).await
 }
 
-/// Like [`boot_stock`], with raw disks attached (`/dev/vda`, `/dev/vdb`, ...).
+/// Like [`boot_stock`], with raw disks attached (virtio serials `disk0`, `disk1`, ...).
 pub async fn boot_stock_with_disks(
     memory_mib: u32,
     vcpus: u8,
@@ -46,6 +46,18 @@ pub async fn boot_stock_with_disks(
             return None;
         }
     };
+    boot_image(&image, memory_mib, vcpus, 0, disks).await
+}
+
+/// Boots `image` on the selected backend; a disk image gets a sandbox disk of `disk_mib`.
+pub async fn boot_image(
+    image: &sandbox_vmm::Image,
+    memory_mib: u32,
+    vcpus: u8,
+    disk_mib: u64,
+    disks: Vec<sandbox_vmm::Disk>,
+) -> Option<TestVm> {
+    let store = ImageStore::new(config::image_dir());
     let backend = match sandbox_vmm::select::select(&store).await {
         Ok(b) => b.backend,
         Err(e) => {
@@ -58,19 +70,11 @@ pub async fn boot_stock_with_disks(
         .tempdir_in("/tmp")
         .expect("tempdir");
     let state_dir = tmp.path().join("vm");
-    let spec = VmSpec {
-        id: "e2e".into(),
-        memory_mib,
-        vcpus,
-        kernel: image.kernel,
-        initrd: image.initrd,
-        disks,
-        cmdline: vec![],
-        state_dir: state_dir.clone(),
-    };
+    let mut spec = image.vm_spec("e2e".into(), memory_mib, vcpus, disk_mib, state_dir.clone());
+    spec.disks.extend(disks);
     let sandbox = sandbox_vmm::boot(backend.as_ref(), spec, Duration::from_secs(180))
         .await
-        .expect("the stock image boots");
+        .unwrap_or_else(|e| panic!("image {} boots: {e}", image.name));
     Some(TestVm {
         sandbox,
         state_dir,

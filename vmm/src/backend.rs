@@ -24,8 +24,11 @@ pub struct VmSpec {
     pub kernel: PathBuf,
     /// Initramfs, if the image has one.
     pub initrd: Option<PathBuf>,
-    /// Disks in order (`/dev/vda`, `/dev/vdb`, ...).
+    /// Disks in order; the guest sees disk `i` with the virtio serial `disk<i>`.
     pub disks: Vec<Disk>,
+    /// A fresh writable ext4 disk of this many MiB, made by the backend in the state directory
+    /// (removed with it) and attached after `disks`: the sandbox's own disk of a disk image.
+    pub scratch_disk_mib: Option<u64>,
     /// Extra kernel command-line words, after the backend's own.
     pub cmdline: Vec<String>,
     /// A directory that belongs to this VM alone; the backend puts its sockets there and
@@ -152,6 +155,31 @@ pub trait Vm: Send + Sync {
     fn boot_marker(&self) -> Option<Duration> {
         None
     }
+}
+
+/// Makes the VM's state directory and its scratch disk, and returns the spec with that disk
+/// in `disks`. On failure nothing is left behind.
+pub(crate) fn prepare(spec: &VmSpec) -> Result<VmSpec, VmError> {
+    crate::qemu::make_state_dir(&spec.state_dir)?;
+    let mut spec = spec.clone();
+    if let Some(mib) = spec.scratch_disk_mib.take() {
+        let path = spec.state_dir.join("sandbox-disk.ext4");
+        if let Err(e) = crate::scratch::create(&path, mib) {
+            let _ = std::fs::remove_dir_all(&spec.state_dir);
+            return Err(match e {
+                crate::scratch::ScratchError::Size(_) => VmError::InvalidSpec(e.to_string()),
+                e => VmError::Start(e.to_string()),
+            });
+        }
+        // The guest's init finds its writable layer by this serial.
+        spec.cmdline
+            .push(format!("sandbox.upper=disk{}", spec.disks.len()));
+        spec.disks.push(Disk {
+            path,
+            read_only: false,
+        });
+    }
+    Ok(spec)
 }
 
 /// Checks what every backend needs of a spec: vCPUs, memory, and files that exist.

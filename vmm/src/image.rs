@@ -8,6 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+use crate::backend::{Disk, VmSpec};
 use thiserror::Error;
 
 /// The image every host has once `rootfs/build-stock.sh` ran: kernel plus initramfs.
@@ -48,6 +50,7 @@ struct Manifest {
     kind: String,
     kernel: String,
     initrd: Option<String>,
+    rootfs: Option<String>,
     agent_version: Option<String>,
     harness_version: Option<String>,
 }
@@ -63,12 +66,51 @@ pub struct Image {
     pub kernel: PathBuf,
     /// The initramfs, for images that have one.
     pub initrd: Option<PathBuf>,
-    /// `initramfs` for the stock image.
+    /// The read-only ext4 root file system of a disk image, shared by every sandbox.
+    pub rootfs: Option<PathBuf>,
+    /// `initramfs` for the stock image, `disk` for an image with a root file system.
     pub kind: String,
     /// Version of the agent inside.
     pub agent_version: Option<String>,
     /// Version of the Pi harness the image carries (full images only).
     pub harness_version: Option<String>,
+}
+
+impl Image {
+    /// A VM spec booting this image. A disk image's root file system is the first disk (read
+    /// only, shared) and the sandbox gets a scratch disk of `disk_mib` as its writable layer;
+    /// the stock image keeps everything in memory and ignores `disk_mib`.
+    pub fn vm_spec(
+        &self,
+        id: String,
+        memory_mib: u32,
+        vcpus: u8,
+        disk_mib: u64,
+        state_dir: PathBuf,
+    ) -> VmSpec {
+        let (disks, scratch_disk_mib, cmdline) = match &self.rootfs {
+            Some(rootfs) => (
+                vec![Disk {
+                    path: rootfs.clone(),
+                    read_only: true,
+                }],
+                Some(disk_mib),
+                vec!["sandbox.root=disk0".to_string()],
+            ),
+            None => (vec![], None, vec![]),
+        };
+        VmSpec {
+            id,
+            memory_mib,
+            vcpus,
+            kernel: self.kernel.clone(),
+            initrd: self.initrd.clone(),
+            disks,
+            scratch_disk_mib,
+            cmdline,
+            state_dir,
+        }
+    }
 }
 
 /// A directory of images.
@@ -100,7 +142,11 @@ impl ImageStore {
         if !valid {
             return Err(ImageError::BadName(name.into()));
         }
-        let link = self.dir.join(name.replace(':', "/"));
+        let mut link = self.dir.join(name.replace(':', "/"));
+        // `name` without a tag means `name:latest`, as with container images.
+        if !name.contains(':') && link.is_dir() && !link.join("manifest.json").exists() {
+            link = link.join("latest");
+        }
         let dir = match std::fs::canonicalize(&link) {
             Ok(d) => d,
             Err(_) => {
@@ -138,6 +184,7 @@ impl ImageStore {
             name: name.into(),
             kernel: file(&m.kernel)?,
             initrd: m.initrd.as_deref().map(file).transpose()?,
+            rootfs: m.rootfs.as_deref().map(file).transpose()?,
             kind: m.kind,
             agent_version: m.agent_version,
             harness_version: m.harness_version,
@@ -170,6 +217,48 @@ mod tests {
         let img = ImageStore::new(t.path()).resolve("stock").unwrap();
         assert!(img.dir.ends_with(".stock-1"));
         assert_eq!(img.initrd.unwrap().file_name().unwrap(), "initramfs.cpio");
+    }
+
+    #[test]
+    fn a_disk_image_boots_its_root_from_a_shared_disk_and_gets_a_scratch_disk() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join(".vantik-guest-latest-1");
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["vmlinux", "initramfs.cpio", "rootfs.ext4"] {
+            std::fs::write(d.join(f), b"x").unwrap();
+        }
+        std::fs::write(
+            d.join("manifest.json"),
+            r#"{"kind":"disk","kernel":"vmlinux","initrd":"initramfs.cpio","rootfs":"rootfs.ext4","harness_version":"0.73.1"}"#,
+        )
+        .unwrap();
+        std::fs::create_dir(t.path().join("vantik-guest")).unwrap();
+        std::os::unix::fs::symlink(
+            "../.vantik-guest-latest-1",
+            t.path().join("vantik-guest/latest"),
+        )
+        .unwrap();
+        let store = ImageStore::new(t.path());
+        let img = store.resolve("vantik-guest:latest").unwrap();
+        assert_eq!(store.resolve("vantik-guest").unwrap().dir, img.dir);
+        assert_eq!(img.harness_version.as_deref(), Some("0.73.1"));
+        let spec = img.vm_spec("s".into(), 4096, 2, 20480, "/state/s".into());
+        assert_eq!(spec.disks.len(), 1);
+        assert!(spec.disks[0].read_only);
+        assert!(spec.disks[0].path.ends_with("rootfs.ext4"));
+        assert_eq!(spec.scratch_disk_mib, Some(20480));
+        assert_eq!(spec.cmdline, ["sandbox.root=disk0"]);
+
+        make(
+            t.path(),
+            "stock",
+            r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio"}"#,
+        );
+        let stock = store.resolve("stock").unwrap();
+        let spec = stock.vm_spec("s".into(), 4096, 2, 20480, "/state/s".into());
+        assert!(
+            spec.disks.is_empty() && spec.scratch_disk_mib.is_none() && spec.cmdline.is_empty()
+        );
     }
 
     #[test]

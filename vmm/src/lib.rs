@@ -12,6 +12,7 @@ pub mod kvm;
 pub mod probe;
 pub mod qemu;
 pub mod sandbox;
+pub mod scratch;
 pub mod select;
 
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};

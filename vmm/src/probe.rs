@@ -93,6 +93,7 @@ pub async fn probe(
         kernel: kernel.to_path_buf(),
         initrd,
         disks: vec![],
+        scratch_disk_mib: None,
         cmdline: vec![],
         state_dir,
     };

@@ -28,7 +28,10 @@ fn threads() -> Vec<String> {
 fn assert_threads_back(before: usize) {
     let ours = |t: &String| t.starts_with("vcpu") || t.starts_with("vm-");
     let left: Vec<String> = threads().into_iter().filter(ours).collect();
-    assert!(left.is_empty(), "the machine's threads are still there: {left:?}");
+    assert!(
+        left.is_empty(),
+        "the machine's threads are still there: {left:?}"
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while threads().len() > before && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -120,4 +123,61 @@ fn boots_the_guest_kernel_to_userspace() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("test result: ok. 1 passed"), "{text}");
+}
+
+/// Not a CI test: boots `SANDBOX_HOST_STRESS_ROUNDS` rounds of four one-vCPU machines at once
+/// with the kernel's full console, and prints the console of every boot that did not reach
+/// userspace. Run it inside the nested test host to hunt rare early-boot faults.
+#[test]
+#[ignore]
+fn stress_four_at_once() {
+    let store = ImageStore::new(config::image_dir());
+    let image = store.resolve("stock").expect("stock image");
+    let rounds: usize = std::env::var("SANDBOX_HOST_STRESS_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(10);
+    let mut failed = 0;
+    for round in 0..rounds {
+        let exits: Vec<MachineExit> = (0..4)
+            .map(|i| {
+                let image = image.clone();
+                std::thread::spawn(move || {
+                    let cfg = MachineConfig {
+                        kernel: image.kernel.clone(),
+                        initrd: image.initrd.clone(),
+                        cmdline:
+                            "console=ttyS0 loglevel=8 reboot=t panic=-1 rdinit=/bin/busybox -- true"
+                                .into(),
+                        memory_mib: 256,
+                        vcpus: 1,
+                        disks: vec![],
+                        vsock_cid: 3 + i,
+                        net_mac: None,
+                    };
+                    let m = Machine::start(&cfg, None).expect("the machine is built");
+                    let exit = m.wait_timeout(Duration::from_secs(120));
+                    let stopped = m.stop();
+                    let mut exit = exit.unwrap_or(stopped);
+                    exit.console = m.console_tail(400);
+                    exit
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        for (i, exit) in exits.iter().enumerate() {
+            if !exit.console.join("\n").contains(MARKER) {
+                failed += 1;
+                println!(
+                    "round {round} vm {i}: {}\n{}",
+                    exit.reason,
+                    exit.console.join("\n")
+                );
+            }
+        }
+        println!("round {round}: {failed} failed so far");
+    }
+    assert_eq!(failed, 0);
 }

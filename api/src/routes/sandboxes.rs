@@ -8,7 +8,6 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use sandbox_vmm::VmSpec;
 use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -191,16 +190,18 @@ async fn create(
         _ => None,
     };
     let id = registry::new_id();
-    let spec = VmSpec {
-        id: id.clone(),
-        memory_mib: req.memory_mib,
-        vcpus: req.vcpus,
-        kernel: image.kernel.clone(),
-        initrd: image.initrd.clone(),
-        disks: vec![],
-        cmdline: vec![],
-        state_dir: state.config().state_dir.join(&id),
+    let disk_limit_mib = if req.review {
+        DISK_LIMIT_REVIEW_MIB
+    } else {
+        DISK_LIMIT_MIB
     };
+    let spec = image.vm_spec(
+        id.clone(),
+        req.memory_mib,
+        req.vcpus,
+        disk_limit_mib,
+        state.config().state_dir.join(&id),
+    );
     let sandbox = match sandbox_vmm::boot(backend.as_ref(), spec, BOOT_TIMEOUT).await {
         Ok(s) => s,
         Err(e) => {
@@ -212,11 +213,6 @@ async fn create(
         }
     };
     state.metrics().boot(sandbox.boot_time);
-    let disk_limit_mib = if req.review {
-        DISK_LIMIT_REVIEW_MIB
-    } else {
-        DISK_LIMIT_MIB
-    };
     let image_name = if stock_image {
         STOCK.to_string()
     } else {

@@ -33,6 +33,21 @@ pub fn stock_image_missing() -> bool {
     true
 }
 
+/// An image store beside `state` holding only a link to the real stock image.
+pub fn stock_only_store(state: &Path) -> PathBuf {
+    let name = state.file_name().unwrap().to_string_lossy();
+    let store = state.with_file_name(format!("{name}-images"));
+    std::fs::create_dir_all(&store).unwrap();
+    let link = store.join("stock");
+    if let (false, Ok(real)) = (
+        link.exists(),
+        std::fs::canonicalize(sandbox_vmm::config::image_dir().join("stock")),
+    ) {
+        let _ = std::os::unix::fs::symlink(real, &link);
+    }
+    store
+}
+
 pub fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-host"));
     // Never read the developer's .env in tests.
@@ -81,6 +96,11 @@ pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .arg("serve");
+    // Unless a test names its store, it sees only the stock image: what these tests check must
+    // not change with whether the operator built the full guest image.
+    if !env.iter().any(|(k, _)| *k == "SANDBOX_HOST_IMAGE_DIR") {
+        cmd.env("SANDBOX_HOST_IMAGE_DIR", stock_only_store(state));
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }

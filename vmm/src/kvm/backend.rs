@@ -87,7 +87,7 @@ impl Backend for KvmBackend {
 
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
         validate_spec(&spec)?;
-        crate::qemu::make_state_dir(&spec.state_dir)?;
+        let spec = crate::backend::prepare(&spec)?;
         let result = start(&spec).await;
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&spec.state_dir);

@@ -148,7 +148,7 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
         a.extend(["-drive".into(), drive]);
         a.extend([
             "-device".into(),
-            format!("virtio-blk-device,drive=disk{i}").into(),
+            format!("virtio-blk-device,drive=disk{i},serial=disk{i}").into(),
         ]);
     }
     a
@@ -184,6 +184,7 @@ mod tests {
                 path: PathBuf::from("/d/base,1.ext4"),
                 read_only: true,
             }],
+            scratch_disk_mib: None,
             cmdline: vec!["extra=1".into()],
             state_dir: "/s".into(),
         }

@@ -104,7 +104,7 @@ impl Backend for QemuBackend {
 
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
         validate(&spec)?;
-        make_state_dir(&spec.state_dir)?;
+        let spec = crate::backend::prepare(&spec)?;
         let sock = spec.state_dir.join("agent.sock");
         let args = args::qemu_args(self.arch, self.accel, &spec, &sock);
         let started = process::spawn(&self.program, args, &spec).await;

@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""Builds the Vantik guest image from rootfs/guest/image.toml and tags it in the image store.
+
+    sudo python3 rootfs/build-guest.py [--config FILE] [--store DIR] [--cache DIR]
+
+The image is a directory in the store holding the guest kernel, the initramfs of the stock image
+(its /init turns a read-only ext4 root plus the sandbox's own disk into an overlay root), the
+root file system `rootfs.ext4` and `manifest.json`. `<store>/<name>/<tag>` is a symbolic link to
+it, swapped with one rename, so a sandbox starting during a build gets the old image or the new
+one, never part of one. The previous build is kept for sandboxes that resolved it just before.
+
+Layers are cached under <cache>/guest: the debootstrap tree (by the [debian] section), and the
+downloads (Debian packages, wheels, npm tarballs). A build whose inputs did not change is a no-op.
+
+Python rather than Rust: it is a build script run by an operator, tomllib reads the config, and it
+keeps the service's dependency tree free of image-building code. Needs root (debootstrap, chroot,
+mounts), debootstrap, e2fsprogs and the network to Debian, PyPI and the npm registry.
+"""
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+if sys.version_info < (3, 11):
+    sys.exit("build-guest: needs Python 3.11 or later (for tomllib); this is " + sys.version.split()[0])
+import tomllib  # noqa: E402
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Where Debian, Fedora and Alpine keep the host's CA bundle.
+HOST_CA_BUNDLES = ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem"]
+START = time.monotonic()
+
+
+def log(msg):
+    print(f"[guest-image {time.strftime('%H:%M:%S')} +{time.monotonic() - START:5.0f}s] {msg}",
+          file=sys.stderr, flush=True)
+
+
+def die(msg):
+    log(f"error: {msg}")
+    sys.exit(1)
+
+
+def run(cmd, **kw):
+    """Runs a command with its output passed through; dies with the command named on failure."""
+    r = subprocess.run(cmd, **kw)
+    if r.returncode != 0:
+        die(f"`{' '.join(map(str, cmd))}` failed with status {r.returncode}")
+    return r
+
+
+def cache_dir():
+    if os.environ.get("SANDBOX_HOST_CACHE"):
+        return Path(os.environ["SANDBOX_HOST_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "sandbox-host"
+    return Path.home() / ".cache" / "sandbox-host"
+
+
+def digest(*parts):
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def load_config(path):
+    try:
+        cfg = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        die(f"cannot read the image config {path}: {e}")
+    for key in ("name", "tag", "debian", "npm", "harness"):
+        if key not in cfg:
+            die(f"{path}: `{key}` is missing")
+    for src, dst in cfg.get("files", {}).items():
+        if not isinstance(dst, str) or not (ROOT / src).is_file():
+            die(f"{path}: [files] `{src}` must be a file of this repository mapped to a path in the image")
+    for key in ("suite", "mirror", "variant", "packages"):
+        if key not in cfg["debian"]:
+            die(f"{path}: `debian.{key}` is missing")
+    for part in (cfg["name"], cfg["tag"]):
+        if not part or part.startswith(".") or not all(c.isalnum() or c in "._-" for c in part):
+            die(f"{path}: `{part}` is not a valid image name or tag (letters, digits, . _ -)")
+    pkg = cfg["harness"].get("npm_package")
+    if pkg not in cfg["npm"]:
+        die(f"{path}: harness.npm_package `{pkg}` must be one of the [npm] packages")
+    for name, version in cfg["npm"].items():
+        if not version or any(c in version for c in "^~*<> |"):
+            die(f"{path}: npm package {name} must have an exact version, not `{version}`")
+    return cfg
+
+
+def inside(tree, path):
+    """`path` (absolute, in the image) under `tree`, refusing anything that climbs out."""
+    p = Path(path)
+    if not p.is_absolute() or ".." in p.parts:
+        die(f"`{path}` must be an absolute path without `..`")
+    return tree / p.relative_to("/")
+
+
+class Mounts:
+    """The kernel file systems and caches a chroot needs, unmounted whatever happens."""
+
+    def __init__(self, tree, binds):
+        self.tree, self.binds, self.done = tree, binds, []
+
+    def __enter__(self):
+        for kind, src, dst in [("proc", "proc", "proc"), ("sysfs", "sys", "sys")]:
+            self._mount(["-t", kind, src], dst)
+        self._mount(["--rbind", "/dev"], "dev")
+        for src, dst in self.binds:
+            src.mkdir(parents=True, exist_ok=True)
+            self._mount(["--bind", str(src)], dst)
+        return self
+
+    def _mount(self, args, dst):
+        target = self.tree / dst
+        target.mkdir(parents=True, exist_ok=True)
+        run(["mount", *args, str(target)])
+        self.done.append(target)
+
+    def __exit__(self, *exc):
+        for target in reversed(self.done):
+            subprocess.run(["umount", "-R", "-l", str(target)])
+        if mounts_under(self.tree):
+            die(f"mounts are left under {self.tree}; see /proc/self/mounts")
+
+
+def mounts_under(path):
+    """Mount points at or below `path`, deepest first."""
+    prefix = str(Path(path).resolve())
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            point = line.split()[1].replace("\\040", " ")
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+def remove_tree(path):
+    """Deletes a build directory, never through a mount (a chroot's /dev is the host's /dev)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    for point in mounts_under(path):
+        subprocess.run(["umount", "-l", point])
+    left = mounts_under(path)
+    if left:
+        die(f"{left[0]} is still mounted; unmount it, then remove {path}")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def chroot(tree, command, env=None):
+    base = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "DEBIAN_FRONTEND": "noninteractive",
+    }
+    base.update(env or {})
+    run(["chroot", str(tree), "/bin/sh", "-c", command], env=base)
+
+
+def build_base(cfg, cache, debs):
+    """The debootstrap tree, cached by the [debian] section; Debian packages kept in `debs`."""
+    deb = cfg["debian"]
+    key = digest(json.dumps(deb, sort_keys=True))
+    base = cache / f"base-{key}"
+    if (base / "etc" / "debian_version").exists():
+        log(f"Debian {deb['suite']} base: cached ({base})")
+        return base
+    log(f"Debian {deb['suite']} base: debootstrap {deb['variant']} with {len(deb['packages'])} packages")
+    debs.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=cache))
+    try:
+        run(["debootstrap", f"--variant={deb['variant']}", "--components=main",
+             f"--include={','.join(deb['packages'])}", f"--cache-dir={debs}",
+             deb["suite"], str(tmp), deb["mirror"]])
+        shutil.rmtree(tmp / "var" / "cache" / "apt" / "archives", ignore_errors=True)
+        (tmp / "var" / "cache" / "apt" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
+        for old in cache.glob("base-*"):
+            remove_tree(old)
+        tmp.rename(base)
+    finally:
+        remove_tree(tmp)
+    return base
+
+
+def fetch_wheel(spec, cache):
+    """Downloads (once) the pinned wheel for x86_64 Linux and returns its path."""
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    name, version = spec["name"], spec["version"]
+    norm = name.replace("-", "_").lower()
+    found = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(f"{norm}-{version}-")]
+    if found:
+        return found[0]
+    log(f"downloading wheel {name}=={version}")
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+         "--python-version", "3.11", "-d", str(wheels), f"{name}=={version}"])
+    found = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(f"{norm}-{version}-")]
+    if not found:
+        die(f"pip downloaded no wheel for {name}=={version}")
+    return found[0]
+
+
+def unpack_wheel(wheel, rules, tree):
+    """Copies the members a rule names (a file, or every member under a `dir/` prefix)."""
+    with zipfile.ZipFile(wheel) as z:
+        members = z.infolist()
+        for rule in rules:
+            src, dst = rule["from"], rule["to"]
+            picked = [m for m in members
+                      if (m.filename.startswith(src) if src.endswith("/") else m.filename == src)]
+            if not picked:
+                die(f"{wheel.name} has no `{src}`")
+            for m in picked:
+                if m.is_dir():
+                    continue
+                rel = m.filename[len(src):] if src.endswith("/") else ""
+                out = inside(tree, dst + rel if src.endswith("/") else dst)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(m) as fin, open(out, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                mode = (m.external_attr >> 16) & 0o777
+                os.chmod(out, 0o755 if mode & 0o111 else 0o644)
+
+
+def make_ext4(tree, out, label):
+    """An ext4 image of `tree`, sized to its contents plus room for the metadata."""
+    used = int(subprocess.run(["du", "-s", "--block-size=1M", str(tree)], capture_output=True,
+                              text=True, check=True).stdout.split()[0])
+    size = used + used // 8 + 128
+    with open(out, "wb") as f:
+        f.truncate(size << 20)
+    # No journal (the base is only ever mounted read-only); no reserved blocks.
+    run(["mkfs.ext4", "-q", "-F", "-L", label, "-m", "0", "-O", "^has_journal",
+         "-E", "lazy_itable_init=0,nodiscard", "-d", str(tree), str(out)])
+    run(["e2fsck", "-f", "-n", str(out)], stdout=subprocess.DEVNULL)
+    return size
+
+
+def stock_image():
+    r = subprocess.run(["bash", str(ROOT / "rootfs" / "build-stock.sh")], capture_output=True,
+                       text=True)
+    sys.stderr.write(r.stderr)
+    if r.returncode != 0:
+        die("building the stock image (kernel, agent, initramfs) failed")
+    d = Path(r.stdout.strip()).resolve()
+    return d, json.loads((d / "manifest.json").read_text())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "rootfs" / "guest" / "image.toml")
+    ap.add_argument("--store", type=Path, help="image store (default: SANDBOX_HOST_IMAGE_DIR or <cache>/images)")
+    ap.add_argument("--cache", type=Path, help="layer cache (default: <cache>/guest)")
+    ap.add_argument("--download-cache", type=Path,
+                    help="where Debian packages, wheels and npm tarballs are kept (default: the layer cache)")
+    args = ap.parse_args()
+
+    if sys.platform != "linux":
+        die("the guest image is built on Linux (debootstrap and ext4); build it on the Linux host that runs sandbox-host")
+    if os.geteuid() != 0:
+        die("run as root: debootstrap, chroot and the mounts it makes need it "
+            "(sudo python3 rootfs/build-guest.py)")
+    for tool, pkg in [("debootstrap", "debootstrap"), ("mkfs.ext4", "e2fsprogs"), ("chroot", "coreutils")]:
+        if not shutil.which(tool):
+            log(f"{tool} is missing: installing the build dependencies")
+            run(["bash", str(ROOT / "scripts" / "install-deps.sh")])
+            if not shutil.which(tool):
+                die(f"{tool} is still missing; install Debian's {pkg}")
+
+    cfg = load_config(args.config)
+    name, tag = cfg["name"], cfg["tag"]
+    store = args.store or Path(os.environ.get("SANDBOX_HOST_IMAGE_DIR") or cache_dir() / "images")
+    cache = args.cache or cache_dir() / "guest"
+    downloads = args.download_cache or cache
+    cache.mkdir(parents=True, exist_ok=True)
+    store.mkdir(parents=True, exist_ok=True)
+
+    # One build per image and store at a time; the lock goes with the process.
+    lock = open(store / f".build-{name}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        die(f"another build of {name} into {store} is running; wait for it to finish")
+    # A build killed earlier may have left its work directory (and mounts) behind.
+    for stale in store.glob(f".tmp-{name}-*"):
+        log(f"removing {stale.name}, left by an interrupted build")
+        remove_tree(stale)
+    stock_dir, stock = stock_image()
+    files = sorted(cfg.get("files", {}).items())
+    file_bytes = [(ROOT / src).read_bytes() for src, _ in files]
+    key = digest(args.config.read_bytes(), Path(__file__).read_bytes(), stock["key"], *file_bytes)
+    build = f".{name}-{tag}-{key}"
+    link = store / name / tag
+    current = os.readlink(link) if link.is_symlink() else None
+    if current == f"../{build}" and (store / build / "manifest.json").exists():
+        log(f"cached: {link} (nothing changed)")
+        print(link)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
+    try:
+        base = build_base(cfg, cache, downloads / "debs")
+        tree = work / "tree"
+        log("copying the base")
+        run(["cp", "-a", "--reflink=auto", str(base), str(tree)])
+
+        for spec in cfg.get("wheels", []):
+            wheel = fetch_wheel(spec, downloads)
+            log(f"unpacking {wheel.name}")
+            unpack_wheel(wheel, spec["unpack"], tree)
+        for link_path, target in cfg.get("links", {}).items():
+            p = inside(tree, link_path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if p.is_symlink() or p.exists():
+                p.unlink()
+            p.symlink_to(target)
+        for (src, dst), data in zip(files, file_bytes):
+            p = inside(tree, dst)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+            os.chmod(p, (ROOT / src).stat().st_mode & 0o777)
+
+        shutil.copy("/etc/resolv.conf", tree / "etc" / "resolv.conf")
+        # Downloads inside the image trust what this host trusts (a TLS-inspecting proxy's CA
+        # included); the bundle is removed before the image is sealed.
+        host_ca = next((p for p in HOST_CA_BUNDLES if Path(p).is_file()), None)
+        build_env = {"npm_config_cache": "/var/cache/npm-build", "npm_config_update_notifier": "false"}
+        if host_ca:
+            shutil.copy(host_ca, tree / "tmp" / "build-host-ca.pem")
+            build_env["NODE_EXTRA_CA_CERTS"] = "/tmp/build-host-ca.pem"
+        npm_cache = downloads / "npm"
+        with Mounts(tree, [(npm_cache, "var/cache/npm-build")]):
+            pkgs = " ".join(f"'{n}@{v}'" for n, v in cfg["npm"].items())
+            log(f"npm install -g {pkgs}")
+            allow = cfg.get("npm_options", {}).get("allow_scripts", [])
+            allow_arg = f"--allow-scripts={','.join(allow)}" if allow else ""
+            chroot(tree, f"npm install -g --no-audit --no-fund --loglevel=warn {allow_arg} {pkgs}", build_env)
+            commands = cfg.get("run", {}).get("commands", [])
+            for i, command in enumerate(commands):
+                log(f"run [{i + 1}/{len(commands)}]: {command}")
+                chroot(tree, command, build_env)
+        (tree / "var" / "cache" / "npm-build").rmdir()
+        (tree / "etc" / "resolv.conf").unlink()
+
+        harness_pkg = cfg["harness"]["npm_package"]
+        harness_version = cfg["npm"][harness_pkg]
+        installed = json.loads((tree / "usr/local/lib/node_modules" / harness_pkg / "package.json").read_text())
+        if installed.get("version") != harness_version:
+            die(f"{harness_pkg} installed as {installed.get('version')}, not {harness_version}")
+        vantik = tree / "opt" / "vantik"
+        vantik.mkdir(parents=True, exist_ok=True)
+        (vantik / "pi-version").write_text(harness_version + "\n")
+        record = {
+            "name": name, "tag": tag, "key": key,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "debian": cfg["debian"]["suite"],
+            "harness": {"package": harness_pkg, "version": harness_version},
+            "npm": cfg["npm"],
+            "wheels": {w["name"]: w["version"] for w in cfg.get("wheels", [])},
+            "agent_version": stock.get("agent_version"),
+        }
+        (vantik / "image.json").write_text(json.dumps(record, indent=2) + "\n")
+        for junk in ["var/lib/apt/lists", "var/cache/apt", "var/log", "tmp", "root/.npm"]:
+            p = tree / junk
+            if p.exists():
+                shutil.rmtree(p)
+                p.mkdir(mode=0o1777 if junk == "tmp" else 0o755)
+        os.chmod(tree / "tmp", 0o1777)
+
+        log("making rootfs.ext4")
+        size = make_ext4(tree, work / "rootfs.ext4", name[:16])
+        remove_tree(tree)
+        for f in ["vmlinux", "initramfs.cpio"]:
+            shutil.copy(stock_dir / f, work / f)
+        manifest = {
+            "name": f"{name}:{tag}", "kind": "disk", "kernel": "vmlinux",
+            "initrd": "initramfs.cpio", "rootfs": "rootfs.ext4",
+            "agent_version": stock.get("agent_version"), "harness_version": harness_version,
+            "key": key, "built_at": record["built_at"],
+        }
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.chmod(work, 0o755)
+
+        final = store / build
+        if final.exists():
+            shutil.rmtree(final)
+        work.rename(final)
+        (store / name).mkdir(exist_ok=True)
+        previous = os.readlink(link) if link.is_symlink() else None
+        tmp_link = store / name / f".{tag}.{os.getpid()}"
+        tmp_link.symlink_to(f"../{build}")
+        os.replace(tmp_link, link)
+        # Keep the build just replaced (a sandbox may have resolved it a moment ago); drop older ones.
+        keep = {build, Path(previous).name if previous else None}
+        for old in store.glob(f".{name}-{tag}-*"):
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+        log(f"{name}:{tag} -> {final} (rootfs.ext4 {size} MiB, "
+            f"{os.stat(final / 'rootfs.ext4').st_blocks * 512 >> 20} MiB on disk)")
+        print(link)
+    finally:
+        remove_tree(work)
+
+
+if __name__ == "__main__":
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so the mounts are undone and the work removed.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(130))
+    main()
