@@ -24,6 +24,9 @@ use support::{TestVm, boot_image, sh, skip};
 
 const IMAGE: &str = "vantik-guest:latest";
 
+/// The tests here each take minutes of both cores (a build, a nested host): one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -71,6 +74,7 @@ async fn ok(vm: &TestVm, command: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_image_builds_boots_and_grows_to_its_disk() {
+    let _one_at_a_time = SERIAL.lock().await;
     // The owner of /proc/self is this process's effective user.
     if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
         skip("building the guest image needs root (debootstrap, chroot, mounts)");
@@ -118,6 +122,17 @@ async fn guest_image_builds_boots_and_grows_to_its_disk() {
         after_boot >> 10,
         std::fs::metadata(&disk).unwrap().len() >> 20
     );
+    // The stock image on the same backend, for comparison.
+    if let Ok(stock) = ImageStore::new(config::image_dir()).resolve("stock") {
+        let t = Instant::now();
+        if let Some(s) = boot_image(&stock, 4096, 2, 0, vec![]).await {
+            println!(
+                "figures: stock image ready in {} ms on the same backend",
+                t.elapsed().as_millis()
+            );
+            s.sandbox.stop().await;
+        }
+    }
     let pi = image.harness_version.clone().expect("harness version");
     for (command, expect) in [
         ("node -e 'console.log(6 * 7)'", "42".to_string()),
@@ -291,6 +306,7 @@ fn which(program: &str) -> Option<PathBuf> {
 /// and Python, and checks /workspace is on the sandbox disk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_image_boots_on_the_kvm_backend() {
+    let _one_at_a_time = SERIAL.lock().await;
     let store = ImageStore::new(config::image_dir());
     let Ok(image) = store.resolve(IMAGE) else {
         let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";

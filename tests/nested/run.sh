@@ -56,6 +56,9 @@ for applet in $(/bin/busybox --list-full); do
 done
 add_binary "$(command -v qemu-system-x86_64)" /usr/bin/qemu-system-x86_64
 add_binary "$(command -v qemu-img)" /usr/bin/qemu-img
+# The backends make each disk image's sandbox disk with mkfs.ext4.
+add_binary "$(PATH=$PATH:/usr/sbin:/sbin command -v mkfs.ext4)" /usr/sbin/mkfs.ext4
+[ -f /etc/mke2fs.conf ] && cp /etc/mke2fs.conf "$tree/etc/mke2fs.conf"
 # QEMU's firmware and option ROMs for the microvm machine (qboot, PVH and Linux loaders); Debian
 # ships bios-microvm.bin with seabios.
 for fw in qboot.rom pvh.bin linuxboot_dma.bin linuxboot.bin multiboot_dma.bin bios-microvm.bin; do

@@ -136,6 +136,20 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
     a.push(format!("virtserialport,chardev=agent,name={SERIAL_PORT_NAME}").into());
     // Entropy for getrandom() early in the guest (Node.js and Python ask for it at start).
     a.extend(["-device".into(), "virtio-rng-device".into()]);
+    // The boot marker: the agent's first write as PID 1 goes to this I/O port, and QEMU's
+    // debug console passes it to a socket beside the agent's, where the host times it.
+    if arch == Arch::X86_64 {
+        let mut chardev = OsString::from("socket,id=marker,path=");
+        chardev.push(escape_commas(marker_socket(agent_socket).as_os_str()));
+        a.extend(["-chardev".into(), chardev, "-device".into()]);
+        a.push(
+            format!(
+                "isa-debugcon,iobase={:#x},chardev=marker",
+                sandbox_devices::BootMarker::PORT
+            )
+            .into(),
+        );
+    }
 
     for (i, disk) in spec.disks.iter().enumerate() {
         // format=raw always: a guest-written image must never be probed for a format.
@@ -152,6 +166,11 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
         ]);
     }
     a
+}
+
+/// The boot marker's socket, beside the agent's.
+pub fn marker_socket(agent_socket: &Path) -> std::path::PathBuf {
+    agent_socket.with_file_name("marker.sock")
 }
 
 /// QEMU option values separate with commas; a literal comma is written twice.
@@ -208,7 +227,8 @@ mod tests {
         ));
         assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
         assert!(s.contains("-chardev socket,id=agent,path=/s/agent.sock -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
-        assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0"));
+        assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
+        assert!(s.contains("-chardev socket,id=marker,path=/s/marker.sock -device isa-debugcon,iobase=0x440,chardev=marker"));
         assert!(s.contains("-no-reboot") && s.contains("-nodefaults"));
     }
 
@@ -226,7 +246,7 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("-append console=ttyAMA0 panic=-1"));
-        assert!(!s.contains("microvm") && !s.contains("ttyS0"));
+        assert!(!s.contains("microvm") && !s.contains("ttyS0") && !s.contains("debugcon"));
         assert!(s.contains("virtio-serial-device") && s.contains("virtio-blk-device,drive=disk0"));
         assert_eq!(Arch::Aarch64.qemu_program(), "qemu-system-aarch64");
     }

@@ -30,6 +30,8 @@ pub struct QemuVm {
     exit: watch::Receiver<Option<VmExit>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
     state_dir: PathBuf,
+    /// From spawning QEMU to the guest's boot marker, once it came (x86_64).
+    marker: Arc<std::sync::OnceLock<Duration>>,
 }
 
 /// Spawns QEMU with `args` and waits for it to connect to the agent socket.
@@ -42,6 +44,20 @@ pub async fn spawn(
     let listener = UnixListener::bind(&sock)
         .map_err(|e| VmError::io(format!("listening on {}", sock.display()), e))?;
 
+    // QEMU connects to the marker socket at start, like the agent's (x86_64 only).
+    let marker_sock = super::args::marker_socket(&sock);
+    let marker_listener = if args
+        .iter()
+        .any(|a| a.to_string_lossy().contains("isa-debugcon"))
+    {
+        Some(
+            UnixListener::bind(&marker_sock)
+                .map_err(|e| VmError::io(format!("listening on {}", marker_sock.display()), e))?,
+        )
+    } else {
+        None
+    };
+    let started = std::time::Instant::now();
     let mut cmd = Command::new(program);
     cmd.args(&args)
         .stdin(Stdio::null())
@@ -80,6 +96,16 @@ pub async fn spawn(
         stop_requested.clone(),
     ));
 
+    let marker = Arc::new(std::sync::OnceLock::new());
+    if let Some(l) = marker_listener {
+        tokio::spawn(time_marker(
+            l,
+            marker_sock,
+            started,
+            marker.clone(),
+            exit_rx.clone(),
+        ));
+    }
     let vm = QemuVm {
         pid,
         pidfd: pidfd_open(pid),
@@ -87,6 +113,7 @@ pub async fn spawn(
         exit: exit_rx,
         stop_requested,
         state_dir: spec.state_dir.clone(),
+        marker,
     };
     let accepted = tokio::select! {
         r = tokio::time::timeout(CONNECT_TIMEOUT, listener.accept()) => r,
@@ -115,6 +142,33 @@ pub async fn spawn(
             write: Box::new(write),
         },
     })
+}
+
+/// Records when the guest's boot marker arrives on the marker socket; ends with the VM.
+async fn time_marker(
+    listener: UnixListener,
+    sock: PathBuf,
+    started: std::time::Instant,
+    marker: Arc<std::sync::OnceLock<Duration>>,
+    mut exit: watch::Receiver<Option<VmExit>>,
+) {
+    let timed = async {
+        let (mut s, _) = listener.accept().await.ok()?;
+        let _ = std::fs::remove_file(&sock);
+        let mut b = [0u8; 1];
+        if s.read(&mut b).await.ok()? == 1 && b[0] == sandbox_devices::BootMarker::VALUE {
+            let _ = marker.set(started.elapsed());
+        }
+        // Drain whatever else the guest writes, so QEMU never blocks on a full socket.
+        let mut sink = [0u8; 256];
+        while s.read(&mut sink).await.ok()? > 0 {}
+        Some(())
+    };
+    tokio::select! {
+        _ = timed => {}
+        _ = exit.wait_for(Option::is_some) => {}
+    }
+    let _ = std::fs::remove_file(&sock);
 }
 
 async fn pump(
@@ -191,6 +245,10 @@ fn classify(
 
 #[async_trait]
 impl Vm for QemuVm {
+    fn boot_marker(&self) -> Option<Duration> {
+        self.marker.get().copied()
+    }
+
     fn exit(&self) -> Option<VmExit> {
         self.exit.borrow().clone()
     }
