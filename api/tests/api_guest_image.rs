@@ -78,6 +78,50 @@ async fn a_create_naming_the_guest_image_gets_its_disk_and_version_check() {
     }
     assert!(!disk.exists(), "the sandbox's disk is removed with it");
 
+    // `sandbox-host run --image` boots it too.
+    let out = common::bin()
+        .env("SANDBOX_HOST_IMAGE_DIR", &store)
+        .args([
+            "run",
+            "--image",
+            "vantik-guest:latest",
+            "--memory-mib",
+            "1024",
+            "--vcpus",
+            "1",
+            "--disk-mib",
+            "2048",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "cat /opt/vantik/pi-version; df -m / | tail -n 1",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.starts_with(&format!("{pi}\noverlay")), "{text}");
+    let root_mib: u64 = text
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1900..=2048).contains(&root_mib),
+        "the root is the 2048 MiB disk: {text}"
+    );
+
     // Another pinned Pi: the answer says it does not match.
     let (s, created) = h
         .json(
