@@ -12,6 +12,18 @@ async fn exec_behaves() {
         return;
     };
     let c = &vm.sandbox.client;
+    // Both backends time the guest's boot marker (the agent's first act as PID 1), which comes
+    // before the agent is ready.
+    let marker = vm
+        .sandbox
+        .vm
+        .boot_marker()
+        .expect("the boot marker was timed");
+    assert!(
+        marker <= vm.sandbox.boot_time,
+        "{marker:?} > {:?}",
+        vm.sandbox.boot_time
+    );
 
     // echo, through argv (no shell)
     let out = run(

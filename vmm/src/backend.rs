@@ -151,7 +151,7 @@ pub trait Vm: Send + Sync {
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
     /// From the VM's start to the guest's boot marker (userspace up), where the backend
-    /// records it (the KVM backend does; QEMU does not decode the marker port).
+    /// records it: our marker device on KVM, QEMU's isa-debugcon on x86_64 (not on aarch64).
     fn boot_marker(&self) -> Option<Duration> {
         None
     }
