@@ -132,24 +132,10 @@ fn valid_env_name(k: &str) -> bool {
         && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// `example.com`, `api.example.com`, or `*.example.com`; no IP literals, ports or schemes.
+/// `example.com`, `api.example.com`, or `*.example.com`; no IP literals, ports or schemes. The
+/// egress stack's own parser, so what the API accepts is exactly what egress enforces.
 fn valid_host_pattern(h: &str) -> bool {
-    let name = h.strip_prefix("*.").unwrap_or(h);
-    !name.is_empty()
-        && name.len() <= 253
-        && name.contains('.')
-        && name.parse::<std::net::IpAddr>().is_err()
-        && name.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-        })
-        && !name
-            .split('.')
-            .next_back()
-            .is_some_and(|tld| tld.chars().all(|c| c.is_ascii_digit()))
+    sandbox_egress::policy::HostPattern::parse(h).is_ok()
 }
 
 async fn create(

@@ -1,0 +1,92 @@
+//! The guest's side of the wire, fixed for every sandbox: each guest has a link of its own, so
+//! the same addresses never meet.
+
+use std::net::Ipv4Addr;
+
+/// The guest's address.
+pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 233, 0, 2);
+/// The gateway and DNS server the stack answers as.
+pub const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(10, 233, 0, 1);
+/// The guest's subnet prefix length.
+pub const PREFIX_LEN: u8 = 24;
+/// The gateway's MAC (locally administered).
+pub const GATEWAY_MAC: [u8; 6] = [0x02, 0x53, 0x42, 0x00, 0x00, 0x01];
+/// The link MTU: the virtio-net device carries frames of at most 1518 bytes.
+pub const MTU: usize = 1500;
+/// The first address of the pool DNS answers from (198.18.0.0/15, the benchmarking range: never
+/// routed publicly, not private either, and refused as an upstream target).
+pub const POOL_FIRST: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+/// How many names one sandbox may have addresses for.
+pub const POOL_NAMES: u32 = 4096;
+
+/// The guest's MAC, derived from the sandbox id so logs can tell guests apart.
+pub fn guest_mac(sandbox_id: &str) -> [u8; 6] {
+    // FNV-1a: stable across runs and releases, unlike std's hasher.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in sandbox_id.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    let [a, b, c, _] = h.to_be_bytes();
+    [0x02, 0x53, 0x42, a, b, c | 0x02]
+}
+
+/// The pool address for the `n`th name (0-based), if the pool has one.
+pub fn pool_addr(n: u32) -> Option<Ipv4Addr> {
+    if n >= POOL_NAMES {
+        return None;
+    }
+    // Skip host parts 0 and 255 in every /24 so no address looks like a network or broadcast.
+    let per_24 = 254;
+    let (block, host) = (n / per_24, n % per_24 + 1);
+    let base = u32::from(POOL_FIRST) - 1;
+    Some(Ipv4Addr::from(base + block * 256 + host))
+}
+
+/// Which name number a pool address stands for, the inverse of [`pool_addr`].
+pub fn pool_index(addr: Ipv4Addr) -> Option<u32> {
+    let base = u32::from(POOL_FIRST) - 1;
+    let off = u32::from(addr).checked_sub(base)?;
+    let (block, host) = (off / 256, off % 256);
+    if host == 0 || host == 255 {
+        return None;
+    }
+    let n = block * 254 + host - 1;
+    (n < POOL_NAMES).then_some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_addresses_round_trip_and_stay_in_the_pool() {
+        assert_eq!(pool_addr(0), Some(Ipv4Addr::new(198, 18, 0, 1)));
+        assert_eq!(pool_addr(253), Some(Ipv4Addr::new(198, 18, 0, 254)));
+        assert_eq!(pool_addr(254), Some(Ipv4Addr::new(198, 18, 1, 1)));
+        assert_eq!(pool_addr(POOL_NAMES), None);
+        for n in 0..POOL_NAMES {
+            let a = pool_addr(n).unwrap();
+            assert_eq!(pool_index(a), Some(n));
+            let o = a.octets();
+            assert!(
+                o[0] == 198 && (o[1] & 0xfe) == 18 && o[3] != 0 && o[3] != 255,
+                "{a}"
+            );
+        }
+        assert_eq!(pool_index(Ipv4Addr::new(198, 18, 0, 0)), None);
+        assert_eq!(pool_index(Ipv4Addr::new(198, 18, 0, 255)), None);
+        assert_eq!(pool_index(Ipv4Addr::new(10, 0, 0, 1)), None);
+        assert_eq!(pool_index(Ipv4Addr::new(198, 19, 255, 254)), None);
+    }
+
+    #[test]
+    fn guest_macs_are_local_unicast_and_stable() {
+        let m = guest_mac("sbx-1");
+        assert_eq!(m, guest_mac("sbx-1"));
+        assert_ne!(m, guest_mac("sbx-2"));
+        assert_eq!(m[0] & 0x01, 0, "unicast");
+        assert_eq!(m[0] & 0x02, 0x02, "locally administered");
+        assert_ne!(m, GATEWAY_MAC);
+    }
+}
