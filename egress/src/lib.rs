@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod addr;
+pub mod dns;
 pub mod net;
 pub mod policy;
 pub mod resolve;
