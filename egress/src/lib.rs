@@ -11,3 +11,4 @@ pub mod dns;
 pub mod net;
 pub mod policy;
 pub mod resolve;
+pub mod sniff;
