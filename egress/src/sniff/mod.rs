@@ -3,4 +3,5 @@
 //! each reader takes them as they come, keeps at most a fixed number, and answers "more",
 //! "this is it" or "refuse".
 
+pub mod http;
 pub mod tls;
