@@ -8,7 +8,9 @@
 
 pub mod addr;
 pub mod dns;
+pub mod gate;
 pub mod net;
 pub mod policy;
+pub mod refusal;
 pub mod resolve;
 pub mod sniff;
