@@ -99,11 +99,11 @@ impl KeyScanner {
                 }
             }
             b':' if self.depth == 1 => {
-                if let Some(k) = self.pending_key.take() {
-                    if self.wanted.contains(&k.as_str()) && !self.done.iter().any(|(d, _)| *d == k)
-                    {
-                        self.capture = Some((k, Vec::new()));
-                    }
+                if let Some(k) = self.pending_key.take()
+                    && self.wanted.contains(&k.as_str())
+                    && !self.done.iter().any(|(d, _)| *d == k)
+                {
+                    self.capture = Some((k, Vec::new()));
                 }
             }
             b'{' | b'[' => {
