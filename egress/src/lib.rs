@@ -14,4 +14,5 @@ pub mod net;
 pub mod policy;
 pub mod refusal;
 pub mod resolve;
+pub mod secrets;
 pub mod sniff;
