@@ -8,7 +8,7 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok ins
 
 # Packages from the main suite.
 for p in qemu-system-x86 qemu-utils seabios busybox-static cpio flex bison bc make gcc libelf-dev libssl-dev \
-         xz-utils e2fsprogs python3 git debootstrap; do
+         xz-utils e2fsprogs python3 git debootstrap openssl; do
   have "$p" || need+=("$p")
 done
 # The guest kernel source lives in bookworm-backports (linux-source-6.12).

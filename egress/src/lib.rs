@@ -16,3 +16,4 @@ pub mod refusal;
 pub mod resolve;
 pub mod secrets;
 pub mod sniff;
+pub mod tls;

@@ -1,0 +1,3 @@
+//! TLS of intercepted connections: the sandbox's own CA and the certificates it issues.
+
+pub mod ca;
