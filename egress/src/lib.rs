@@ -17,3 +17,4 @@ pub mod resolve;
 pub mod secrets;
 pub mod sniff;
 pub mod tls;
+pub mod upstream;
