@@ -147,9 +147,78 @@ fn replace(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Finds placeholders in a request body that streams past in chunks of any size, keeping only
+/// the last few bytes (a placeholder's length) between chunks.
+#[derive(Debug)]
+pub struct LeakScanner {
+    needles: Vec<(String, Vec<u8>)>,
+    tail: Vec<u8>,
+    keep: usize,
+}
+
+impl LeakScanner {
+    /// A scanner for the placeholders of `secrets` that do not apply to `host`.
+    pub fn new(secrets: &[Secret], host: &str) -> Self {
+        let needles: Vec<(String, Vec<u8>)> = secrets
+            .iter()
+            .filter(|s| !s.applies_to(host))
+            .map(|s| (s.env.clone(), s.placeholder.as_bytes().to_vec()))
+            .collect();
+        let keep = needles.iter().map(|(_, n)| n.len()).max().unwrap_or(1) - 1;
+        LeakScanner {
+            needles,
+            tail: Vec::new(),
+            keep,
+        }
+    }
+
+    /// Whether there is anything to look for.
+    pub fn is_idle(&self) -> bool {
+        self.needles.is_empty()
+    }
+
+    /// Looks at the next chunk; the secret whose placeholder it completes, if any.
+    pub fn feed(&mut self, chunk: &[u8]) -> Option<&str> {
+        if self.needles.is_empty() {
+            return None;
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        window.extend_from_slice(chunk);
+        let found = self
+            .needles
+            .iter()
+            .find(|(_, n)| contains(&window, n))
+            .map(|(env, _)| env.as_str());
+        let start = window.len().saturating_sub(self.keep);
+        self.tail = window[start..].to_vec();
+        found
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leaks_in_bodies_are_found_across_chunks() {
+        let s = secret();
+        let body = format!("{{\"prompt\":\"{}\"}}", s.placeholder).into_bytes();
+        for chunk in [body.len(), 10, 1] {
+            let mut scan = LeakScanner::new(std::slice::from_ref(&s), "evil.com");
+            let hits: Vec<bool> = body.chunks(chunk).map(|c| scan.feed(c).is_some()).collect();
+            assert_eq!(
+                hits.iter().filter(|h| **h).count(),
+                1,
+                "found once, chunk {chunk}"
+            );
+            assert!(scan.tail.len() <= s.placeholder.len());
+        }
+        // To the secret's own host the body is not the scanner's business.
+        assert!(LeakScanner::new(std::slice::from_ref(&s), "api.anthropic.com").is_idle());
+        let mut clean = LeakScanner::new(&[s], "evil.com");
+        assert!(clean.feed(b"vantik-placeholder-").is_none());
+        assert!(clean.feed(b"00000000").is_none());
+    }
 
     fn secret() -> Secret {
         Secret::new(
