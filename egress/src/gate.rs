@@ -340,23 +340,15 @@ impl Gate {
             timestamp: None,
             payload: &[],
         };
-        let ipr = Ipv4Repr {
-            src_addr: ip.dst_addr,
-            dst_addr: GUEST_IP,
-            next_header: IpProtocol::Tcp,
-            payload_len: rst.buffer_len(),
-            hop_limit: 64,
-        };
-        let mut out = vec![0u8; 14 + ipr.buffer_len() + rst.buffer_len()];
-        let mut f = self.eth_header(&mut out, EthernetProtocol::Ipv4);
-        let mut p = Ipv4Packet::new_unchecked(f.payload_mut());
-        ipr.emit(&mut p, &caps);
-        rst.emit(
-            &mut TcpPacket::new_unchecked(p.payload_mut()),
-            &IpAddress::Ipv4(ip.dst_addr),
-            &IpAddress::Ipv4(GUEST_IP),
-            &caps,
-        );
+        let from = ip.dst_addr;
+        let out = self.ipv4_frame(from, IpProtocol::Tcp, rst.buffer_len(), |b| {
+            rst.emit(
+                &mut TcpPacket::new_unchecked(b),
+                &IpAddress::Ipv4(from),
+                &IpAddress::Ipv4(GUEST_IP),
+                &ChecksumCapabilities::default(),
+            );
+        });
         Verdict::Reply(out)
     }
 
@@ -408,43 +400,48 @@ impl Gate {
     }
 
     fn icmp_frame(&self, icmp: &Icmpv4Repr, from: Ipv4Addr) -> Vec<u8> {
-        let caps = ChecksumCapabilities::default();
-        let ipr = Ipv4Repr {
-            src_addr: from,
-            dst_addr: GUEST_IP,
-            next_header: IpProtocol::Icmp,
-            payload_len: icmp.buffer_len(),
-            hop_limit: 64,
-        };
-        let mut out = vec![0u8; 14 + ipr.buffer_len() + icmp.buffer_len()];
-        let mut f = self.eth_header(&mut out, EthernetProtocol::Ipv4);
-        let mut p = Ipv4Packet::new_unchecked(f.payload_mut());
-        ipr.emit(&mut p, &caps);
-        icmp.emit(&mut Icmpv4Packet::new_unchecked(p.payload_mut()), &caps);
-        out
+        self.ipv4_frame(from, IpProtocol::Icmp, icmp.buffer_len(), |b| {
+            icmp.emit(
+                &mut Icmpv4Packet::new_unchecked(b),
+                &ChecksumCapabilities::default(),
+            );
+        })
     }
 
     fn udp_frame(&self, udp: &UdpRepr, from: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
-        let caps = ChecksumCapabilities::default();
+        let len = udp.header_len() + payload.len();
+        self.ipv4_frame(from, IpProtocol::Udp, len, |b| {
+            udp.emit(
+                &mut UdpPacket::new_unchecked(b),
+                &IpAddress::Ipv4(from),
+                &IpAddress::Ipv4(GUEST_IP),
+                payload.len(),
+                |p| p.copy_from_slice(payload),
+                &ChecksumCapabilities::default(),
+            );
+        })
+    }
+
+    /// A frame to the guest from `from` carrying `len` bytes of `proto`, written by `fill`.
+    fn ipv4_frame(
+        &self,
+        from: Ipv4Addr,
+        proto: IpProtocol,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Vec<u8> {
         let ipr = Ipv4Repr {
             src_addr: from,
             dst_addr: GUEST_IP,
-            next_header: IpProtocol::Udp,
-            payload_len: udp.header_len() + payload.len(),
+            next_header: proto,
+            payload_len: len,
             hop_limit: 64,
         };
-        let mut out = vec![0u8; 14 + ipr.buffer_len() + ipr.payload_len];
+        let mut out = vec![0u8; 14 + ipr.buffer_len() + len];
         let mut f = self.eth_header(&mut out, EthernetProtocol::Ipv4);
         let mut p = Ipv4Packet::new_unchecked(f.payload_mut());
-        ipr.emit(&mut p, &caps);
-        udp.emit(
-            &mut UdpPacket::new_unchecked(p.payload_mut()),
-            &IpAddress::Ipv4(from),
-            &IpAddress::Ipv4(GUEST_IP),
-            payload.len(),
-            |b| b.copy_from_slice(payload),
-            &caps,
-        );
+        ipr.emit(&mut p, &ChecksumCapabilities::default());
+        fill(p.payload_mut());
         out
     }
 
