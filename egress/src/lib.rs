@@ -9,6 +9,7 @@
 pub mod addr;
 pub mod dns;
 pub mod gate;
+pub mod link;
 pub mod meter;
 pub mod net;
 pub mod policy;
