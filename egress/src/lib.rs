@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod addr;
+pub mod decide;
 pub mod dns;
 pub mod gate;
 pub mod link;

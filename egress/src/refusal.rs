@@ -25,11 +25,25 @@ pub enum Reason {
     RateLimit,
     /// The per-sandbox table of DNS names is full.
     DnsTableFull,
+    /// A connection that is neither TLS nor HTTP/1 (or says nothing), or HTTP/2 without TLS.
+    Protocol,
+    /// A TLS ClientHello without a server name.
+    SniMissing,
+    /// The TLS server name or HTTP Host differs from the name the connection's address stands for.
+    SniHostMismatch,
+    /// An HTTP CONNECT request.
+    HttpConnect,
+    /// A secret's placeholder in a request to a host it does not belong to.
+    PlaceholderLeak,
+    /// The name resolves (now) to an internal address.
+    InternalAddress,
+    /// Too many connections open or opening.
+    ConnectionLimit,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 16] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -39,6 +53,13 @@ impl Reason {
         Reason::IpProtocol,
         Reason::RateLimit,
         Reason::DnsTableFull,
+        Reason::Protocol,
+        Reason::SniMissing,
+        Reason::SniHostMismatch,
+        Reason::HttpConnect,
+        Reason::PlaceholderLeak,
+        Reason::InternalAddress,
+        Reason::ConnectionLimit,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -53,6 +74,13 @@ impl Reason {
             Reason::IpProtocol => "ip_protocol",
             Reason::RateLimit => "rate_limit",
             Reason::DnsTableFull => "dns_table_full",
+            Reason::Protocol => "protocol",
+            Reason::SniMissing => "sni_missing",
+            Reason::SniHostMismatch => "sni_host_mismatch",
+            Reason::HttpConnect => "http_connect",
+            Reason::PlaceholderLeak => "placeholder_leak",
+            Reason::InternalAddress => "internal_address",
+            Reason::ConnectionLimit => "connection_limit",
         }
     }
 }
