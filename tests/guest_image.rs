@@ -264,6 +264,21 @@ async fn rebuild_while_resolving(cfg: &Path, store_dir: &Path, cache: &Path) {
         let (changed, store_dir, cache) = (changed.clone(), store_dir.to_owned(), cache.to_owned());
         std::thread::spawn(move || build(&changed, &store_dir, &cache))
     };
+    // One build per image and store at a time: a second one is refused and says why.
+    std::thread::sleep(Duration::from_secs(3));
+    let second = Command::new("python3")
+        .arg(repo().join("rootfs/build-guest.py"))
+        .arg("--config")
+        .arg(&changed)
+        .arg("--store")
+        .arg(store_dir)
+        .arg("--cache")
+        .arg(cache)
+        .output()
+        .expect("python3 runs");
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "a concurrent build ran: {err}");
+    assert!(err.contains("another build of vantik-guest"), "{err}");
     // A sandbox created while the build runs gets the old image or the new one, whole.
     let image = ImageStore::new(store_dir).resolve(IMAGE).unwrap();
     if let Some(vm) = boot_image(&image, 1024, 1, 1024, vec![]).await {
@@ -357,21 +372,20 @@ async fn guest_image_boots_on_the_kvm_backend() {
     }
     let me = std::env::current_exe().unwrap();
     let name = me.file_name().unwrap().to_string_lossy().into_owned();
-    let out = Command::new("bash")
-        .arg(repo().join("tests/nested/run.sh"))
-        .args(["--mem", "8192", "--image", IMAGE, "--with", me.to_str().unwrap(), "--"])
-        .arg(format!(
+    let args: [&std::ffi::OsStr; 6] = [
+        "--mem".as_ref(),
+        "8192".as_ref(),
+        "--image".as_ref(),
+        IMAGE.as_ref(),
+        "--with".as_ref(),
+        me.as_os_str(),
+    ];
+    let text = support::run_nested(
+        &args,
+        &format!(
             "SANDBOX_HOST_IN_NESTED=1 ./{name} --exact guest_image_boots_on_the_kvm_backend --nocapture"
-        ))
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "nested run failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        ),
+        "nested run failed",
     );
     assert!(text.contains("test result: ok. 1 passed"), "{text}");
 }

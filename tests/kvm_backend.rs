@@ -5,8 +5,7 @@
 //!
 //! Also here: four VMs at once, each exec'd and stopped, with no thread or fd of theirs left.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 use sandbox_e2e::{boot_stock, sh};
 
@@ -144,21 +143,12 @@ fn e2e_suite_on_the_kvm_backend() {
         ));
     }
     cmd.push_str("exit $rc");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let mut run = Command::new("bash");
-    run.arg(root.join("tests/nested/run.sh"));
+    let mut args: Vec<&std::ffi::OsStr> = Vec::new();
     for b in &bins {
-        run.arg("--with").arg(b);
+        args.push("--with".as_ref());
+        args.push(b.as_os_str());
     }
-    let out = run.arg("--").arg(cmd).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{text}");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "the e2e suite failed on the KVM backend:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = sandbox_e2e::run_nested(&args, &cmd, "the e2e suite failed on the KVM backend");
     let passed = text.matches("test result: ok.").count();
     assert_eq!(passed, SUITE.len(), "{text}");
     assert!(

@@ -128,6 +128,32 @@ pub async fn collect(mut output: sandbox_protocol::client::ExecOutput) -> Output
     out
 }
 
+/// Runs `command` in the nested test host (`tests/nested/run.sh`) with `args` before the `--`
+/// (`--with FILE`, `--image NAME`, …), prints its console, and returns it once it exited 0;
+/// `what` names the run in the failure message.
+pub fn run_nested(args: &[&std::ffi::OsStr], command: &str, what: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let out = std::process::Command::new("bash")
+        .arg(root.join("tests/nested/run.sh"))
+        .args(args)
+        .arg("--")
+        .arg(command)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{text}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{what}:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 /// Hex SHA-256.
 pub fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;

@@ -129,7 +129,7 @@ fn boots_the_guest_kernel_to_userspace() {
 /// with the kernel's full console, and prints the console of every boot that did not reach
 /// userspace. Run it inside the nested test host to hunt rare early-boot faults.
 #[test]
-#[ignore]
+#[ignore = "diagnostic, minutes long: run inside the nested host (tests/nested/README.md, \"One processor\")"]
 fn stress_four_at_once() {
     let store = ImageStore::new(config::image_dir());
     let image = store.resolve("stock").expect("stock image");

@@ -64,7 +64,7 @@ impl SandboxCa {
             DnType::CommonName,
             format!(
                 "sandbox-host egress CA for {}",
-                &sandbox_id[..sandbox_id.len().min(40)]
+                sandbox_id.chars().take(40).collect::<String>()
             ),
         );
         params.distinguished_name = dn;
