@@ -125,6 +125,7 @@ fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> V
         scratch_disk_mib: None,
         cmdline: vec![],
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
+        net: None,
     }
 }
 

@@ -38,6 +38,7 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str, disk: Option<&Path>) -> VmSp
         scratch_disk_mib: None,
         cmdline: vec![],
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
+        net: None,
     }
 }
 

@@ -35,6 +35,17 @@ pub enum ConfigError {
         /// What it should be.
         expected: &'static str,
     },
+    /// A resolution override that does not parse.
+    #[error(
+        "SANDBOX_HOST_EGRESS_RESOLVE is `{value}`: {why}. It takes comma-separated name:port:address \
+         entries, like curl's --resolve (IPv6 addresses in brackets); fix it in the environment or in .env"
+    )]
+    EgressResolve {
+        /// The value.
+        value: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The `.env` file exists but cannot be read.
     #[error("cannot read {path}: {why}")]
     DotEnv {
@@ -68,6 +79,8 @@ pub struct Config {
     pub image_dir: PathBuf,
     /// Where sandboxes keep their files.
     pub state_dir: PathBuf,
+    /// `SANDBOX_HOST_EGRESS_RESOLVE`: names the egress resolves to fixed addresses (tests).
+    pub egress_resolve: std::sync::Arc<sandbox_egress::resolve::ResolveOverrides>,
 }
 
 impl std::fmt::Debug for Config {
@@ -82,6 +95,7 @@ impl std::fmt::Debug for Config {
             .field("sweep", &self.sweep)
             .field("image_dir", &self.image_dir)
             .field("state_dir", &self.state_dir)
+            .field("egress_resolve", &self.egress_resolve)
             .finish()
     }
 }
@@ -163,6 +177,15 @@ impl Config {
             "a number of milliseconds",
         )?;
         let sweep_ms = sweep_ms.max(50);
+        let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {
+            None => Default::default(),
+            Some(v) => sandbox_egress::resolve::ResolveOverrides::parse(&v).map_err(|e| {
+                ConfigError::EgressResolve {
+                    value: v.clone(),
+                    why: e.to_string(),
+                }
+            })?,
+        };
         Ok(Config {
             token,
             bind,
@@ -174,6 +197,7 @@ impl Config {
             sweep: Duration::from_millis(sweep_ms),
             image_dir: sandbox_vmm::config::image_dir(),
             state_dir: sandbox_vmm::config::state_dir(),
+            egress_resolve: std::sync::Arc::new(egress_resolve),
         })
     }
 }

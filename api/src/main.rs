@@ -6,6 +6,7 @@ mod auth;
 mod backend_select;
 mod client;
 mod config;
+mod egress;
 mod error;
 mod metrics;
 mod registry;

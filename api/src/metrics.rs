@@ -57,6 +57,9 @@ pub struct Metrics {
     /// Bytes out of guests (downloads, stdout, stderr).
     pub bytes_out: AtomicU64,
     disposals: [AtomicU64; 5],
+    /// Egress refusals of sandboxes already disposed of, by reason label: `/metrics` adds the
+    /// live sandboxes' counts, so the total never goes down when a sandbox goes.
+    retired_refusals: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
 }
 
 impl Metrics {
@@ -81,6 +84,30 @@ impl Metrics {
     pub fn disposed(&self, why: Disposal) {
         let i = Disposal::ALL.iter().position(|d| *d == why).unwrap_or(0);
         self.disposals[i].fetch_add(1, Relaxed);
+    }
+
+    /// Keeps a disposed sandbox's refusal counts in the service's totals.
+    pub fn retire_refusals(&self, counts: &[(&'static str, u64)]) {
+        let mut r = self
+            .retired_refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (k, n) in counts {
+            *r.entry(k).or_default() += n;
+        }
+    }
+
+    /// Refusal totals by reason: the retired ones plus `live` (the live sandboxes' counts).
+    pub fn refusal_totals(&self, live: &[(&'static str, u64)]) -> Vec<(String, u64)> {
+        let mut all = self
+            .retired_refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for (k, n) in live {
+            *all.entry(k).or_default() += n;
+        }
+        all.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
     }
 
     /// The Prometheus text. `states` are (state, count) pairs of the live sandboxes; `refusals`

@@ -82,8 +82,10 @@ pub struct SandboxEntry {
     pub vcpus: u8,
     /// Environment of every exec.
     pub env: BTreeMap<String, String>,
-    /// Egress settings (used by issue 5).
+    /// Egress settings of the run.
     pub egress: EgressSpec,
+    /// The sandbox's egress stack: its only way out, and its refusal counters.
+    pub net: Option<sandbox_egress::Egress>,
     /// Creation time.
     pub created_at: SystemTime,
     /// End of the run's time limit.
@@ -227,6 +229,11 @@ impl Registry {
 pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
     let exit = entry.sandbox.stop().await;
     state.metrics().disposed(why);
+    if let Some(net) = &entry.net {
+        state
+            .metrics()
+            .retire_refusals(&crate::egress::refusal_counts(net));
+    }
     tracing::info!(
         id = %entry.id,
         run_id = %entry.run_id,
@@ -317,6 +324,7 @@ pub fn new_entry(
     vcpus: u8,
     env: BTreeMap<String, String>,
     egress: EgressSpec,
+    net: Option<sandbox_egress::Egress>,
     time_limit: Duration,
     sandbox: Sandbox,
 ) -> Arc<SandboxEntry> {
@@ -332,6 +340,7 @@ pub fn new_entry(
         vcpus,
         env,
         egress,
+        net,
         created_at,
         expires_at: created_at + time_limit,
         sandbox,

@@ -467,10 +467,13 @@ async fn every_route_and_its_bad_input() {
     let (s, v) = h
         .json("GET", &format!("/v1/sandboxes/{id}/egress"), None)
         .await;
+    assert_eq!(s, 200, "{v}");
     assert_eq!(
-        (s, v),
-        (200, json!({"refused": 0, "by_reason": {}, "events": []}))
+        (&v["refused"], &v["by_reason"], &v["events"]),
+        (&json!(0), &json!({}), &json!([])),
+        "a sandbox that sent nothing out has refused nothing: {v}"
     );
+    assert_eq!(v["connections"]["total"], 0, "{v}");
     let (s, v) = h
         .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
         .await;

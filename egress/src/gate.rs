@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use smoltcp::phy::ChecksumCapabilities;
@@ -42,6 +43,9 @@ pub enum Verdict {
     Drop,
     /// Send this frame back to the guest.
     Reply(Vec<u8>),
+    /// The guest's answer to the stack's own ARP question: the TCP stack learns the guest's
+    /// hardware address from it.
+    ArpReply,
     /// A TCP segment for `dst`, which the guest got from our DNS for `name`: the TCP stack's.
     Tcp {
         /// The name the destination address stands for.
@@ -92,7 +96,7 @@ pub struct Gate {
     allow: Allowlist,
     names: Vec<String>,
     index: HashMap<String, u32>,
-    refusals: Refusals,
+    refusals: Arc<Mutex<Refusals>>,
     dns: Bucket,
     rejects: Bucket,
     pings: Bucket,
@@ -103,12 +107,21 @@ pub struct Gate {
 impl Gate {
     /// A gate for the guest with this MAC and allowlist.
     pub fn new(guest_mac: [u8; 6], allow: Allowlist) -> Self {
+        Self::with_refusals(guest_mac, allow, Arc::default())
+    }
+
+    /// A gate that counts into `refusals`, which the connection layer and the API share.
+    pub fn with_refusals(
+        guest_mac: [u8; 6],
+        allow: Allowlist,
+        refusals: Arc<Mutex<Refusals>>,
+    ) -> Self {
         Gate {
             guest_mac: EthernetAddress(guest_mac),
             allow,
             names: Vec::new(),
             index: HashMap::new(),
-            refusals: Refusals::default(),
+            refusals,
             dns: Bucket::new(DNS_PER_SEC, DNS_BURST),
             rejects: Bucket::new(REJECTS_PER_SEC, REJECTS_BURST),
             pings: Bucket::new(PINGS_PER_SEC, PINGS_PER_SEC),
@@ -117,8 +130,12 @@ impl Gate {
     }
 
     /// The refusals so far.
-    pub fn refusals(&self) -> &Refusals {
-        &self.refusals
+    pub fn refusals(&self) -> MutexGuard<'_, Refusals> {
+        self.refusals.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, reason: Reason, target: &str) {
+        self.refusals().record(reason, target);
     }
 
     /// The name a pool address was given for.
@@ -144,7 +161,7 @@ impl Gate {
             EthernetProtocol::Ipv6 => {
                 // Router and neighbour solicitations are noise; only count what tries to leave.
                 if is_ipv6_transport(eth.payload()) {
-                    self.refusals.record(Reason::Ipv6, "ipv6");
+                    self.record(Reason::Ipv6, "ipv6");
                 }
                 Verdict::Drop
             }
@@ -157,7 +174,7 @@ impl Gate {
             return Verdict::Drop;
         };
         let Ok(ArpRepr::EthernetIpv4 {
-            operation: ArpOperation::Request,
+            operation,
             source_hardware_addr,
             source_protocol_addr,
             target_protocol_addr,
@@ -166,12 +183,17 @@ impl Gate {
         else {
             return Verdict::Drop;
         };
-        // Only the guest asking for the gateway: we are nobody else on this link.
+        // Only the guest talking to the gateway: we are nobody else on this link.
         if source_hardware_addr != self.guest_mac
             || source_protocol_addr != GUEST_IP
             || target_protocol_addr != GATEWAY_IP
         {
             return Verdict::Drop;
+        }
+        match operation {
+            ArpOperation::Request => {}
+            ArpOperation::Reply => return Verdict::ArpReply,
+            ArpOperation::Unknown(_) => return Verdict::Drop,
         }
         let reply = ArpRepr::EthernetIpv4 {
             operation: ArpOperation::Reply,
@@ -205,8 +227,7 @@ impl Gate {
             IpProtocol::Tcp => self.tcp(&ip, body, now),
             IpProtocol::Icmp => self.icmp(&ip, body, now),
             _ => {
-                self.refusals
-                    .record(Reason::IpProtocol, &ip.dst_addr.to_string());
+                self.record(Reason::IpProtocol, &ip.dst_addr.to_string());
                 Verdict::Drop
             }
         }
@@ -232,8 +253,7 @@ impl Gate {
         } else {
             Reason::Udp
         };
-        self.refusals
-            .record(reason, &format!("{}:{}", ip.dst_addr, udp.dst_port));
+        self.record(reason, &format!("{}:{}", ip.dst_addr, udp.dst_port));
         self.unreachable(ip, body, now)
     }
 
@@ -244,7 +264,7 @@ impl Gate {
                 .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1));
             if due {
                 self.rate_limit_counted = Some(now);
-                self.refusals.record(Reason::RateLimit, "dns");
+                self.record(Reason::RateLimit, "dns");
             }
             return Verdict::Drop;
         }
@@ -267,11 +287,11 @@ impl Gate {
 
     fn answer(&mut self, q: &wire::Query) -> Answer {
         let Some(name) = normalize(&q.name) else {
-            self.refusals.record(Reason::NameNotAllowed, &q.name);
+            self.record(Reason::NameNotAllowed, &q.name);
             return Answer::NxDomain;
         };
         if q.qclass != 1 || !self.allow.allows(&name) {
-            self.refusals.record(Reason::NameNotAllowed, &name);
+            self.record(Reason::NameNotAllowed, &name);
             return Answer::NxDomain;
         }
         if q.qtype != wire::qtype::A {
@@ -282,7 +302,7 @@ impl Gate {
             None => {
                 let n = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
                 if net::pool_addr(n).is_none() {
-                    self.refusals.record(Reason::DnsTableFull, &name);
+                    self.record(Reason::DnsTableFull, &name);
                     return Answer::ServFail;
                 }
                 self.names.push(name.clone());
@@ -316,8 +336,7 @@ impl Gate {
         } else {
             Reason::IpLiteral
         };
-        self.refusals
-            .record(reason, &format!("{}:{}", ip.dst_addr, tcp.dst_port));
+        self.record(reason, &format!("{}:{}", ip.dst_addr, tcp.dst_port));
         if !self.rejects.take(now) {
             return Verdict::Drop;
         }
@@ -374,7 +393,7 @@ impl Gate {
                 Verdict::Reply(self.icmp_frame(&reply, GATEWAY_IP))
             }
             _ => {
-                self.refusals.record(Reason::Icmp, &ip.dst_addr.to_string());
+                self.record(Reason::Icmp, &ip.dst_addr.to_string());
                 Verdict::Drop
             }
         }

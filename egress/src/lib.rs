@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod addr;
+mod conn;
 pub mod decide;
 pub mod dns;
 pub mod gate;
@@ -17,6 +18,11 @@ pub mod policy;
 pub mod refusal;
 pub mod resolve;
 pub mod secrets;
+pub mod sim;
 pub mod sniff;
+pub mod stack;
+pub mod stats;
 pub mod tls;
 pub mod upstream;
+
+pub use stack::{Egress, EgressConfig, Limits};

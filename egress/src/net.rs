@@ -55,6 +55,42 @@ pub fn pool_index(addr: Ipv4Addr) -> Option<u32> {
     (n < POOL_NAMES).then_some(n)
 }
 
+/// The shell script (run as root in the guest, by the agent) that gives the guest its network:
+/// the clock from the host first (QEMU's microvm has no real-time clock, and TLS certificates are
+/// checked against the clock), IPv6 off (the stack carries IPv4 only), the interface with `mac`
+/// up at [`GUEST_IP`] with the default route through [`GATEWAY_IP`], and `/etc/resolv.conf`
+/// naming the stack's DNS. It needs only `sh`, `date` and `ip`, which busybox and Debian both
+/// have.
+pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64) -> String {
+    let mac = mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    format!(
+        r#"set -e
+date -u -s "@{now_unix_secs}" >/dev/null
+dev=
+for d in /sys/class/net/*; do
+  [ "$(cat "$d/address" 2>/dev/null)" = "{mac}" ] && dev="${{d##*/}}"
+done
+[ -n "$dev" ] || {{ echo "no network interface with address {mac}" >&2; exit 1; }}
+for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 /proc/sys/net/ipv6/conf/default/disable_ipv6 "/proc/sys/net/ipv6/conf/$dev/disable_ipv6"; do
+  [ -e "$f" ] && echo 1 > "$f"
+done
+ip link set dev lo up
+ip link set dev "$dev" mtu {MTU} up
+ip addr add {GUEST_IP}/{PREFIX_LEN} dev "$dev"
+ip route add default via {GATEWAY_IP} dev "$dev"
+mkdir -p /etc
+rm -f /etc/resolv.conf
+printf 'nameserver {GATEWAY_IP}\noptions attempts:2 timeout:2\n' > /etc/resolv.conf
+[ -e /etc/nsswitch.conf ] || printf 'hosts: files dns\n' > /etc/nsswitch.conf
+[ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' > /etc/hosts
+"#
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,6 +57,35 @@ pub async fn boot_image(
     disk_mib: u64,
     disks: Vec<sandbox_vmm::Disk>,
 ) -> Option<TestVm> {
+    boot_image_with_net(image, memory_mib, vcpus, disk_mib, disks, None).await
+}
+
+/// The stock image with a network device on `net`.
+pub async fn boot_stock_with_net(
+    memory_mib: u32,
+    vcpus: u8,
+    net: sandbox_vmm::NetAttachment,
+) -> Option<TestVm> {
+    let store = ImageStore::new(config::image_dir());
+    let image = match store.resolve("stock") {
+        Ok(i) => i,
+        Err(e) => {
+            skip(&format!("{e}"));
+            return None;
+        }
+    };
+    boot_image_with_net(&image, memory_mib, vcpus, 0, vec![], Some(net)).await
+}
+
+/// Like [`boot_image`], with a network device if `net` is given.
+pub async fn boot_image_with_net(
+    image: &sandbox_vmm::Image,
+    memory_mib: u32,
+    vcpus: u8,
+    disk_mib: u64,
+    disks: Vec<sandbox_vmm::Disk>,
+    net: Option<sandbox_vmm::NetAttachment>,
+) -> Option<TestVm> {
     let store = ImageStore::new(config::image_dir());
     let backend = match sandbox_vmm::select::select(&store).await {
         Ok(b) => b.backend,
@@ -72,6 +101,7 @@ pub async fn boot_image(
     let state_dir = tmp.path().join("vm");
     let mut spec = image.vm_spec("e2e".into(), memory_mib, vcpus, disk_mib, state_dir.clone());
     spec.disks.extend(disks);
+    spec.net = net;
     let sandbox = sandbox_vmm::boot(backend.as_ref(), spec, Duration::from_secs(180))
         .await
         .unwrap_or_else(|e| panic!("image {} boots: {e}", image.name));

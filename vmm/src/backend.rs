@@ -34,6 +34,8 @@ pub struct VmSpec {
     /// A directory that belongs to this VM alone; the backend puts its sockets there and
     /// removes it on stop.
     pub state_dir: PathBuf,
+    /// The network device, if the guest gets one (egress); without it the guest has no network.
+    pub net: Option<crate::net::NetAttachment>,
 }
 
 /// A raw disk image. Never probed for a format: the guest may have written anything into it.

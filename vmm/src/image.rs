@@ -109,6 +109,7 @@ impl Image {
             scratch_disk_mib,
             cmdline,
             state_dir,
+            net: None,
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod backend;
 pub mod config;
 pub mod image;
 pub mod kvm;
+pub mod net;
 pub mod probe;
 pub mod qemu;
 pub mod sandbox;
@@ -17,4 +18,5 @@ pub mod select;
 
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
 pub use image::{Image, ImageError, ImageStore};
+pub use net::{FrameLink, NetAttachment};
 pub use sandbox::{BootError, Sandbox, boot};

@@ -96,6 +96,7 @@ pub async fn probe(
         scratch_disk_mib: None,
         cmdline: vec![],
         state_dir,
+        net: None,
     };
     let started = Instant::now();
     let vm = match tokio::time::timeout(PROBE_TIMEOUT, backend.start(spec)).await {

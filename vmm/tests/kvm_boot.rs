@@ -51,7 +51,7 @@ fn boot_stock(image: &sandbox_vmm::Image, vcpus: u8, memory_mib: u32) -> Machine
         vcpus,
         disks: vec![],
         vsock_cid: 3,
-        net_mac: None,
+        net: None,
     };
     let before = threads().len();
     let m = Machine::start(&cfg, None).expect("the machine is built");
@@ -153,7 +153,7 @@ fn stress_four_at_once() {
                         vcpus: 1,
                         disks: vec![],
                         vsock_cid: 3 + i,
-                        net_mac: None,
+                        net: None,
                     };
                     let m = Machine::start(&cfg, None).expect("the machine is built");
                     let exit = m.wait_timeout(Duration::from_secs(120));

@@ -19,10 +19,12 @@ pub fn router() -> Router<AppState> {
         .route("/metrics", get(metrics))
 }
 
-/// Refusal counters of a sandbox. No egress stack is attached yet, so nothing can be refused:
-/// the guest has no network device at all.
-pub fn egress_json(_e: &SandboxEntry) -> Value {
-    json!({ "refused": 0, "by_reason": {}, "events": [] })
+/// Refusal counters of a sandbox and what its egress carried.
+pub fn egress_json(e: &SandboxEntry) -> Value {
+    match &e.net {
+        Some(net) => crate::egress::egress_json(net),
+        None => json!({ "refused": 0, "by_reason": {}, "events": [] }),
+    }
 }
 
 /// Metered model calls of a sandbox (none without the egress stack).
@@ -56,6 +58,13 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let all = state.registry().all();
     let dead = all.iter().filter(|e| e.state() == "dead").count() as u64;
     let states = [("ready", all.len() as u64 - dead), ("dead", dead)];
-    let text = state.metrics().render(&states, &[]);
+    let mut live: Vec<(&'static str, u64)> = Vec::new();
+    for e in all.iter() {
+        if let Some(net) = &e.net {
+            live.extend(crate::egress::refusal_counts(net));
+        }
+    }
+    let refusals = state.metrics().refusal_totals(&live);
+    let text = state.metrics().render(&states, &refusals);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

@@ -181,13 +181,19 @@ async fn create(
     } else {
         DISK_LIMIT_MIB
     };
-    let spec = image.vm_spec(
+    let mut spec = image.vm_spec(
         id.clone(),
         req.memory_mib,
         req.vcpus,
         disk_limit_mib,
         state.config().state_dir.join(&id),
     );
+    // The egress stack starts first: the VM's network device is its other end.
+    let (net, attachment) =
+        crate::egress::start(&id, &req.egress, state.config().egress_resolve.clone())
+            .map_err(bad)?;
+    let mac = attachment.mac;
+    spec.net = Some(attachment);
     let sandbox = match sandbox_vmm::boot(backend.as_ref(), spec, BOOT_TIMEOUT).await {
         Ok(s) => s,
         Err(e) => {
@@ -198,6 +204,14 @@ async fn create(
             )));
         }
     };
+    if let Err(e) = crate::egress::configure_guest(&sandbox.client, mac).await {
+        sandbox.stop().await;
+        state.metrics().boot_failed();
+        tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");
+        return Err(ApiError::Internal(format!(
+            "the microVM started but its network could not be set up: {e}"
+        )));
+    }
     state.metrics().boot(sandbox.boot_time);
     let image_name = if stock_image {
         STOCK.to_string()
@@ -216,6 +230,7 @@ async fn create(
         req.vcpus,
         req.env,
         req.egress,
+        Some(net),
         Duration::from_millis(req.time_limit_ms),
         sandbox,
     );

@@ -30,6 +30,10 @@ pub trait NetBackend: Send {
     fn recv(&mut self, buf: &mut [u8]) -> Option<usize>;
     /// An fd that becomes readable when `recv` may have a frame, if the backend has one.
     fn ready_fd(&self) -> Option<RawFd>;
+    /// Makes [`ready_fd`](Self::ready_fd) unreadable again, before the device drains `recv`: a
+    /// level-triggered fd left readable while the guest has no receive buffers would keep the
+    /// device thread spinning.
+    fn clear_ready(&mut self) {}
 }
 
 /// The backend used until egress exists: every frame is dropped and counted.
@@ -216,6 +220,7 @@ impl<B: NetBackend> VirtioDevice for Net<B> {
         q: Option<&mut Queues>,
         _ops: &mut EventOps,
     ) -> Result<(), DeviceError> {
+        self.backend.clear_ready();
         match q {
             Some(q) => self.process_rx(q),
             None => Ok(()),

@@ -170,6 +170,25 @@ fn arp_answers_for_the_gateway_only() {
         g.inspect(&req(Ipv4Addr::new(10, 233, 0, 9), GATEWAY_IP), now),
         Verdict::Drop
     );
+    // The guest's answer to the stack's own question goes to the stack (it learns the guest's
+    // hardware address from it); an answer for anyone else does not.
+    let answer = |sender: Ipv4Addr| {
+        let r = ArpRepr::EthernetIpv4 {
+            operation: ArpOperation::Reply,
+            source_hardware_addr: EthernetAddress(GUEST_MAC),
+            source_protocol_addr: sender,
+            target_hardware_addr: EthernetAddress(GATEWAY_MAC),
+            target_protocol_addr: GATEWAY_IP,
+        };
+        eth(EthernetProtocol::Arp, r.buffer_len(), |b| {
+            r.emit(&mut ArpPacket::new_unchecked(b))
+        })
+    };
+    assert_eq!(g.inspect(&answer(GUEST_IP), now), Verdict::ArpReply);
+    assert_eq!(
+        g.inspect(&answer(Ipv4Addr::new(10, 233, 0, 7)), now),
+        Verdict::Drop
+    );
     // A frame from another MAC is not the guest's.
     let mut spoofed = req(GUEST_IP, GATEWAY_IP);
     spoofed[11] ^= 1;

@@ -112,7 +112,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
             })
             .collect(),
         vsock_cid: GUEST_CID,
-        net_mac: None,
+        net: spec.net.clone(),
     };
     let (exit_tx, exit_rx) = watch::channel(None);
     let on_exit: super::machine::OnExit = Box::new(move |e| {

@@ -20,7 +20,7 @@ use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_r
 use kvm_ioctls::{IoEventAddress, Kvm, VcpuExit, VcpuFd, VmFd};
 use sandbox_devices::virtio::block::Block;
 use sandbox_devices::virtio::mmio::{MmioDevice, MmioTransport, WINDOW};
-use sandbox_devices::virtio::net::{Net, NullNet};
+use sandbox_devices::virtio::net::Net;
 use sandbox_devices::virtio::vsock::{Vsock, VsockHandle};
 use sandbox_devices::virtio::{Interrupt, VirtioDevice};
 use sandbox_devices::{BootMarker, ConsoleLog};
@@ -63,8 +63,8 @@ pub struct MachineConfig {
     pub disks: Vec<DiskConfig>,
     /// The guest's vsock context id (3 or more).
     pub vsock_cid: u64,
-    /// A network device with this MAC address, if any (its frames go nowhere until egress).
-    pub net_mac: Option<[u8; 6]>,
+    /// A network device and the link behind it, if the guest has a network.
+    pub net: Option<crate::net::NetAttachment>,
 }
 
 /// How the guest ended.
@@ -203,7 +203,7 @@ impl Machine {
         let mut cmdline = cfg.cmdline.clone();
         let (vsock, vsock_handle) =
             Vsock::new(cfg.vsock_cid).map_err(io_err("creating the vsock device"))?;
-        let count = 1 + cfg.disks.len() + usize::from(cfg.net_mac.is_some());
+        let count = 1 + cfg.disks.len() + usize::from(cfg.net.is_some());
         if count > DEVICE_IRQS.len() {
             return Err(MachineError::TooManyDevices(count));
         }
@@ -213,11 +213,13 @@ impl Machine {
                 .map_err(io_err(format!("opening disk {}", d.path.display())))?;
             add_device(&vm, &mem, blk, &mut devices, &mut cmdline)?;
         }
-        if let Some(mac) = cfg.net_mac {
+        if let Some(net) = &cfg.net {
+            let backend = super::net::LinkBackend::new(net.link.clone())
+                .map_err(io_err("creating the network device's eventfd"))?;
             add_device(
                 &vm,
                 &mem,
-                Net::new(mac, NullNet::default()),
+                Net::new(net.mac, backend),
                 &mut devices,
                 &mut cmdline,
             )?;

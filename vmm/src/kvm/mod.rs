@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod layout;
 pub mod machine;
 pub mod mptable;
+pub mod net;
 pub mod serial;
 
 pub use backend::KvmBackend;

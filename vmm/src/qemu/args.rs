@@ -165,7 +165,26 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
             format!("virtio-blk-device,drive=disk{i},serial=disk{i}").into(),
         ]);
     }
+    // The network: QEMU connects to the host's stack and carries frames as a 4-byte big-endian
+    // length and the frame (`-netdev stream`), with no offloads (the guest computes checksums).
+    if let Some(net) = &spec.net {
+        let mut netdev = OsString::from("stream,id=net0,server=off,addr.type=unix,addr.path=");
+        netdev.push(escape_commas(net_socket(agent_socket).as_os_str()));
+        a.extend(["-netdev".into(), netdev, "-device".into()]);
+        a.push(
+            format!(
+                "virtio-net-device,netdev=net0,mac={}",
+                crate::net::format_mac(net.mac)
+            )
+            .into(),
+        );
+    }
     a
+}
+
+/// The network's socket, beside the agent's.
+pub fn net_socket(agent_socket: &Path) -> std::path::PathBuf {
+    agent_socket.with_file_name("net.sock")
 }
 
 /// The boot marker's socket, beside the agent's.
@@ -206,6 +225,7 @@ mod tests {
             scratch_disk_mib: None,
             cmdline: vec!["extra=1".into()],
             state_dir: "/s".into(),
+            net: None,
         }
     }
 
@@ -230,6 +250,40 @@ mod tests {
         assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
         assert!(s.contains("-chardev socket,id=marker,path=/s/marker.sock -device isa-debugcon,iobase=0x440,chardev=marker"));
         assert!(s.contains("-no-reboot") && s.contains("-nodefaults"));
+    }
+
+    #[test]
+    fn network_is_a_stream_netdev_to_the_hosts_socket() {
+        struct NoLink;
+        impl crate::net::FrameLink for NoLink {
+            fn send(&self, _: &[u8]) -> bool {
+                false
+            }
+            fn recv(&self, _: &mut [u8]) -> Option<usize> {
+                None
+            }
+            fn set_waker(&self, _: Box<dyn Fn() + Send + Sync>) {}
+        }
+        let mut spec = spec();
+        assert!(!joined(Arch::X86_64, Accel::Tcg).contains("netdev"));
+        spec.net = Some(crate::net::NetAttachment {
+            mac: [0x02, 0x53, 0x42, 0xab, 0x0c, 0x01],
+            link: std::sync::Arc::new(NoLink),
+        });
+        let s = qemu_args(
+            Arch::X86_64,
+            Accel::Tcg,
+            &spec,
+            Path::new("/s,x/agent.sock"),
+        )
+        .iter()
+        .map(|s| s.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ");
+        assert!(
+            s.contains("-netdev stream,id=net0,server=off,addr.type=unix,addr.path=/s,,x/net.sock -device virtio-net-device,netdev=net0,mac=02:53:42:ab:0c:01"),
+            "{s}"
+        );
     }
 
     #[test]

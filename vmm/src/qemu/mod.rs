@@ -4,6 +4,7 @@
 
 mod accel;
 pub mod args;
+mod netpump;
 mod process;
 
 use std::path::{Path, PathBuf};

@@ -57,6 +57,16 @@ pub async fn spawn(
     } else {
         None
     };
+    // QEMU connects to the network socket at start too, when the VM has a network.
+    let net = match &spec.net {
+        Some(n) => {
+            let path = super::args::net_socket(&sock);
+            let l = UnixListener::bind(&path)
+                .map_err(|e| VmError::io(format!("listening on {}", path.display()), e))?;
+            Some((l, path, n.link.clone()))
+        }
+        None => None,
+    };
     let started = std::time::Instant::now();
     let mut cmd = Command::new(program);
     cmd.args(&args)
@@ -105,6 +115,9 @@ pub async fn spawn(
             marker.clone(),
             exit_rx.clone(),
         ));
+    }
+    if let Some((l, path, link)) = net {
+        tokio::spawn(super::netpump::run(l, path, link, exit_rx.clone()));
     }
     let vm = QemuVm {
         pid,

@@ -1,0 +1,258 @@
+//! Egress stack figures (issue 5), without a VM: a simulated guest (smoltcp on the guest's side of
+//! the link, on this thread) drives the real stack (a one-worker tokio runtime: one core), which
+//! talks to real sockets on loopback. Kernel loopback, measured in the same run, is the reference.
+//!
+//! - bulk throughput of one flow guest -> upstream (plain HTTP, copied through; spliced TLS takes
+//!   the same path after its ClientHello);
+//! - connection set-up: connect, one request, first byte of the answer;
+//!
+//! `cargo bench -p sandbox-benches --bench egress` (SANDBOX_HOST_BENCH_MIB, default 256).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use sandbox_benches::{header, row, stats};
+use sandbox_egress::net::guest_mac;
+use sandbox_egress::policy::Allowlist;
+use sandbox_egress::resolve::ResolveOverrides;
+use sandbox_egress::sim::GuestSim;
+use sandbox_egress::{Egress, EgressConfig, Limits};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A loopback server that counts and discards what it gets and answers each connection's first
+/// read with one byte.
+fn sink(rt: &tokio::runtime::Runtime, got: Arc<AtomicU64>) -> u16 {
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let got = got.clone();
+            tokio::spawn(async move {
+                let _ = s.set_nodelay(true);
+                let mut buf = vec![0u8; 256 * 1024];
+                let mut first = true;
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            got.fetch_add(n as u64, Ordering::Relaxed);
+                            if first {
+                                first = false;
+                                let _ = s.write_all(b"!").await;
+                            }
+                        }
+                    }
+                }
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+fn start(
+    rt: &tokio::runtime::Runtime,
+    port: u16,
+    socket_buffer: usize,
+) -> (Egress, GuestSim, Ipv4Addr) {
+    let mac = guest_mac("bench");
+    let mut cfg = EgressConfig::new(mac, Allowlist::parse(["sink.test"]).unwrap());
+    cfg.overrides =
+        Arc::new(ResolveOverrides::parse(&format!("sink.test:{port}:127.0.0.1")).unwrap());
+    cfg.limits = Limits {
+        socket_buffer,
+        ..Limits::default()
+    };
+    let (egress, link) = {
+        let _in = rt.enter();
+        Egress::start(cfg)
+    };
+    let mut guest = GuestSim::new(link, mac);
+    let addr = guest
+        .resolve("sink.test", Duration::from_secs(5))
+        .expect("the stack answers DNS");
+    (egress, guest, addr)
+}
+
+fn head(port: u16) -> Vec<u8> {
+    format!("POST /sink HTTP/1.1\r\nHost: sink.test:{port}\r\ncontent-length: 999999999999\r\n\r\n")
+        .into_bytes()
+}
+
+/// Sends `total` bytes through the stack on one connection; Gbit/s.
+fn through_stack(total: usize, socket_buffer: usize) -> f64 {
+    let rt = runtime();
+    let got = Arc::new(AtomicU64::new(0));
+    let port = sink(&rt, got.clone());
+    let (_egress, mut g, addr) = start(&rt, port, socket_buffer);
+    let h = g.connect(addr, port, socket_buffer);
+    let head = head(port);
+    let chunk = vec![0x5au8; 64 * 1024];
+    let mut sent = 0usize;
+    let mut head_sent = 0usize;
+    let want = (head.len() + total) as u64;
+    let t = Instant::now();
+    let done = g.run_until(Duration::from_secs(120), |g| {
+        let s = g.tcp(h);
+        while s.can_send() {
+            let n = if head_sent < head.len() {
+                let n = s.send_slice(&head[head_sent..]).unwrap_or(0);
+                head_sent += n;
+                n
+            } else if sent < total {
+                let n = s
+                    .send_slice(&chunk[..chunk.len().min(total - sent)])
+                    .unwrap_or(0);
+                sent += n;
+                n
+            } else {
+                0
+            };
+            if n == 0 {
+                break;
+            }
+        }
+        while s.can_recv() {
+            let _ = s.recv(|b| (b.len(), ()));
+        }
+        got.load(Ordering::Relaxed) >= want
+    });
+    let secs = t.elapsed().as_secs_f64();
+    assert!(
+        done,
+        "the flow did not finish: {} of {want}",
+        got.load(Ordering::Relaxed)
+    );
+    want as f64 * 8.0 / secs / 1e9
+}
+
+/// The same through kernel loopback.
+fn loopback(total: usize) -> f64 {
+    let rt = runtime();
+    let got = Arc::new(AtomicU64::new(0));
+    let port = sink(&rt, got.clone());
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let head = head(port);
+    let chunk = vec![0x5au8; 64 * 1024];
+    let want = (head.len() + total) as u64;
+    let t = Instant::now();
+    s.write_all(&head).unwrap();
+    let mut sent = 0;
+    while sent < total {
+        let n = chunk.len().min(total - sent);
+        s.write_all(&chunk[..n]).unwrap();
+        sent += n;
+    }
+    while got.load(Ordering::Relaxed) < want {
+        std::thread::yield_now();
+    }
+    want as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Connect, send a request head, wait for the first byte: through the stack.
+fn setup_through_stack(n: usize) -> Vec<Duration> {
+    let rt = runtime();
+    let port = sink(&rt, Arc::new(AtomicU64::new(0)));
+    let (_egress, mut g, addr) = start(&rt, port, 64 * 1024);
+    let req = format!("GET / HTTP/1.1\r\nHost: sink.test:{port}\r\n\r\n").into_bytes();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = Instant::now();
+        let h = g.connect(addr, port, 16 * 1024);
+        let mut sent = false;
+        let ok = g.run_until(Duration::from_secs(10), |g| {
+            let s = g.tcp(h);
+            if !sent && s.can_send() {
+                sent = s.send_slice(&req).is_ok();
+            }
+            s.can_recv()
+        });
+        assert!(ok, "no answer through the stack");
+        out.push(t.elapsed());
+        g.tcp(h).abort();
+        g.poll();
+        g.remove(h);
+    }
+    out
+}
+
+fn setup_loopback(n: usize) -> Vec<Duration> {
+    let rt = runtime();
+    let port = sink(&rt, Arc::new(AtomicU64::new(0)));
+    let req = format!("GET / HTTP/1.1\r\nHost: sink.test:{port}\r\n\r\n").into_bytes();
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_nodelay(true).unwrap();
+            s.write_all(&req).unwrap();
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b).unwrap();
+            t.elapsed()
+        })
+        .collect()
+}
+
+fn main() {
+    let mib: usize = std::env::var("SANDBOX_HOST_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let total = mib << 20;
+    println!("egress stack, one flow guest -> upstream, {mib} MiB, MTU 1500 (median of 3)");
+    let med = |f: &dyn Fn() -> f64| {
+        let mut v: Vec<f64> = (0..3).map(|_| f()).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[1]
+    };
+    let kernel = med(&|| loopback(total));
+    let stack = med(&|| through_stack(total, 64 * 1024));
+    let stack_256 = med(&|| through_stack(total, 256 * 1024));
+    println!("| path | Gbit/s | vs kernel loopback |");
+    println!("|---|---|---|");
+    println!("| kernel loopback (reference) | {kernel:.2} | 1.00x |");
+    println!(
+        "| through the stack, 64 KiB socket buffers (production) | {stack:.2} | {:.2}x |",
+        stack / kernel
+    );
+    println!(
+        "| through the stack, 256 KiB socket buffers | {stack_256:.2} | {:.2}x |",
+        stack_256 / kernel
+    );
+    println!();
+    let n = 300;
+    let reference = setup_loopback(n);
+    let through = setup_through_stack(n);
+    header();
+    let (ref_median, _) = stats(&reference);
+    row(
+        "connect + request + first byte, kernel loopback",
+        &reference,
+        None,
+    );
+    row(
+        "connect + request + first byte, through the stack",
+        &through,
+        Some(ref_median),
+    );
+    let (m, p95) = stats(&through);
+    let (rm, rp95) = stats(&reference);
+    println!(
+        "\nadded by the stack: median {:.0} us, p95 {:.0} us",
+        (m - rm) * 1000.0,
+        (p95 - rp95) * 1000.0
+    );
+}

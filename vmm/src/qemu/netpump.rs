@@ -1,0 +1,101 @@
+//! The QEMU side of the guest's network: QEMU's `-netdev stream` connects to a socket in the VM's
+//! state directory and carries each Ethernet frame as a 4-byte big-endian length and the frame.
+//! This pump moves frames between that socket and the VM's [`FrameLink`].
+//!
+//! Frame lengths come from the guest (through QEMU): a frame longer than the link carries is
+//! read into a fixed buffer and dropped; a length beyond any Ethernet frame ends the pump.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::UnixListener;
+use tokio::sync::{Notify, watch};
+
+use crate::backend::VmExit;
+use crate::net::FrameLink;
+
+/// Longest frame QEMU may hand over (a 64 KiB IP packet with its Ethernet header and tag).
+const MAX_STREAM_FRAME: usize = 65_535 + 18;
+/// Longest frame the link carries (1500 bytes of MTU, header, VLAN tag).
+const MAX_FRAME: usize = 1518;
+/// How long QEMU gets to connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Accepts QEMU's connection and moves frames until the VM or the socket ends.
+pub(super) async fn run(
+    listener: UnixListener,
+    path: PathBuf,
+    link: Arc<dyn FrameLink>,
+    mut exit: watch::Receiver<Option<VmExit>>,
+) {
+    let work = async {
+        let Ok(Ok((stream, _))) = tokio::time::timeout(CONNECT_TIMEOUT, listener.accept()).await
+        else {
+            tracing::warn!(
+                "QEMU did not connect to the network socket {}",
+                path.display()
+            );
+            return;
+        };
+        let _ = std::fs::remove_file(&path);
+        let (mut r, w) = stream.into_split();
+        let ready = Arc::new(Notify::new());
+        let waker = ready.clone();
+        link.set_waker(Box::new(move || waker.notify_one()));
+
+        let from_guest = async {
+            let mut buf = vec![0u8; MAX_STREAM_FRAME];
+            loop {
+                let len = r.read_u32().await? as usize;
+                if len > MAX_STREAM_FRAME {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("QEMU sent a {len}-byte frame"),
+                    ));
+                }
+                r.read_exact(&mut buf[..len]).await?;
+                if len <= MAX_FRAME {
+                    link.send(&buf[..len]); // a full link drops it (counted there)
+                }
+            }
+            #[allow(unreachable_code)]
+            Ok::<(), std::io::Error>(())
+        };
+        let to_guest = async {
+            let mut w = BufWriter::with_capacity(64 * 1024, w);
+            let mut buf = vec![0u8; MAX_FRAME];
+            loop {
+                let notified = ready.notified();
+                let mut wrote = false;
+                while let Some(n) = link.recv(&mut buf) {
+                    let n = n.min(MAX_FRAME);
+                    w.write_u32(n as u32).await?;
+                    w.write_all(&buf[..n]).await?;
+                    wrote = true;
+                }
+                if wrote {
+                    w.flush().await?;
+                }
+                notified.await;
+            }
+            #[allow(unreachable_code)]
+            Ok::<(), std::io::Error>(())
+        };
+        let r = tokio::select! {
+            r = from_guest => r,
+            r = to_guest => r,
+        };
+        if let Err(e) = r
+            && e.kind() != std::io::ErrorKind::UnexpectedEof
+        {
+            tracing::warn!("the guest's network link to QEMU ended: {e}");
+        }
+    };
+    tokio::select! {
+        () = work => {}
+        _ = exit.wait_for(Option::is_some) => {}
+    }
+    let _ = std::fs::remove_file(&path);
+}
