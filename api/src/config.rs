@@ -46,6 +46,17 @@ pub enum ConfigError {
         /// What is wrong with it.
         why: String,
     },
+    /// The extra upstream roots cannot be used.
+    #[error(
+        "SANDBOX_HOST_EGRESS_CA_FILE is {path}, which cannot be used: {why}. It must be a PEM file of \
+         CA certificates; fix it in the environment or in .env"
+    )]
+    EgressCaFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
     /// The `.env` file exists but cannot be read.
     #[error("cannot read {path}: {why}")]
     DotEnv {
@@ -81,6 +92,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// `SANDBOX_HOST_EGRESS_RESOLVE`: names the egress resolves to fixed addresses (tests).
     pub egress_resolve: std::sync::Arc<sandbox_egress::resolve::ResolveOverrides>,
+    /// `SANDBOX_HOST_EGRESS_CA_FILE`: extra PEM roots for upstream TLS of intercepted hosts.
+    pub egress_ca_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Config {
@@ -96,6 +109,7 @@ impl std::fmt::Debug for Config {
             .field("image_dir", &self.image_dir)
             .field("state_dir", &self.state_dir)
             .field("egress_resolve", &self.egress_resolve)
+            .field("egress_ca_file", &self.egress_ca_file)
             .finish()
     }
 }
@@ -186,6 +200,23 @@ impl Config {
                 }
             })?,
         };
+        let egress_ca_file = match get("SANDBOX_HOST_EGRESS_CA_FILE") {
+            None => None,
+            Some(v) => {
+                let path = PathBuf::from(v.trim());
+                let pem = std::fs::read(&path).map_err(|e| ConfigError::EgressCaFile {
+                    path: path.clone(),
+                    why: e.to_string(),
+                })?;
+                sandbox_egress::intercept::upstream_client(Some(&pem)).map_err(|e| {
+                    ConfigError::EgressCaFile {
+                        path: path.clone(),
+                        why: e.to_string(),
+                    }
+                })?;
+                Some(path)
+            }
+        };
         Ok(Config {
             token,
             bind,
@@ -198,6 +229,7 @@ impl Config {
             image_dir: sandbox_vmm::config::image_dir(),
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),
+            egress_ca_file,
         })
     }
 }

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
+use sandbox_egress::intercept::Interception;
 use sandbox_egress::link::GuestEnd;
 use sandbox_egress::policy::{Allowlist, HostPattern};
 use sandbox_egress::refusal::Reason;
-use sandbox_egress::resolve::ResolveOverrides;
+use sandbox_egress::secrets::Secret;
 use sandbox_egress::stats::Stats;
 use sandbox_egress::{Egress, EgressConfig};
 use sandbox_protocol::client::{Client, ExecEvent};
@@ -14,6 +15,7 @@ use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::{FrameLink, NetAttachment};
 use serde_json::{Value, json};
 
+use crate::config::Config;
 use crate::registry::EgressSpec;
 use crate::time::rfc3339;
 
@@ -32,13 +34,43 @@ impl FrameLink for EgressLink {
     }
 }
 
-/// Starts the egress stack of sandbox `id` with the run's settings; returns it and the network
-/// device to give the VM. The patterns were validated with the create request.
-pub fn start(
-    id: &str,
-    spec: &EgressSpec,
-    overrides: Arc<ResolveOverrides>,
-) -> Result<(Egress, NetAttachment), String> {
+/// A started egress stack and what the guest needs to use it.
+pub struct Started {
+    /// The stack.
+    pub egress: Egress,
+    /// The VM's network device.
+    pub attachment: NetAttachment,
+    /// The sandbox CA's certificate, when it intercepts anything (the guest must trust it).
+    pub ca_pem: Option<String>,
+    /// Variables every command of the sandbox gets: each secret's placeholder, and where the CA
+    /// is for tools that keep their own trust stores.
+    pub env: Vec<(String, String)>,
+}
+
+/// The upstream TLS client, made once: loading the system's roots takes tens of milliseconds.
+fn upstream_client(
+    ca_file: Option<&std::path::Path>,
+) -> Result<Arc<sandbox_egress::intercept::ClientConfig>, String> {
+    static CLIENT: std::sync::OnceLock<
+        Result<Arc<sandbox_egress::intercept::ClientConfig>, String>,
+    > = std::sync::OnceLock::new();
+    CLIENT
+        .get_or_init(|| {
+            let pem = match ca_file {
+                Some(p) => Some(
+                    std::fs::read(p)
+                        .map_err(|e| format!("SANDBOX_HOST_EGRESS_CA_FILE {}: {e}", p.display()))?,
+                ),
+                None => None,
+            };
+            sandbox_egress::intercept::upstream_client(pem.as_deref()).map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+/// Starts the egress stack of sandbox `id` with the run's settings. The patterns were validated
+/// with the create request; a secret value that cannot go into a header is refused here.
+pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, StartError> {
     let secret_hosts = spec.secrets.iter().flat_map(|s| &s.hosts);
     let allow = Allowlist::parse(
         spec.allow
@@ -47,30 +79,69 @@ pub fn start(
             .chain(secret_hosts.clone())
             .map(String::as_str),
     )
-    .map_err(|e| e.to_string())?;
-    let intercept = spec
-        .meter
-        .iter()
-        .chain(secret_hosts)
-        .map(|h| HostPattern::parse(h))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
+    .map_err(|e| StartError::Bad(e.to_string()))?;
+    let parse = |hs: &mut dyn Iterator<Item = &String>| {
+        hs.map(|h| HostPattern::parse(h))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| StartError::Bad(e.to_string()))
+    };
+    let meter = parse(&mut spec.meter.iter())?;
+    let intercept = parse(&mut spec.meter.iter().chain(secret_hosts))?;
     let mac = sandbox_egress::net::guest_mac(id);
-    let mut config = EgressConfig::new(mac, allow);
-    config.intercept = intercept;
-    config.overrides = overrides;
-    let (egress, guest) = Egress::start(config);
+    let mut cfg = EgressConfig::new(mac, allow);
+    cfg.overrides = config.egress_resolve.clone();
+    let (mut ca_pem, mut env) = (None, Vec::new());
+    if !intercept.is_empty() {
+        let secrets = spec
+            .secrets
+            .iter()
+            .map(|s| Secret::new(&s.env, &s.value, &s.hosts))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| StartError::Bad(e.to_string()))?;
+        let client =
+            upstream_client(config.egress_ca_file.as_deref()).map_err(StartError::Internal)?;
+        let icp = Interception::new(id, &intercept, secrets, meter, client)
+            .map_err(|e| StartError::Internal(e.to_string()))?;
+        ca_pem = Some(icp.ca_pem().to_string());
+        env = icp.placeholders();
+        env.extend(
+            sandbox_egress::net::guest_ca_env()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+        cfg.interception = Some(Arc::new(icp));
+    }
+    cfg.intercept = intercept;
+    let (egress, guest) = Egress::start(cfg);
     let link = Arc::new(EgressLink(guest));
-    Ok((egress, NetAttachment { mac, link }))
+    Ok(Started {
+        egress,
+        attachment: NetAttachment { mac, link },
+        ca_pem,
+        env,
+    })
+}
+
+/// Why a sandbox's egress could not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// The request's settings cannot be used.
+    Bad(String),
+    /// The host's side failed.
+    Internal(String),
 }
 
 /// Gives the guest its clock, address, route and resolver through the agent (as root), with
 /// [`sandbox_egress::net::guest_setup_script`].
-pub async fn configure_guest(client: &Client, mac: [u8; 6]) -> Result<(), String> {
+pub async fn configure_guest(
+    client: &Client,
+    mac: [u8; 6],
+    ca_pem: Option<&str>,
+) -> Result<(), String> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let script = sandbox_egress::net::guest_setup_script(mac, now);
+    let script = sandbox_egress::net::guest_setup_script(mac, now, ca_pem);
     let req = ExecRequest {
         argv: Some(vec!["/bin/sh".into(), "-c".into(), script]),
         cwd: Some("/".into()),
@@ -138,4 +209,44 @@ pub fn refusal_counts(egress: &Egress) -> Vec<(&'static str, u64)> {
         .iter()
         .map(|x| (x.as_str(), r.count(*x)))
         .collect()
+}
+
+/// `GET /v1/sandboxes/{id}/usage`: the metered calls and their totals.
+pub fn usage_json(egress: &Egress) -> Value {
+    let u = egress.stats().usage();
+    let calls: Vec<Value> = u
+        .calls
+        .iter()
+        .map(|c| {
+            let r = c.usage.as_ref();
+            json!({
+                "at": rfc3339(c.at),
+                "host": c.host,
+                "status": c.status,
+                "complete": c.complete,
+                "usage_missing": r.is_none(),
+                "provider": r.map(|r| r.provider),
+                "response_id": r.and_then(|r| r.response_id.clone()),
+                "model": r.and_then(|r| r.model.clone()),
+                "input_tokens": r.map_or(0, |r| r.input_tokens),
+                "output_tokens": r.map_or(0, |r| r.output_tokens),
+                "cache_read_tokens": r.map_or(0, |r| r.cache_read_tokens),
+                "cache_write_tokens": r.map_or(0, |r| r.cache_write_tokens),
+                "billed_cost_usd": r.and_then(|r| r.cost),
+            })
+        })
+        .collect();
+    let t = u.totals;
+    json!({
+        "calls": calls,
+        "calls_dropped": u.dropped,
+        "totals": {
+            "calls": t.calls,
+            "input_tokens": t.input_tokens,
+            "output_tokens": t.output_tokens,
+            "cache_read_tokens": t.cache_read_tokens,
+            "cache_write_tokens": t.cache_write_tokens,
+            "billed_cost_usd": t.billed_cost_usd,
+        }
+    })
 }

@@ -219,9 +219,9 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     );
 }
 
-/// A TLS server on loopback (`openssl s_server`) with a certificate for `name` from a CA made for
-/// the test; returns the server process, its port and the CA's PEM.
-fn tls_server(dir: &std::path::Path, name: &str) -> (std::process::Child, u16, String) {
+/// A CA made for the test and a server certificate for `names` signed by it (openssl), in `dir`:
+/// `ca.pem`, `srv.pem`, `srv.key`.
+fn make_certs(dir: &std::path::Path, names: &[&str]) {
     let run = |args: &[&str]| {
         let st = Command::new("openssl")
             .args(args)
@@ -261,9 +261,14 @@ fn tls_server(dir: &std::path::Path, name: &str) -> (std::process::Child, u16, S
         "-out",
         "srv.csr",
         "-subj",
-        &format!("/CN={name}"),
+        &format!("/CN={}", names[0]),
     ]);
-    std::fs::write(dir.join("ext.cnf"), format!("subjectAltName=DNS:{name}\n")).unwrap();
+    let sans: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+    std::fs::write(
+        dir.join("ext.cnf"),
+        format!("subjectAltName={}\n", sans.join(",")),
+    )
+    .unwrap();
     run(&[
         "x509",
         "-req",
@@ -281,6 +286,11 @@ fn tls_server(dir: &std::path::Path, name: &str) -> (std::process::Child, u16, S
         "-extfile",
         "ext.cnf",
     ]);
+}
+
+/// A TLS server on loopback (`openssl s_server -www`) for `name`; its process, port and CA PEM.
+fn tls_server(dir: &std::path::Path, name: &str) -> (std::process::Child, u16, String) {
+    make_certs(dir, &[name]);
     let port = common::free_port();
     let child = Command::new("openssl")
         .args([
@@ -419,4 +429,395 @@ async fn the_guest_images_clients_go_through_the_stack() {
     assert_eq!(v["connections"]["spliced"], 1, "{v}");
     let _ = tls.kill();
     let _ = tls.wait();
+}
+
+/// Whether the guest image is missing (then the test says "skipped"; under CI as root it is built,
+/// so missing is a failure).
+fn guest_image_missing() -> bool {
+    let store = sandbox_vmm::config::image_dir();
+    if sandbox_vmm::ImageStore::new(&store)
+        .resolve("vantik-guest:latest")
+        .is_ok()
+    {
+        return false;
+    }
+    let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    assert!(
+        !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
+        "{why}"
+    );
+    eprintln!("skipped: {why}");
+    true
+}
+
+const ANTHROPIC_JSON: &str = r#"{"id":"msg_01json","type":"message","role":"assistant","model":"claude-test-1","content":[{"type":"text","text":"usage: {\"input_tokens\": 999999} is not mine"}],"stop_reason":"end_turn","usage":{"input_tokens":1200,"cache_creation_input_tokens":300,"cache_read_input_tokens":4000,"output_tokens":85}}"#;
+
+const ANTHROPIC_SSE: &[&str] = &[
+    "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_02sse\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"claude-test-2\",\"content\":[],\"usage\":{\"input_tokens\":2100,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":512,\"output_tokens\":1}}}\n\n",
+    "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hel",
+    "lo\"}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":null},\"usage\":{\"output_tokens\":40}}\n\n",
+    "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":77}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+];
+
+const OPENAI_SSE: &[&str] = &[
+    "data: {\"id\":\"chatcmpl-3\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt-test\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+    "data: {\"id\":\"chatcmpl-3\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt-test\",\"choices\":[],\"usage\":{\"prompt_tokens\":310,\"completion_tokens\":12,\"total_tokens\":322,\"prompt_tokens_details\":{\"cached_tokens\":100}}}\n\n",
+    "data: [DONE]\n\n",
+];
+
+const OPENROUTER_JSON: &str = r#"{"id":"gen-4","object":"chat.completion","model":"router/model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":50,"completion_tokens":7,"total_tokens":57,"cost":0.00123}}"#;
+
+/// What the fake provider received: the request head and body.
+type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+/// A fake model provider on loopback (HTTPS, HTTP/1.1, keep-alive): Anthropic JSON or SSE on
+/// `/v1/messages` (SSE when the body asks for a stream), OpenAI SSE on `/v1/chat/completions`,
+/// OpenRouter JSON with a billed cost on `/api/v1/chat/completions`. Streams are sent in pieces.
+async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(dir.join("srv.pem"))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(dir.join("srv.key")).unwrap();
+    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, log) = (acceptor.clone(), log.clone());
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                loop {
+                    let Some(end) = read_head(&mut s, &mut buf).await else {
+                        return;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            let (k, v) = l.split_once(':')?;
+                            k.eq_ignore_ascii_case("content-length")
+                                .then(|| v.trim().parse().ok())?
+                        })
+                        .unwrap_or(0);
+                    buf.drain(..end);
+                    while buf.len() < len {
+                        let mut b = [0u8; 4096];
+                        match s.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    }
+                    let body: Vec<u8> = buf.drain(..len).collect();
+                    let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                    let stream = String::from_utf8_lossy(&body).contains("\"stream\":true");
+                    log.lock().unwrap().push((head, body));
+                    let (ctype, pieces): (&str, Vec<&str>) = if path.starts_with("/v1/messages") {
+                        if stream {
+                            ("text/event-stream", ANTHROPIC_SSE.to_vec())
+                        } else {
+                            ("application/json", vec![ANTHROPIC_JSON])
+                        }
+                    } else if path.starts_with("/v1/chat/completions") {
+                        ("text/event-stream", OPENAI_SSE.to_vec())
+                    } else {
+                        ("application/json", vec![OPENROUTER_JSON])
+                    };
+                    let h = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n\r\n"
+                    );
+                    if s.write_all(h.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    for p in pieces {
+                        let chunk = format!("{:x}\r\n{p}\r\n", p.len());
+                        if s.write_all(chunk.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        let _ = s.flush().await;
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                    }
+                    if s.write_all(b"0\r\n\r\n").await.is_err() {
+                        return;
+                    }
+                    let _ = s.flush().await;
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// Reads until a request head is complete in `buf`; its length with the blank line.
+async fn read_head(s: &mut (impl AsyncReadExt + Unpin), buf: &mut Vec<u8>) -> Option<usize> {
+    loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(i + 4);
+        }
+        let mut b = [0u8; 4096];
+        match s.read(&mut b).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&b[..n]),
+        }
+    }
+}
+
+fn sha256(data: &[u8]) -> String {
+    let out = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(data)?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)[..64].to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_keys_are_injected_and_usage_is_metered() {
+    if stock_image_missing() || guest_image_missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(
+        dir.path(),
+        &[
+            "api.provider.test",
+            "openai.provider.test",
+            "router.provider.test",
+        ],
+    );
+    let (port, seen) = fake_provider(dir.path()).await;
+    let (http_port, http_seen) = http_server("plain\n").await;
+    let resolve = format!(
+        "api.provider.test:{port}:127.0.0.1,openai.provider.test:{port}:127.0.0.1,router.provider.test:{port}:127.0.0.1,allowed.test:{http_port}:127.0.0.1"
+    );
+    let ca = dir.path().join("ca.pem");
+    let store = sandbox_vmm::config::image_dir();
+    let h = start(&[
+        ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
+    ]);
+    let (anthropic_key, openai_key, router_key) = (
+        "sk-ant-api03-REALKEY-0123456789abcdef",
+        "sk-proj-REALKEY-fedcba9876543210",
+        "sk-or-v1-REALKEY-0011223344556677",
+    );
+    let id = h
+        .create(json!({
+            "image": "vantik-guest:latest",
+            "egress": {
+                "allow": ["allowed.test"],
+                "meter": ["router.provider.test"],
+                "secrets": [
+                    {"env": "ANTHROPIC_API_KEY", "value": anthropic_key, "hosts": ["api.provider.test"]},
+                    {"env": "OPENAI_API_KEY", "value": openai_key, "hosts": ["openai.provider.test"]},
+                    {"env": "OPENROUTER_API_KEY", "value": router_key, "hosts": ["router.provider.test"]}
+                ]
+            }
+        }))
+        .await;
+
+    // The guest sees placeholders, never a key.
+    let (out, _, _) = h
+        .exec(&id, "echo $ANTHROPIC_API_KEY; echo $NODE_EXTRA_CA_CERTS")
+        .await;
+    let out = text(&out);
+    assert!(!out.contains("REALKEY"), "{out}");
+    assert!(out.starts_with("vantik-placeholder-"), "{out}");
+    assert!(
+        out.contains("/etc/ssl/certs/sandbox-egress-ca.pem"),
+        "{out}"
+    );
+
+    let base = format!("https://api.provider.test:{port}");
+    let cases: Vec<(&str, String, String)> = vec![
+        (
+            "anthropic json, HTTP/1.1",
+            format!(
+                "curl -sS --http1.1 -H \"x-api-key: $ANTHROPIC_API_KEY\" -H 'content-type: application/json' -d '{{\"model\":\"m\"}}' {base}/v1/messages"
+            ),
+            ANTHROPIC_JSON.to_string(),
+        ),
+        (
+            "anthropic sse, HTTP/2",
+            format!(
+                "curl -sS --http2 -H \"x-api-key: $ANTHROPIC_API_KEY\" -d '{{\"stream\":true}}' {base}/v1/messages"
+            ),
+            ANTHROPIC_SSE.concat(),
+        ),
+        (
+            "openai sse",
+            format!(
+                "curl -sS -H \"authorization: Bearer $OPENAI_API_KEY\" -d '{{\"stream\":true}}' https://openai.provider.test:{port}/v1/chat/completions"
+            ),
+            OPENAI_SSE.concat(),
+        ),
+        (
+            "openrouter json with cost",
+            format!(
+                "curl -sS -H \"authorization: Bearer $OPENROUTER_API_KEY\" -d '{{}}' https://router.provider.test:{port}/api/v1/chat/completions"
+            ),
+            OPENROUTER_JSON.to_string(),
+        ),
+        (
+            "node fetch",
+            format!(
+                "node -e \"fetch('{base}/v1/messages',{{method:'POST',headers:{{'x-api-key':process.env.ANTHROPIC_API_KEY}},body:'{{}}'}}).then(r=>r.text()).then(t=>process.stdout.write(t))\""
+            ),
+            ANTHROPIC_JSON.to_string(),
+        ),
+        (
+            "python urllib",
+            format!(
+                "python3 -c \"import os,sys,urllib.request as u; r=u.Request('{base}/v1/messages', data=b'{{}}', headers={{'x-api-key': os.environ['ANTHROPIC_API_KEY']}}); sys.stdout.write(u.urlopen(r, timeout=20).read().decode())\""
+            ),
+            ANTHROPIC_JSON.to_string(),
+        ),
+    ];
+    for (what, cmd, want) in &cases {
+        let (out, err, last) = h.exec(&id, &format!("{cmd} | sha256sum")).await;
+        assert_eq!(last["exit_code"], 0, "{what}: {}", text(&err));
+        assert_eq!(
+            text(&out).split_whitespace().next(),
+            Some(sha256(want.as_bytes()).as_str()),
+            "{what}: the guest got other bytes than the provider sent; stderr: {}",
+            text(&err)
+        );
+    }
+    // The provider got the real keys, never a placeholder.
+    let got = seen.lock().unwrap().clone();
+    assert_eq!(got.len(), cases.len());
+    for (head, _) in &got {
+        assert!(!head.contains("vantik-placeholder"), "{head}");
+        let lower = head.to_ascii_lowercase();
+        assert!(
+            lower.contains(&format!(
+                "x-api-key: {}",
+                anthropic_key.to_ascii_lowercase()
+            )) || lower.contains(&format!(
+                "authorization: bearer {}",
+                openai_key.to_ascii_lowercase()
+            )) || lower.contains(&format!(
+                "authorization: bearer {}",
+                router_key.to_ascii_lowercase()
+            )),
+            "{head}"
+        );
+    }
+
+    // Leaks: a placeholder sent to another secret's host, or over plain HTTP, is refused before
+    // anything reaches the server.
+    let (out, _, _) = h
+        .exec(&id, &format!("curl -sS -i -H \"x-api-key: $ANTHROPIC_API_KEY\" https://openai.provider.test:{port}/v1/chat/completions; curl -sS -i -H \"x-api-key: $ANTHROPIC_API_KEY\" http://allowed.test:{http_port}/"))
+        .await;
+    let out = text(&out);
+    assert_eq!(
+        out.matches("x-sandbox-egress-refused: placeholder_leak")
+            .count(),
+        2,
+        "{out}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), cases.len());
+    assert!(http_seen.lock().unwrap().is_empty());
+    // No process in the guest holds a real key.
+    let (out, _, _) = h
+        .exec(&id, "grep -l REALKEY /proc/*/environ 2>/dev/null | wc -l")
+        .await;
+    assert_eq!(text(&out).trim(), "0");
+
+    // The meter read every response as it passed.
+    let (s, u) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+        .await;
+    assert_eq!(s, 200, "{u}");
+    let calls = u["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), cases.len(), "{u}");
+    let by_id = |rid: &str| {
+        calls
+            .iter()
+            .find(|c| c["response_id"] == rid)
+            .unwrap_or_else(|| panic!("no call {rid}: {u}"))
+            .clone()
+    };
+    let a = by_id("msg_01json");
+    assert_eq!(
+        (
+            &a["model"],
+            &a["input_tokens"],
+            &a["output_tokens"],
+            &a["cache_read_tokens"],
+            &a["cache_write_tokens"],
+            &a["provider"]
+        ),
+        (
+            &json!("claude-test-1"),
+            &json!(1200),
+            &json!(85),
+            &json!(4000),
+            &json!(300),
+            &json!("anthropic")
+        ),
+        "{a}"
+    );
+    let b = by_id("msg_02sse");
+    assert_eq!(
+        (
+            &b["input_tokens"],
+            &b["output_tokens"],
+            &b["cache_read_tokens"],
+            &b["complete"]
+        ),
+        (&json!(2100), &json!(77), &json!(512), &json!(true)),
+        "{b}"
+    );
+    let c = by_id("chatcmpl-3");
+    assert_eq!(
+        (
+            &c["input_tokens"],
+            &c["output_tokens"],
+            &c["cache_read_tokens"],
+            &c["billed_cost_usd"]
+        ),
+        (&json!(310), &json!(12), &json!(100), &Value::Null),
+        "{c}"
+    );
+    let d = by_id("gen-4");
+    assert_eq!(
+        (
+            &d["input_tokens"],
+            &d["output_tokens"],
+            &d["billed_cost_usd"],
+            &d["provider"]
+        ),
+        (&json!(50), &json!(7), &json!(0.00123), &json!("openrouter")),
+        "{d}"
+    );
+    assert_eq!(u["totals"]["calls"], cases.len());
+    assert_eq!(u["totals"]["billed_cost_usd"], json!(0.00123));
+    let v = egress(&h, &id).await;
+    assert_eq!(v["by_reason"]["placeholder_leak"], 2, "{v}");
+    assert_eq!(v["connections"]["intercepted"], cases.len() + 1, "{v}");
 }

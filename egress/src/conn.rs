@@ -63,6 +63,8 @@ pub(crate) struct Context {
     pub(crate) stats: Arc<Stats>,
     pub(crate) sniff_timeout: Duration,
     pub(crate) idle_timeout: Duration,
+    /// The sandbox's TLS interception, when it has secret or meter hosts.
+    pub(crate) interception: Option<Arc<crate::intercept::Interception>>,
 }
 
 /// The task's ends of a connection.
@@ -129,12 +131,50 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
     };
     match decision {
         Decision::Splice => Stats::add(&cx.stats.spliced, 1),
-        Decision::Http => Stats::add(&cx.stats.http, 1),
+        Decision::Http => {
+            // A placeholder in a plain-HTTP request head is a leak wherever it goes: no key is
+            // ever written into cleartext.
+            let leak = cx.interception.as_ref().is_some_and(|icp| {
+                let head = decider.received();
+                icp.secrets().iter().any(|s| {
+                    head.windows(s.placeholder.len())
+                        .any(|w| w == s.placeholder.as_bytes())
+                })
+            });
+            if leak {
+                cx.stats.refuse(Reason::PlaceholderLeak, &target);
+                refuse_http(&io, Reason::PlaceholderLeak).await;
+                return;
+            }
+            Stats::add(&cx.stats.http, 1)
+        }
         Decision::Intercept => {
-            // Interception (secret and meter hosts) is the next step of issue 5; until it
-            // exists such hosts are refused rather than passed unread.
-            cx.stats.refuse(Reason::Protocol, &target);
-            io.control(Ctl::ABORT);
+            let Some(icp) = cx.interception.clone() else {
+                // Only names the interception covers are decided so; never pass them unread.
+                cx.stats.refuse(Reason::Protocol, &target);
+                io.control(Ctl::ABORT);
+                return;
+            };
+            io.control(Ctl::RUNNING);
+            let Io {
+                from_guest,
+                to_guest,
+                ctl,
+                wake,
+            } = io;
+            let guest = crate::guest_io::GuestStream::new(
+                decider.received().to_vec(),
+                from_guest,
+                to_guest,
+                wake.clone(),
+            );
+            if let Err(e) =
+                crate::intercept::run(guest, upstream, name, port, cx.clone(), icp).await
+            {
+                tracing::info!("egress: {target}: {e}");
+                ctl.set(Ctl::ABORT);
+                wake.notify_one();
+            }
             return;
         }
         Decision::Refuse(reason) => {
@@ -145,14 +185,7 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
                 .is_some_and(u8::is_ascii_uppercase)
             {
                 // An HTTP client gets a readable answer instead of a bare reset.
-                let body = format!("sandbox egress refused this request: {}\n", reason.as_str());
-                let answer = format!(
-                    "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nx-sandbox-egress-refused: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    reason.as_str(),
-                    body.len()
-                );
-                io.control(Ctl::RUNNING);
-                io.send(answer.into_bytes()).await;
+                refuse_http(&io, reason).await;
             } else {
                 io.control(Ctl::ABORT);
             }
@@ -223,4 +256,16 @@ async fn splice(
     };
     let (a, b) = tokio::join!(up, down);
     a.and(b)
+}
+
+/// Answers a refused plain-HTTP request with a `403` that names the reason, then closes.
+async fn refuse_http(io: &Io, reason: Reason) {
+    let body = format!("sandbox egress refused this request: {}\n", reason.as_str());
+    let answer = format!(
+        "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nx-sandbox-egress-refused: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        reason.as_str(),
+        body.len()
+    );
+    io.control(Ctl::RUNNING);
+    io.send(answer.into_bytes()).await;
 }

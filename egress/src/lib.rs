@@ -11,6 +11,8 @@ mod conn;
 pub mod decide;
 pub mod dns;
 pub mod gate;
+mod guest_io;
+pub mod intercept;
 pub mod link;
 pub mod meter;
 pub mod net;

@@ -61,7 +61,7 @@ pub fn pool_index(addr: Ipv4Addr) -> Option<u32> {
 /// up at [`GUEST_IP`] with the default route through [`GATEWAY_IP`], and `/etc/resolv.conf`
 /// naming the stack's DNS. It needs only `sh`, `date` and `ip`, which busybox and Debian both
 /// have.
-pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64) -> String {
+pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64, ca_pem: Option<&str>) -> String {
     let mac = mac
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -87,8 +87,33 @@ rm -f /etc/resolv.conf
 printf 'nameserver {GATEWAY_IP}\noptions attempts:2 timeout:2\n' > /etc/resolv.conf
 [ -e /etc/nsswitch.conf ] || printf 'hosts: files dns\n' > /etc/nsswitch.conf
 [ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' > /etc/hosts
-"#
+{ca}"#,
+        ca = match ca_pem {
+            // The sandbox's CA, for the system bundle and for tools with their own stores.
+            Some(pem) => format!(
+                "mkdir -p /etc/ssl/certs\ncat > {CA_FILE} <<'SANDBOX_EGRESS_CA'\n{}\nSANDBOX_EGRESS_CA\ncat {CA_FILE} >> {CA_BUNDLE}\n",
+                pem.trim()
+            ),
+            None => String::new(),
+        }
     )
+}
+
+/// Where the guest keeps the sandbox's CA certificate.
+pub const CA_FILE: &str = "/etc/ssl/certs/sandbox-egress-ca.pem";
+/// The guest's system bundle, which gets the CA appended.
+pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// The variables that point TLS clients with their own trust stores at the bundle (Node.js adds
+/// `NODE_EXTRA_CA_CERTS` to its built-in roots).
+pub fn guest_ca_env() -> [(&'static str, &'static str); 5] {
+    [
+        ("NODE_EXTRA_CA_CERTS", CA_FILE),
+        ("SSL_CERT_FILE", CA_BUNDLE),
+        ("REQUESTS_CA_BUNDLE", CA_BUNDLE),
+        ("CURL_CA_BUNDLE", CA_BUNDLE),
+        ("GIT_SSL_CAINFO", CA_BUNDLE),
+    ]
 }
 
 #[cfg(test)]

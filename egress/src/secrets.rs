@@ -81,6 +81,11 @@ impl Secret {
         })
     }
 
+    /// The real value (only ever written into verified TLS to the secret's hosts).
+    pub(crate) fn value(&self) -> &str {
+        &self.value
+    }
+
     /// Whether requests to `host` get the real value.
     pub fn applies_to(&self, host: &str) -> bool {
         normalize(host).is_some_and(|h| self.hosts.iter().any(|p| p.matches(&h)))

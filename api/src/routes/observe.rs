@@ -27,8 +27,11 @@ pub fn egress_json(e: &SandboxEntry) -> Value {
     }
 }
 
-/// Metered model calls of a sandbox (none without the egress stack).
-pub fn usage_json(_e: &SandboxEntry) -> Value {
+/// Metered model calls of a sandbox.
+pub fn usage_json(e: &SandboxEntry) -> Value {
+    if let Some(net) = &e.net {
+        return crate::egress::usage_json(net);
+    }
     json!({
         "calls": [],
         "totals": {

@@ -189,11 +189,14 @@ async fn create(
         state.config().state_dir.join(&id),
     );
     // The egress stack starts first: the VM's network device is its other end.
-    let (net, attachment) =
-        crate::egress::start(&id, &req.egress, state.config().egress_resolve.clone())
-            .map_err(bad)?;
-    let mac = attachment.mac;
-    spec.net = Some(attachment);
+    let started = crate::egress::start(&id, &req.egress, state.config()).map_err(|e| match e {
+        crate::egress::StartError::Bad(m) => bad(m),
+        crate::egress::StartError::Internal(m) => {
+            ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
+        }
+    })?;
+    let mac = started.attachment.mac;
+    spec.net = Some(started.attachment);
     let sandbox = match sandbox_vmm::boot(backend.as_ref(), spec, BOOT_TIMEOUT).await {
         Ok(s) => s,
         Err(e) => {
@@ -204,7 +207,9 @@ async fn create(
             )));
         }
     };
-    if let Err(e) = crate::egress::configure_guest(&sandbox.client, mac).await {
+    if let Err(e) =
+        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()).await
+    {
         sandbox.stop().await;
         state.metrics().boot_failed();
         tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");
@@ -228,9 +233,10 @@ async fn create(
         disk_limit_mib,
         req.memory_mib,
         req.vcpus,
-        req.env,
+        // The secrets' placeholders (and the CA's paths) for every command.
+        req.env.into_iter().chain(started.env).collect(),
         req.egress,
-        Some(net),
+        Some(started.egress),
         Duration::from_millis(req.time_limit_ms),
         sandbox,
     );

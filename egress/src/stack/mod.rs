@@ -72,6 +72,8 @@ pub struct EgressConfig {
     pub resolver: Arc<dyn Resolve>,
     /// Bounds.
     pub limits: Limits,
+    /// TLS interception of the secret and meter hosts (the names in `intercept`).
+    pub interception: Option<Arc<crate::intercept::Interception>>,
 }
 
 impl EgressConfig {
@@ -84,6 +86,7 @@ impl EgressConfig {
             overrides: Arc::default(),
             resolver: Arc::new(SystemResolver),
             limits: Limits::default(),
+            interception: None,
         }
     }
 }
@@ -202,6 +205,7 @@ impl Stack {
             stats,
             sniff_timeout: config.limits.sniff_timeout,
             idle_timeout: config.limits.idle_timeout,
+            interception: config.interception,
         });
         Stack {
             gate,

@@ -1,0 +1,616 @@
+//! TLS interception of the secret and meter hosts: the guest's TLS ends here, with a certificate
+//! for the connection's name signed by the sandbox's own CA (which the guest trusts, and which can
+//! sign for these names only); each request is checked, gets the real key in place of its
+//! placeholder when it goes to the secret's hosts, and goes on over verified TLS (system roots,
+//! plus `SANDBOX_HOST_EGRESS_CA_FILE`) to the same name. Responses stream back unchanged while the
+//! meter reads their usage.
+//!
+//! HTTP/2 and HTTP/1.1 toward the guest (by its ALPN); HTTP/1.1 upstream, on up to
+//! [`UPSTREAM_CONNECTIONS`] connections per guest connection, each made with the same
+//! connect-time checks as any other.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use thiserror::Error;
+use tokio::sync::Mutex;
+
+use crate::conn::Context;
+use crate::guest_io::GuestStream;
+use crate::meter::record::Meter;
+use crate::policy::{HostPattern, normalize};
+use crate::refusal::Reason;
+use crate::secrets::{LeakScanner, Secret};
+use crate::sniff::http::split_authority;
+use crate::stats::{Call, Stats};
+use crate::tls::ca::{CaError, SandboxCa};
+use crate::upstream;
+
+pub use rustls::ClientConfig;
+
+/// Upstream connections one guest connection may use at once (HTTP/2 streams from the guest
+/// share them).
+pub const UPSTREAM_CONNECTIONS: usize = 8;
+/// How long the guest's and the upstream's TLS handshakes may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why an intercepted connection ended early.
+#[derive(Debug, Error)]
+pub enum InterceptError {
+    /// No certificate for the name (not a secret or meter host).
+    #[error("no certificate for {0}: {1}")]
+    Certificate(String, CaError),
+    /// TLS configuration.
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+    /// A handshake failed or took too long.
+    #[error("TLS handshake with the {0} failed: {1}")]
+    Handshake(&'static str, String),
+    /// The system's roots could not be read.
+    #[error("reading the system's root certificates: {0}")]
+    Roots(String),
+    /// `SANDBOX_HOST_EGRESS_CA_FILE` holds no usable certificate.
+    #[error("SANDBOX_HOST_EGRESS_CA_FILE: {0}")]
+    ExtraRoots(String),
+    /// HTTP on either side.
+    #[error("HTTP: {0}")]
+    Http(#[from] hyper::Error),
+}
+
+/// What a sandbox intercepts with: its CA, its secrets, its meter hosts, and the upstream TLS
+/// client configuration.
+pub struct Interception {
+    ca: SandboxCa,
+    secrets: Vec<Secret>,
+    meter: Vec<HostPattern>,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl Interception {
+    /// The interception of sandbox `id`. `intercepted` are the names its CA may sign for (the
+    /// secrets' hosts and the meter hosts).
+    pub fn new(
+        id: &str,
+        intercepted: &[HostPattern],
+        secrets: Vec<Secret>,
+        meter: Vec<HostPattern>,
+        client: Arc<rustls::ClientConfig>,
+    ) -> Result<Self, CaError> {
+        Ok(Interception {
+            ca: SandboxCa::new(id, intercepted)?,
+            secrets,
+            meter,
+            client,
+        })
+    }
+
+    /// The CA certificate (PEM) the guest must trust.
+    pub fn ca_pem(&self) -> &str {
+        self.ca.cert_pem()
+    }
+
+    /// The secrets.
+    pub(crate) fn secrets(&self) -> &[Secret] {
+        &self.secrets
+    }
+
+    /// The guest's environment: each secret's variable with its placeholder.
+    pub fn placeholders(&self) -> Vec<(String, String)> {
+        self.secrets
+            .iter()
+            .map(|s| (s.env.clone(), s.placeholder.clone()))
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for Interception {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interception")
+            .field("secrets", &self.secrets)
+            .field("meter", &self.meter)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The upstream TLS client: the system's roots and the PEM certificates of `extra` (the
+/// operator's `SANDBOX_HOST_EGRESS_CA_FILE`). HTTP/1.1 only.
+pub fn upstream_client(extra: Option<&[u8]>) -> Result<Arc<rustls::ClientConfig>, InterceptError> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _) = roots.add_parsable_certificates(native.certs);
+    if let Some(pem) = extra {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
+            .collect::<Result<_, _>>()
+            .map_err(|e| InterceptError::ExtraRoots(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(InterceptError::ExtraRoots(
+                "no PEM certificate in the file".into(),
+            ));
+        }
+        for c in certs {
+            roots
+                .add(c)
+                .map_err(|e| InterceptError::ExtraRoots(e.to_string()))?;
+        }
+    } else if added == 0 {
+        return Err(InterceptError::Roots(format!(
+            "none found ({:?})",
+            native.errors
+        )));
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+/// One intercepted connection of the guest to `name:port`, whose first bytes (the ClientHello)
+/// are in `guest` still.
+pub(crate) async fn run(
+    guest: GuestStream,
+    first: tokio::net::TcpStream,
+    name: String,
+    port: u16,
+    cx: Arc<Context>,
+    icp: Arc<Interception>,
+) -> Result<(), InterceptError> {
+    let leaf = icp
+        .ca
+        .leaf(&name)
+        .map_err(|e| InterceptError::Certificate(name.clone(), e))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from(leaf.cert_der)],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf.key_der)),
+    )?;
+    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(guest))
+        .await
+        .map_err(|_| InterceptError::Handshake("guest", "timed out".into()))?
+        .map_err(|e| InterceptError::Handshake("guest", e.to_string()))?;
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    Stats::add(&cx.stats.intercepted, 1);
+
+    let proxy = Arc::new(Proxy {
+        name,
+        port,
+        cx,
+        icp,
+        pool: Mutex::new(Vec::new()),
+        first: std::sync::Mutex::new(Some(first)),
+    });
+    let service = hyper::service::service_fn(move |req| {
+        let proxy = proxy.clone();
+        async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+    });
+    let io = TokioIo::new(tls);
+    if h2 {
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(io, service)
+            .await?;
+    } else {
+        hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await?;
+    }
+    Ok(())
+}
+
+type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+type Sender = hyper::client::conn::http1::SendRequest<ProxyBody>;
+
+struct Proxy {
+    name: String,
+    port: u16,
+    cx: Arc<Context>,
+    icp: Arc<Interception>,
+    pool: Mutex<Vec<Sender>>,
+    /// The connection made (and checked) before the guest's handshake was answered.
+    first: std::sync::Mutex<Option<tokio::net::TcpStream>>,
+}
+
+fn refuse(reason: Reason) -> Response<ProxyBody> {
+    let body = format!("sandbox egress refused this request: {}\n", reason.as_str());
+    let mut r = Response::new(
+        http_body_util::Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = StatusCode::FORBIDDEN;
+    r.headers_mut().insert(
+        HeaderName::from_static("x-sandbox-egress-refused"),
+        HeaderValue::from_static(reason.as_str()),
+    );
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r
+}
+
+fn bad_gateway(why: &str) -> Response<ProxyBody> {
+    let mut r = Response::new(
+        http_body_util::Full::new(Bytes::from(format!("sandbox egress: {why}\n")))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = StatusCode::BAD_GATEWAY;
+    r
+}
+
+/// Headers that belong to one hop and never pass.
+const HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+];
+
+impl Proxy {
+    async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let target = format!("{}:{}", self.name, self.port);
+        let stats = &self.cx.stats;
+        if req.method() == hyper::Method::CONNECT {
+            stats.refuse(Reason::HttpConnect, &target);
+            return refuse(Reason::HttpConnect);
+        }
+        // The request's authority (HTTP/2) or Host (HTTP/1) must be the connection's name.
+        let authority = req
+            .uri()
+            .authority()
+            .map(|a| a.as_str().to_string())
+            .or_else(|| {
+                req.headers()
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_string)
+            });
+        let ok = authority
+            .as_deref()
+            .and_then(split_authority)
+            .is_some_and(|(h, p)| {
+                normalize(h).as_deref() == Some(self.name.as_str())
+                    && p.is_none_or(|p| p == self.port)
+            });
+        if !ok || req.headers().get_all(header::HOST).iter().count() > 1 {
+            stats.refuse(Reason::SniHostMismatch, &target);
+            return refuse(Reason::SniHostMismatch);
+        }
+        if req.headers().contains_key(header::UPGRADE) {
+            stats.refuse(Reason::Protocol, &target);
+            return refuse(Reason::Protocol);
+        }
+        let (parts, body) = req.into_parts();
+        // Placeholders: the real value for the secret's own hosts, a leak anywhere else.
+        let mut headers = HeaderMap::new();
+        for (k, v) in &parts.headers {
+            if HOP.contains(&k.as_str()) || k == header::HOST {
+                continue;
+            }
+            match self.substitute(v) {
+                Ok(v) => {
+                    headers.append(k.clone(), v);
+                }
+                Err(()) => {
+                    stats.refuse(Reason::PlaceholderLeak, &target);
+                    return refuse(Reason::PlaceholderLeak);
+                }
+            }
+        }
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        let leaks = LeakScanner::new(&self.icp.secrets, &self.name);
+        if !leaks.is_idle()
+            && self
+                .icp
+                .secrets
+                .iter()
+                .any(|s| path.contains(&s.placeholder))
+        {
+            stats.refuse(Reason::PlaceholderLeak, &target);
+            return refuse(Reason::PlaceholderLeak);
+        }
+        let metered = self.icp.meter.iter().any(|p| p.matches(&self.name))
+            || self.icp.secrets.iter().any(|s| s.applies_to(&self.name));
+        if metered {
+            // Responses the meter can read.
+            headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
+        let host = if self.port == 443 {
+            self.name.clone()
+        } else {
+            target.clone()
+        };
+        headers.insert(
+            header::HOST,
+            HeaderValue::from_str(&host).unwrap_or(HeaderValue::from_static("invalid")),
+        );
+        let body = ScannedBody {
+            inner: body,
+            scanner: leaks,
+            stats: self.cx.stats.clone(),
+            target: target.clone(),
+        }
+        .boxed();
+        let mut up = Request::new(body);
+        *up.method_mut() = parts.method;
+        *up.uri_mut() = path.parse().unwrap_or_else(|_| "/".parse().expect("valid"));
+        *up.headers_mut() = headers;
+
+        let mut sender = match self.sender().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("egress: {target}: {e}");
+                return bad_gateway(&e);
+            }
+        };
+        let resp = match sender.send_request(up).await {
+            Ok(r) => r,
+            Err(e) => {
+                // A leak found in the body aborts the request (the scanner counted it).
+                if self
+                    .cx
+                    .stats
+                    .refusals()
+                    .events()
+                    .0
+                    .last()
+                    .is_some_and(|ev| ev.reason == Reason::PlaceholderLeak && ev.target == target)
+                    && e.to_string().contains("placeholder")
+                {
+                    return refuse(Reason::PlaceholderLeak);
+                }
+                return bad_gateway(&format!("the request to {target} failed: {e}"));
+            }
+        };
+        self.pool.lock().await.push(sender);
+        let (mut parts, body) = resp.into_parts();
+        for h in HOP {
+            parts.headers.remove(h);
+        }
+        let meter = if metered {
+            parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(Meter::for_content_type)
+        } else {
+            None
+        };
+        let body = match meter {
+            Some(m) => MeteredBody {
+                inner: body,
+                meter: Some(m),
+                host: self.name.clone(),
+                status: parts.status.as_u16(),
+                stats: self.cx.stats.clone(),
+            }
+            .boxed(),
+            None => body.map_err(|e| Box::new(e) as _).boxed(),
+        };
+        Response::from_parts(parts, body)
+    }
+
+    /// The header value with each placeholder of a secret for this host replaced by its value;
+    /// `Err` if it holds the placeholder of a secret for other hosts.
+    fn substitute(&self, v: &HeaderValue) -> Result<HeaderValue, ()> {
+        let bytes = v.as_bytes();
+        let mut out: Option<Vec<u8>> = None;
+        for s in &self.icp.secrets {
+            let p = s.placeholder.as_bytes();
+            let cur = out.as_deref().unwrap_or(bytes);
+            if !cur.windows(p.len()).any(|w| w == p) {
+                continue;
+            }
+            if !s.applies_to(&self.name) {
+                return Err(());
+            }
+            let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
+            out = Some(text.into_bytes());
+        }
+        match out {
+            None => Ok(v.clone()),
+            Some(b) => {
+                let mut v = HeaderValue::from_bytes(&b).map_err(|_| ())?;
+                v.set_sensitive(true); // never indexed by HPACK
+                Ok(v)
+            }
+        }
+    }
+
+    /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection (up to
+    /// [`UPSTREAM_CONNECTIONS`]), or the first to become free.
+    async fn sender(&self) -> Result<Sender, String> {
+        let mut pool = self.pool.lock().await;
+        pool.retain(|s| !s.is_closed());
+        if let Some(i) = pool.iter().position(Sender::is_ready) {
+            return Ok(pool.swap_remove(i));
+        }
+        if pool.len() < UPSTREAM_CONNECTIONS {
+            drop(pool);
+            return self.connect().await;
+        }
+        let mut s = pool.swap_remove(0);
+        drop(pool);
+        s.ready().await.map_err(|e| e.to_string())?;
+        Ok(s)
+    }
+
+    async fn connect(&self) -> Result<Sender, String> {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let tcp = match first {
+            Some(t) => t,
+            None => {
+                upstream::connect(
+                    &self.name,
+                    self.port,
+                    &self.cx.overrides,
+                    &*self.cx.resolver,
+                )
+                .await
+                .map_err(|e| e.to_string())?
+                .0
+            }
+        };
+        let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
+        let tls = tokio::time::timeout(
+            HANDSHAKE_TIMEOUT,
+            tokio_rustls::TlsConnector::from(self.icp.client.clone()).connect(server_name, tcp),
+        )
+        .await
+        .map_err(|_| "the upstream TLS handshake timed out".to_string())?
+        .map_err(|e| format!("upstream TLS: {e}"))?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender)
+    }
+}
+
+/// A request body on its way upstream, scanned for placeholders that do not belong to its host:
+/// one found ends the body with an error, so the upstream request is aborted before the
+/// placeholder's last byte leaves.
+struct ScannedBody {
+    inner: Incoming,
+    scanner: LeakScanner,
+    stats: Arc<Stats>,
+    target: String,
+}
+
+#[derive(Debug, Error)]
+#[error("a secret's placeholder in the request body to {0}")]
+struct Leak(String);
+
+impl Body for ScannedBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref()
+                    && this.scanner.feed(data).is_some()
+                {
+                    this.stats.refuse(Reason::PlaceholderLeak, &this.target);
+                    return Poll::Ready(Some(Err(Box::new(Leak(this.target.clone())))));
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response body on its way to the guest, unchanged, read by the meter as it passes; the call
+/// is recorded when the body ends, or when it is dropped before (a cut stream reports what it
+/// saw).
+struct MeteredBody {
+    inner: Incoming,
+    meter: Option<Meter>,
+    host: String,
+    status: u16,
+    stats: Arc<Stats>,
+}
+
+impl MeteredBody {
+    fn finish(&mut self, complete: bool) {
+        if let Some(m) = self.meter.take() {
+            self.stats.record_call(Call {
+                at: SystemTime::now(),
+                host: self.host.clone(),
+                status: self.status,
+                complete,
+                usage: m.finish(),
+            });
+        }
+    }
+}
+
+impl Body for MeteredBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(m)) = (frame.data_ref(), this.meter.as_mut()) {
+                    m.feed(data);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish(false);
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.finish(true);
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for MeteredBody {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
