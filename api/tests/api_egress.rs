@@ -114,6 +114,21 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
         "{}",
         heads[0]
     );
+    // Every request of a connection is checked, not only the first: a second request on the same
+    // connection naming another host is refused.
+    let (out, _, _) = h
+        .exec(
+            &id,
+            &format!("printf 'GET /a HTTP/1.1\\r\\nHost: allowed.test:{port}\\r\\n\\r\\nGET /b HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n' | nc -w 5 allowed.test {port}"),
+        )
+        .await;
+    let out = text(&out);
+    assert!(out.contains("hello from allowed.test"), "{out}");
+    assert!(
+        out.contains("x-sandbox-egress-refused: sni_host_mismatch"),
+        "{out}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
 
     // Refused, each failing fast: a name outside the allowlist, IP literals (the slirp-style
     // host alias, a public address, the gateway itself), names that resolve into a private range
@@ -172,8 +187,8 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     assert!(other_seen.lock().unwrap().is_empty());
     assert_eq!(
         seen.lock().unwrap().len(),
-        1,
-        "only the allowed request arrived"
+        2,
+        "only the allowed requests arrived"
     );
     eprintln!("{} refusals answered in {:?}", cases.len(), t.elapsed());
 
@@ -185,7 +200,7 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     assert!(by["dns_bypass"].as_u64() >= Some(2), "{v}");
     assert!(by["udp"].as_u64() >= Some(1), "{v}");
     assert_eq!(by["http_connect"], 1, "{v}");
-    assert_eq!(by["sni_host_mismatch"], 1, "{v}");
+    assert_eq!(by["sni_host_mismatch"], 2, "{v}");
     assert_eq!(by["protocol"], 1, "{v}");
     let events = v["events"].as_array().unwrap();
     assert!(
@@ -195,7 +210,7 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
                 && e["target"] == format!("private.test:{port}")),
         "{v}"
     );
-    assert_eq!(v["connections"]["http"], 1, "{v}");
+    assert_eq!(v["connections"]["http"], 2, "{v}");
     assert_eq!(v["connections"]["open"], 0, "{v}");
     assert!(v["bytes"]["to_guest"].as_u64() > Some(20), "{v}");
     // The sandbox's summary carries the same counters.

@@ -195,6 +195,22 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
     }
     io.control(Ctl::RUNNING);
     let first = decider.received().to_vec();
+    if decision == Decision::Http {
+        // Every request of the connection is checked, not only the first.
+        let Io {
+            from_guest,
+            to_guest,
+            ctl,
+            wake,
+        } = io;
+        let guest = crate::guest_io::GuestStream::new(first, from_guest, to_guest, wake.clone());
+        if let Err(e) = crate::intercept::run_plain(guest, upstream, name, port, cx.clone()).await {
+            tracing::debug!("egress: {target}: {e}");
+            ctl.set(Ctl::ABORT);
+            wake.notify_one();
+        }
+        return;
+    }
     let Io {
         from_guest,
         to_guest,

@@ -197,21 +197,54 @@ pub(crate) async fn run(
         name,
         port,
         cx,
-        icp,
+        icp: Some(icp),
+        tls: true,
         pool: Mutex::new(Vec::new()),
         first: std::sync::Mutex::new(Some(first)),
     });
+    serve(proxy, TokioIo::new(tls), h2).await
+}
+
+/// One plain-HTTP/1 connection of the guest to `name:port` (its first request head, already
+/// checked, is in `guest` still): every request is checked like an intercepted one, and goes on
+/// in plain HTTP. No key is ever substituted into cleartext.
+pub(crate) async fn run_plain(
+    guest: GuestStream,
+    first: tokio::net::TcpStream,
+    name: String,
+    port: u16,
+    cx: Arc<Context>,
+) -> Result<(), InterceptError> {
+    let icp = cx.interception.clone();
+    let proxy = Arc::new(Proxy {
+        name,
+        port,
+        cx,
+        icp,
+        tls: false,
+        pool: Mutex::new(Vec::new()),
+        first: std::sync::Mutex::new(Some(first)),
+    });
+    serve(proxy, TokioIo::new(guest), false).await
+}
+
+async fn serve<I>(proxy: Arc<Proxy>, io: TokioIo<I>, h2: bool) -> Result<(), InterceptError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let service = hyper::service::service_fn(move |req| {
         let proxy = proxy.clone();
         async move { Ok::<_, Infallible>(proxy.handle(req).await) }
     });
-    let io = TokioIo::new(tls);
     if h2 {
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
             .serve_connection(io, service)
             .await?;
     } else {
+        // A client may close its sending side once its request is out (`nc`, shutdown(SHUT_WR)):
+        // the answer still goes back.
         hyper::server::conn::http1::Builder::new()
+            .half_close(true)
             .serve_connection(io, service)
             .await?;
     }
@@ -225,7 +258,10 @@ struct Proxy {
     name: String,
     port: u16,
     cx: Arc<Context>,
-    icp: Arc<Interception>,
+    /// The sandbox's interception (its secrets), if it has one.
+    icp: Option<Arc<Interception>>,
+    /// Whether upstream is TLS (intercepted) or plain HTTP.
+    tls: bool,
     pool: Mutex<Vec<Sender>>,
     /// The connection made (and checked) before the guest's handshake was answered.
     first: std::sync::Mutex<Option<tokio::net::TcpStream>>,
@@ -325,19 +361,25 @@ impl Proxy {
             .path_and_query()
             .map_or("/", |p| p.as_str())
             .to_string();
-        let leaks = LeakScanner::new(&self.icp.secrets, &self.name);
-        if !leaks.is_idle()
-            && self
-                .icp
-                .secrets
-                .iter()
-                .any(|s| path.contains(&s.placeholder))
-        {
+        let leaks = if self.tls {
+            LeakScanner::new(self.secrets(), &self.name)
+        } else {
+            LeakScanner::new(self.secrets(), "") // in cleartext every placeholder is a leak
+        };
+        let in_target = self
+            .secrets()
+            .iter()
+            .filter(|s| !self.tls || !s.applies_to(&self.name))
+            .any(|s| path.contains(&s.placeholder));
+        if in_target {
             stats.refuse(Reason::PlaceholderLeak, &target);
             return refuse(Reason::PlaceholderLeak);
         }
-        let metered = self.icp.meter.iter().any(|p| p.matches(&self.name))
-            || self.icp.secrets.iter().any(|s| s.applies_to(&self.name));
+        let metered = self.tls
+            && self.icp.as_ref().is_some_and(|i| {
+                i.meter.iter().any(|p| p.matches(&self.name))
+                    || i.secrets.iter().any(|s| s.applies_to(&self.name))
+            });
         if metered {
             // Responses the meter can read.
             headers.insert(
@@ -345,7 +387,8 @@ impl Proxy {
                 HeaderValue::from_static("identity"),
             );
         }
-        let host = if self.port == 443 {
+        let default_port = if self.tls { 443 } else { 80 };
+        let host = if self.port == default_port {
             self.name.clone()
         } else {
             target.clone()
@@ -406,32 +449,34 @@ impl Proxy {
         } else {
             None
         };
-        let body = match meter {
-            Some(m) => MeteredBody {
-                inner: body,
-                meter: Some(m),
-                host: self.name.clone(),
-                status: parts.status.as_u16(),
-                stats: self.cx.stats.clone(),
-            }
-            .boxed(),
-            None => body.map_err(|e| Box::new(e) as _).boxed(),
-        };
+        let body = MeteredBody {
+            inner: body,
+            meter,
+            host: self.name.clone(),
+            status: parts.status.as_u16(),
+            stats: self.cx.stats.clone(),
+        }
+        .boxed();
         Response::from_parts(parts, body)
     }
 
-    /// The header value with each placeholder of a secret for this host replaced by its value;
-    /// `Err` if it holds the placeholder of a secret for other hosts.
+    fn secrets(&self) -> &[Secret] {
+        self.icp.as_ref().map_or(&[], |i| i.secrets.as_slice())
+    }
+
+    /// The header value with each placeholder of a secret for this host replaced by its value
+    /// (over TLS only); `Err` if it holds the placeholder of a secret for other hosts, or any
+    /// placeholder in plain HTTP.
     fn substitute(&self, v: &HeaderValue) -> Result<HeaderValue, ()> {
         let bytes = v.as_bytes();
         let mut out: Option<Vec<u8>> = None;
-        for s in &self.icp.secrets {
+        for s in self.secrets() {
             let p = s.placeholder.as_bytes();
             let cur = out.as_deref().unwrap_or(bytes);
             if !cur.windows(p.len()).any(|w| w == p) {
                 continue;
             }
-            if !s.applies_to(&self.name) {
+            if !self.tls || !s.applies_to(&self.name) {
                 return Err(());
             }
             let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
@@ -481,22 +526,34 @@ impl Proxy {
                 .0
             }
         };
+        let icp = match (&self.icp, self.tls) {
+            (Some(icp), true) => icp,
+            _ => return handshake(tcp).await,
+        };
         let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
         let tls = tokio::time::timeout(
             HANDSHAKE_TIMEOUT,
-            tokio_rustls::TlsConnector::from(self.icp.client.clone()).connect(server_name, tcp),
+            tokio_rustls::TlsConnector::from(icp.client.clone()).connect(server_name, tcp),
         )
         .await
         .map_err(|_| "the upstream TLS handshake timed out".to_string())?
         .map_err(|e| format!("upstream TLS: {e}"))?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .map_err(|e| e.to_string())?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Ok(sender)
+        handshake(tls).await
     }
+}
+
+/// An HTTP/1.1 client connection over `io`, its connection task spawned.
+async fn handshake<I>(io: I) -> Result<Sender, String>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
 }
 
 /// A request body on its way upstream, scanned for placeholders that do not belong to its host:
@@ -524,11 +581,12 @@ impl Body for ScannedBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref()
-                    && this.scanner.feed(data).is_some()
-                {
-                    this.stats.refuse(Reason::PlaceholderLeak, &this.target);
-                    return Poll::Ready(Some(Err(Box::new(Leak(this.target.clone())))));
+                if let Some(data) = frame.data_ref() {
+                    if this.scanner.feed(data).is_some() {
+                        this.stats.refuse(Reason::PlaceholderLeak, &this.target);
+                        return Poll::Ready(Some(Err(Box::new(Leak(this.target.clone())))));
+                    }
+                    Stats::add(&this.stats.to_upstream, data.len() as u64);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -547,9 +605,9 @@ impl Body for ScannedBody {
     }
 }
 
-/// A response body on its way to the guest, unchanged, read by the meter as it passes; the call
-/// is recorded when the body ends, or when it is dropped before (a cut stream reports what it
-/// saw).
+/// A response body on its way to the guest, unchanged and counted; on metered hosts read by the
+/// meter as it passes, the call recorded when the body ends, or when it is dropped before (a cut
+/// stream reports what it saw).
 struct MeteredBody {
     inner: Incoming,
     meter: Option<Meter>,
@@ -583,8 +641,11 @@ impl Body for MeteredBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(m)) = (frame.data_ref(), this.meter.as_mut()) {
-                    m.feed(data);
+                if let Some(data) = frame.data_ref() {
+                    Stats::add(&this.stats.to_guest, data.len() as u64);
+                    if let Some(m) = this.meter.as_mut() {
+                        m.feed(data);
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

@@ -13,7 +13,7 @@ use sandbox_egress::resolve::ResolveOverrides;
 use sandbox_egress::sim::GuestSim;
 use sandbox_egress::stats::Stats;
 use sandbox_egress::{Egress, EgressConfig};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Runtime;
 
 fn runtime() -> Runtime {
@@ -36,18 +36,52 @@ fn start(rt: &Runtime, allow: &[&str], resolve: &str) -> (Egress, GuestSim) {
     (egress, GuestSim::new(link, mac))
 }
 
-/// A loopback server that echoes every byte back.
+/// A loopback HTTP/1.1 server that answers each request with its own body.
 fn echo_server(rt: &Runtime) -> u16 {
     let l = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let port = l.local_addr().unwrap().port();
     rt.spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
+        while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
-                let (mut r, mut w) = s.into_split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
+                let mut buf = Vec::new();
+                let mut b = vec![0u8; 64 * 1024];
+                let end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {len}\r\nconnection: close\r\n\r\n"
+                );
+                if s.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut body = buf.split_off(end);
+                loop {
+                    if s.write_all(&body).await.is_err() {
+                        return;
+                    }
+                    let sent = body.len();
+                    body.clear();
+                    let _ = sent;
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => body.extend_from_slice(&b[..n]),
+                    }
+                }
+                let _ = s.shutdown().await;
             });
         }
     });
@@ -104,12 +138,19 @@ fn bytes_cross_the_stack_unchanged_both_ways() {
         x as u8
     }));
     let got = exchange(&mut guest, addr, port, &data);
-    assert_eq!(got.len(), data.len());
-    assert!(got == data, "the echo differs");
+    let split = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP answer")
+        + 4;
+    let body = &data[data.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4..];
+    assert!(got.starts_with(b"HTTP/1.1 200 OK\r\n"));
+    assert_eq!(got.len() - split, body.len());
+    assert!(&got[split..] == body, "the echo differs");
     let st = egress.stats();
     assert_eq!(Stats::get(&st.http), 1);
-    assert_eq!(Stats::get(&st.to_upstream), data.len() as u64);
-    assert_eq!(Stats::get(&st.to_guest), data.len() as u64);
+    assert_eq!(Stats::get(&st.to_upstream), body.len() as u64);
+    assert_eq!(Stats::get(&st.to_guest), body.len() as u64);
     // Closed on both sides: the connection is gone from the stack.
     let t = Instant::now();
     while Stats::get(&st.open) != 0 && t.elapsed() < Duration::from_secs(5) {
