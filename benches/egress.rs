@@ -2,9 +2,11 @@
 //! the link, on this thread) drives the real stack (a one-worker tokio runtime: one core), which
 //! talks to real sockets on loopback. Kernel loopback, measured in the same run, is the reference.
 //!
-//! - bulk throughput of one flow guest -> upstream (plain HTTP, copied through; spliced TLS takes
-//!   the same path after its ClientHello);
-//! - connection set-up: connect, one request, first byte of the answer;
+//! - bulk throughput of one spliced flow guest -> upstream (a real ClientHello for an allowed
+//!   name, then bulk bytes: the stack copies them unread, as it does any spliced TLS);
+//! - connection set-up of a spliced connection: connect, ClientHello, first byte back;
+//! - first byte of an HTTPS request, end to end (guest TLS client, loopback TLS server), spliced
+//!   against intercepted: what interception adds.
 //!
 //! `cargo bench -p sandbox-benches --bench egress` (SANDBOX_HOST_BENCH_MIB, default 256).
 
@@ -79,9 +81,23 @@ fn start(
     (egress, guest, addr)
 }
 
-fn head(port: u16) -> Vec<u8> {
-    format!("POST /sink HTTP/1.1\r\nHost: sink.test:{port}\r\ncontent-length: 999999999999\r\n\r\n")
-        .into_bytes()
+/// The first TLS record a client sends to `name`: what decides a connection is spliced.
+fn head(_port: u16) -> Vec<u8> {
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = rcgen::generate_simple_self_signed(vec!["unused.test".to_string()]).unwrap();
+    roots.add(ca.cert.der().clone()).unwrap();
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let mut c =
+        rustls::ClientConnection::new(Arc::new(cfg), "sink.test".try_into().unwrap()).unwrap();
+    let mut out = Vec::new();
+    c.write_tls(&mut out).unwrap();
+    out
 }
 
 /// Sends `total` bytes through the stack on one connection; Gbit/s.
@@ -167,7 +183,7 @@ fn setup_through_stack(n: usize) -> Vec<Duration> {
     let rt = runtime();
     let port = sink(&rt, Arc::new(AtomicU64::new(0)));
     let (_egress, mut g, addr) = start(&rt, port, 64 * 1024);
-    let req = format!("GET / HTTP/1.1\r\nHost: sink.test:{port}\r\n\r\n").into_bytes();
+    let req = head(port);
     let mut out = Vec::new();
     for _ in 0..n {
         let t = Instant::now();
@@ -192,7 +208,7 @@ fn setup_through_stack(n: usize) -> Vec<Duration> {
 fn setup_loopback(n: usize) -> Vec<Duration> {
     let rt = runtime();
     let port = sink(&rt, Arc::new(AtomicU64::new(0)));
-    let req = format!("GET / HTTP/1.1\r\nHost: sink.test:{port}\r\n\r\n").into_bytes();
+    let req = head(port);
     (0..n)
         .map(|_| {
             let t = Instant::now();
@@ -204,6 +220,192 @@ fn setup_loopback(n: usize) -> Vec<Duration> {
             t.elapsed()
         })
         .collect()
+}
+
+/// A loopback HTTPS server for `names` (HTTP/1.1, keep-alive) answering every request with one
+/// byte; its port and its CA's PEM.
+fn https_server(rt: &tokio::runtime::Runtime, names: &[&str]) -> (u16, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf =
+        rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![leaf.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+    )
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _ = tcp.set_nodelay(true);
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                loop {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                    while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..i + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n!";
+                        if s.write_all(answer).await.is_err() || s.flush().await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (port, ca_cert.pem())
+}
+
+/// From connect to the first byte of the answer to one HTTPS request to `name`, with the guest's
+/// TLS client (rustls, sans-I/O over the simulated guest's socket) trusting `roots`.
+fn https_first_byte(
+    g: &mut GuestSim,
+    addr: Ipv4Addr,
+    port: u16,
+    name: &str,
+    cfg: &Arc<rustls::ClientConfig>,
+) -> Duration {
+    let t = Instant::now();
+    let h = g.connect(addr, port, 64 * 1024);
+    let mut tls =
+        rustls::ClientConnection::new(cfg.clone(), name.to_string().try_into().unwrap()).unwrap();
+    tls.writer()
+        .write_all(format!("GET / HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out: Vec<u8> = Vec::new();
+    let mut got = false;
+    let ok = g.run_until(Duration::from_secs(10), |g| {
+        let s = g.tcp(h);
+        while tls.wants_write() {
+            tls.write_tls(&mut out).unwrap();
+        }
+        if !out.is_empty() && s.can_send() {
+            let n = s.send_slice(&out).unwrap_or(0);
+            out.drain(..n);
+        }
+        while s.can_recv() {
+            let _ = s.recv(|b| {
+                let n = tls.read_tls(&mut &b[..]).unwrap_or(0);
+                (n, ())
+            });
+            tls.process_new_packets()
+                .expect("the guest's TLS accepts the server");
+        }
+        let mut b = [0u8; 64];
+        if let Ok(n) = tls.reader().read(&mut b) {
+            got |= n > 0;
+        }
+        got
+    });
+    assert!(ok, "no HTTPS answer for {name}");
+    let elapsed = t.elapsed();
+    g.tcp(h).abort();
+    g.poll();
+    g.remove(h);
+    elapsed
+}
+
+/// First byte of an HTTPS request: spliced (the guest talks TLS to the server) against
+/// intercepted (TLS ends in the stack with the sandbox CA; a second TLS session upstream).
+fn interception(n: usize) -> (Vec<Duration>, Vec<Duration>) {
+    use sandbox_egress::intercept::{Interception, upstream_client};
+    use sandbox_egress::policy::HostPattern;
+    let rt = runtime();
+    let (port, server_ca) = https_server(&rt, &["spliced.test", "intercepted.test"]);
+    let mac = guest_mac("bench-tls");
+    let mut cfg = EgressConfig::new(
+        mac,
+        Allowlist::parse(["spliced.test", "intercepted.test"]).unwrap(),
+    );
+    cfg.overrides = Arc::new(
+        ResolveOverrides::parse(&format!(
+            "spliced.test:{port}:127.0.0.1,intercepted.test:{port}:127.0.0.1"
+        ))
+        .unwrap(),
+    );
+    let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
+    let icp = Interception::new(
+        "bench",
+        &intercepted,
+        vec![],
+        intercepted.clone(),
+        upstream_client(Some(server_ca.as_bytes())).unwrap(),
+    )
+    .unwrap();
+    let sandbox_ca = icp.ca_pem().to_string();
+    cfg.intercept = intercepted;
+    cfg.interception = Some(Arc::new(icp));
+    let (_egress, link) = {
+        let _in = rt.enter();
+        Egress::start(cfg)
+    };
+    let mut g = GuestSim::new(link, mac);
+    let spliced_addr = g.resolve("spliced.test", Duration::from_secs(5)).unwrap();
+    let intercepted_addr = g
+        .resolve("intercepted.test", Duration::from_secs(5))
+        .unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    for pem in [&server_ca, &sandbox_ca] {
+        use rustls::pki_types::pem::PemObject;
+        for c in rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+    }
+    let client = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    );
+    let (mut spliced, mut through) = (Vec::new(), Vec::new());
+    // Interleaved, after one warm-up each (the first interception makes the leaf certificate).
+    https_first_byte(&mut g, spliced_addr, port, "spliced.test", &client);
+    https_first_byte(&mut g, intercepted_addr, port, "intercepted.test", &client);
+    for _ in 0..n {
+        spliced.push(https_first_byte(
+            &mut g,
+            spliced_addr,
+            port,
+            "spliced.test",
+            &client,
+        ));
+        through.push(https_first_byte(
+            &mut g,
+            intercepted_addr,
+            port,
+            "intercepted.test",
+            &client,
+        ));
+    }
+    (spliced, through)
 }
 
 fn main() {
@@ -239,20 +441,40 @@ fn main() {
     header();
     let (ref_median, _) = stats(&reference);
     row(
-        "connect + request + first byte, kernel loopback",
+        "connect + ClientHello + first byte, kernel loopback",
         &reference,
         None,
     );
     row(
-        "connect + request + first byte, through the stack",
+        "connect + ClientHello + first byte, spliced through the stack",
         &through,
         Some(ref_median),
     );
     let (m, p95) = stats(&through);
     let (rm, rp95) = stats(&reference);
     println!(
-        "\nadded by the stack: median {:.0} us, p95 {:.0} us",
+        "\nadded by the stack: median {:.0} us, p95 {:.0} us\n",
         (m - rm) * 1000.0,
         (p95 - rp95) * 1000.0
+    );
+    let (spliced, intercepted) = interception(100);
+    header();
+    let (sm, _) = stats(&spliced);
+    row(
+        "HTTPS request, first byte, spliced TLS (reference)",
+        &spliced,
+        None,
+    );
+    row(
+        "HTTPS request, first byte, intercepted TLS",
+        &intercepted,
+        Some(sm),
+    );
+    let (im, ip95) = stats(&intercepted);
+    let (_, sp95) = stats(&spliced);
+    println!(
+        "\nadded by interception: median {:.2} ms, p95 {:.2} ms",
+        im - sm,
+        ip95 - sp95
     );
 }
