@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// A plain HTTP/1.1 server on loopback that answers every request with `body` and records the
-/// request heads it saw.
+/// A plain HTTP/1.1 server on loopback that answers every request with `body` (or, for
+/// `REDIRECT <url>`, a redirect there) and records the request heads it saw.
 async fn http_server(body: &'static str) -> (u16, Arc<Mutex<Vec<String>>>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
@@ -40,10 +40,15 @@ async fn http_server(body: &'static str) -> (u16, Arc<Mutex<Vec<String>>>) {
                 log.lock()
                     .unwrap()
                     .push(String::from_utf8_lossy(&head).into_owned());
-                let answer = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let answer = match body.strip_prefix("REDIRECT ") {
+                    Some(to) => format!(
+                        "HTTP/1.1 302 Found\r\nlocation: {to}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    ),
+                    None => format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    ),
+                };
                 let _ = s.write_all(answer.as_bytes()).await;
                 let _ = s.shutdown().await;
             });
@@ -82,10 +87,32 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     let resolve = format!(
         "allowed.test:{port}:127.0.0.1,other.test:{other_port}:127.0.0.1,private.test:{port}:10.0.0.5,metadata.test:80:169.254.169.254,mapped.test:80:[::ffff:169.254.169.254]"
     );
+    // The rest of the internal ranges of `references.md`, each a name the guest may use (loopback
+    // is the one range an override may name, for tests; without one it is refused like these, as
+    // `upstream`'s unit tests show with a resolver that answers 127.0.0.2).
+    let internal = [
+        ("cgnat.test", "100.64.1.1"),
+        ("linklocal.test", "169.254.1.1"),
+        ("alibaba.test", "100.100.100.200"),
+        ("azure.test", "168.63.129.16"),
+        ("ecs.test", "169.254.170.2"),
+        ("awsv6.test", "[fd00:ec2::254]"),
+        ("nat64.test", "[64:ff9b::a9fe:a9fe]"),
+        ("sixtofour.test", "[2002:a9fe:a9fe::1]"),
+        ("ula.test", "[fc00::1]"),
+    ];
+    let resolve = internal
+        .iter()
+        .fold(resolve, |r, (n, a)| format!("{r},{n}:80:{a}"));
     let h = start(&[("SANDBOX_HOST_EGRESS_RESOLVE", &resolve)]);
-    let id = h
-        .create(json!({"egress": {"allow": ["allowed.test", "private.test", "metadata.test", "mapped.test"]}}))
-        .await;
+    let mut allow = vec![
+        "allowed.test",
+        "private.test",
+        "metadata.test",
+        "mapped.test",
+    ];
+    allow.extend(internal.iter().map(|(n, _)| *n));
+    let id = h.create(json!({"egress": {"allow": allow}})).await;
 
     // DNS: an allowed name gets an address of the stack's pool, any other name NXDOMAIN.
     let (out, err, last) = h.exec(&id, "nslookup allowed.test").await;
@@ -156,6 +183,10 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
         ),
         (nc_get("allowed.test", port, "other.test"), "host"),
         (
+            "nc -w 3 10.233.0.1 53 </dev/null".to_string(),
+            "dns over tcp",
+        ),
+        (
             format!("echo SSH-2.0-OpenSSH_9.9 | nc -w 5 allowed.test {port}"),
             "protocol",
         ),
@@ -184,6 +215,16 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
             );
         }
     }
+    for (name, addr) in internal {
+        let started = Instant::now();
+        let (out, _, last) = h.exec(&id, &nc_get(name, 80, name)).await;
+        assert_ne!(last["exit_code"], 0, "{name} ({addr}): {}", text(&out));
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{name} took {:?}",
+            started.elapsed()
+        );
+    }
     assert!(other_seen.lock().unwrap().is_empty());
     assert_eq!(
         seen.lock().unwrap().len(),
@@ -196,8 +237,8 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     let by = &v["by_reason"];
     assert!(by["name_not_allowed"].as_u64() >= Some(2), "{v}");
     assert!(by["ip_literal"].as_u64() >= Some(3), "{v}");
-    assert_eq!(by["internal_address"], 3, "{v}");
-    assert!(by["dns_bypass"].as_u64() >= Some(2), "{v}");
+    assert_eq!(by["internal_address"], 3 + internal.len(), "{v}");
+    assert!(by["dns_bypass"].as_u64() >= Some(3), "{v}");
     assert!(by["udp"].as_u64() >= Some(1), "{v}");
     assert_eq!(by["http_connect"], 1, "{v}");
     assert_eq!(by["sni_host_mismatch"], 2, "{v}");
@@ -220,7 +261,10 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     let m = text(&m);
     assert!(
-        m.contains("sandbox_host_egress_refusals_total{reason=\"internal_address\"} 3"),
+        m.contains(&format!(
+            "sandbox_host_egress_refusals_total{{reason=\"internal_address\"}} {}",
+            3 + internal.len()
+        )),
         "{m}"
     );
     // The totals stay after the sandbox goes.
@@ -228,7 +272,10 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     assert_eq!(s, 204);
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     assert!(
-        text(&m).contains("sandbox_host_egress_refusals_total{reason=\"internal_address\"} 3"),
+        text(&m).contains(&format!(
+            "sandbox_host_egress_refusals_total{{reason=\"internal_address\"}} {}",
+            3 + internal.len()
+        )),
         "{}",
         text(&m)
     );
@@ -364,7 +411,10 @@ async fn the_guest_images_clients_go_through_the_stack() {
     let dir = tempfile::tempdir().unwrap();
     let (mut tls, tls_port, ca) = tls_server(dir.path(), "tls.test");
     let (port, seen) = http_server("hello from allowed.test\n").await;
-    let resolve = format!("allowed.test:{port}:127.0.0.1,tls.test:{tls_port}:127.0.0.1");
+    let (redirect_port, _) = http_server("REDIRECT http://evil.test/").await;
+    let resolve = format!(
+        "allowed.test:{port}:127.0.0.1,allowed.test:{redirect_port}:127.0.0.1,tls.test:{tls_port}:127.0.0.1"
+    );
     let h = start(&[
         ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
         ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
@@ -439,8 +489,31 @@ async fn the_guest_images_clients_go_through_the_stack() {
         "{err}"
     );
     assert!(err.contains("curl: (6)"), "{err}");
+    // An allowed name's TLS sent to another address (the guest's own resolution), and a redirect
+    // to a name outside the allowlist: both refused.
+    let (out, err, _) = h
+        .exec(
+            &id,
+            &format!("curl -sS -m 5 -k --resolve tls.test:{tls_port}:203.0.113.7 https://tls.test:{tls_port}/; curl -sS -L -m 5 http://allowed.test:{redirect_port}/"),
+        )
+        .await;
+    let err = text(&err);
+    assert!(err.contains("curl: (7)"), "{} {err}", text(&out));
+    assert!(
+        err.contains("curl: (6)") && err.contains("evil.test"),
+        "{err}"
+    );
     let v = egress(&h, &id).await;
     assert_eq!(v["by_reason"]["sni_host_mismatch"], 1, "{v}");
+    assert_eq!(v["by_reason"]["ip_literal"], 1, "{v}");
+    assert!(
+        v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["reason"] == "name_not_allowed" && e["target"] == "evil.test"),
+        "{v}"
+    );
     assert_eq!(v["connections"]["spliced"], 1, "{v}");
     let _ = tls.kill();
     let _ = tls.wait();
@@ -743,6 +816,18 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         );
     }
 
+    // Inside interception the Host must still be the connection's name (domain fronting).
+    let (out, _, _) = h
+        .exec(
+            &id,
+            &format!("curl -sS -i -H 'Host: other.provider.test' {base}/v1/messages"),
+        )
+        .await;
+    assert!(
+        text(&out).contains("x-sandbox-egress-refused: sni_host_mismatch"),
+        "{}",
+        text(&out)
+    );
     // Leaks: a placeholder sent to another secret's host, or over plain HTTP, is refused before
     // anything reaches the server.
     let (out, _, _) = h
@@ -834,5 +919,6 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
     assert_eq!(u["totals"]["billed_cost_usd"], json!(0.00123));
     let v = egress(&h, &id).await;
     assert_eq!(v["by_reason"]["placeholder_leak"], 2, "{v}");
-    assert_eq!(v["connections"]["intercepted"], cases.len() + 1, "{v}");
+    assert_eq!(v["by_reason"]["sni_host_mismatch"], 1, "{v}");
+    assert_eq!(v["connections"]["intercepted"], cases.len() + 2, "{v}");
 }
