@@ -89,7 +89,7 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     );
     // The rest of the internal ranges of `references.md`, each a name the guest may use (loopback
     // is the one range an override may name, for tests; without one it is refused like these, as
-    // `upstream`'s unit tests show with a resolver that answers 127.0.0.2).
+    // `upstream`'s unit tests show with a resolver that answers loopback).
     let internal = [
         ("cgnat.test", "100.64.1.1"),
         ("linklocal.test", "169.254.1.1"),
