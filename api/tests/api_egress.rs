@@ -635,13 +635,18 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
                     if s.write_all(h.as_bytes()).await.is_err() {
                         return;
                     }
+                    let pause = if path.starts_with("/v1/messages/slow") {
+                        Duration::from_secs(2) // between events: a model thinking
+                    } else {
+                        Duration::from_millis(30)
+                    };
                     for p in pieces {
                         let chunk = format!("{:x}\r\n{p}\r\n", p.len());
                         if s.write_all(chunk.as_bytes()).await.is_err() {
                             return;
                         }
                         let _ = s.flush().await;
-                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        tokio::time::sleep(pause).await;
                     }
                     if s.write_all(b"0\r\n\r\n").await.is_err() {
                         return;
@@ -795,9 +800,28 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
             text(&err)
         );
     }
+    // Streams stream: each event reaches the guest as the provider sends it, not at the end.
+    let (out, err, _) = h
+        .exec(
+            &id,
+            &format!("curl -sSN -H \"x-api-key: $ANTHROPIC_API_KEY\" -d '{{\"stream\":true}}' {base}/v1/messages/slow | while IFS= read -r l; do case \"$l\" in event:*) date +%s%N;; esac; done"),
+        )
+        .await;
+    let stamps: Vec<u128> = text(&out)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    assert_eq!(stamps.len(), 5, "{} {}", text(&out), text(&err));
+    let spread = stamps[stamps.len() - 1] - stamps[0];
+    assert!(
+        spread >= 4_000_000_000,
+        "the events arrived within {spread} ns of each other: buffered, not streamed"
+    );
+    let cases_len = cases.len() + 1; // with the slow stream
+
     // The provider got the real keys, never a placeholder.
     let got = seen.lock().unwrap().clone();
-    assert_eq!(got.len(), cases.len());
+    assert_eq!(got.len(), cases_len);
     for (head, _) in &got {
         assert!(!head.contains("vantik-placeholder"), "{head}");
         let lower = head.to_ascii_lowercase();
@@ -840,7 +864,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         2,
         "{out}"
     );
-    assert_eq!(seen.lock().unwrap().len(), cases.len());
+    assert_eq!(seen.lock().unwrap().len(), cases_len);
     assert!(http_seen.lock().unwrap().is_empty());
     // No process in the guest holds a real key.
     let (out, _, _) = h
@@ -854,7 +878,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         .await;
     assert_eq!(s, 200, "{u}");
     let calls = u["calls"].as_array().unwrap();
-    assert_eq!(calls.len(), cases.len(), "{u}");
+    assert_eq!(calls.len(), cases_len, "{u}");
     let by_id = |rid: &str| {
         calls
             .iter()
@@ -915,10 +939,10 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         (&json!(50), &json!(7), &json!(0.00123), &json!("openrouter")),
         "{d}"
     );
-    assert_eq!(u["totals"]["calls"], cases.len());
+    assert_eq!(u["totals"]["calls"], cases_len);
     assert_eq!(u["totals"]["billed_cost_usd"], json!(0.00123));
     let v = egress(&h, &id).await;
     assert_eq!(v["by_reason"]["placeholder_leak"], 2, "{v}");
     assert_eq!(v["by_reason"]["sni_host_mismatch"], 1, "{v}");
-    assert_eq!(v["connections"]["intercepted"], cases.len() + 2, "{v}");
+    assert_eq!(v["connections"]["intercepted"], cases_len + 2, "{v}");
 }

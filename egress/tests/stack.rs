@@ -303,3 +303,56 @@ fn garbage_frames_leave_the_stack_answering() {
     drop(egress);
     drop(rt);
 }
+
+/// The first TLS record a client sends to `name` (a real rustls ClientHello).
+fn client_hello(name: &str) -> Vec<u8> {
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = sandbox_egress::tls::ca::SandboxCa::new(
+        "hello",
+        &[sandbox_egress::policy::HostPattern::parse(name).unwrap()],
+    )
+    .unwrap();
+    for c in rustls::pki_types::pem::PemObject::pem_slice_iter(ca.cert_pem().as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let mut c =
+        rustls::ClientConnection::new(Arc::new(cfg), name.to_string().try_into().unwrap()).unwrap();
+    let mut out = Vec::new();
+    c.write_tls(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn a_client_hello_in_one_byte_segments_is_read_and_spliced() {
+    let rt = runtime();
+    let port = echo_server(&rt);
+    let (egress, mut guest) = start(&rt, &["tls.test"], &format!("tls.test:{port}:127.0.0.1"));
+    let addr = guest.resolve("tls.test", Duration::from_secs(5)).unwrap();
+    let hello = client_hello("tls.test");
+    assert!(hello.len() > 200);
+    let st = egress.stats();
+    let h = guest.connect(addr, port, 64 * 1024);
+    let mut sent = 0;
+    // One byte per segment: the next only once the previous one is acknowledged.
+    let ok = guest.run_until(Duration::from_secs(60), |g| {
+        let s = g.tcp(h);
+        if s.may_send() && s.send_queue() == 0 && sent < hello.len() {
+            sent += s.send_slice(&hello[sent..sent + 1]).unwrap_or(0);
+        }
+        Stats::get(&st.spliced) == 1 && Stats::get(&st.to_upstream) == hello.len() as u64
+    });
+    assert!(
+        ok,
+        "sent {sent} of {}, spliced {}",
+        hello.len(),
+        Stats::get(&st.spliced)
+    );
+    assert_eq!(st.refusals().total(), 0);
+}
