@@ -800,6 +800,29 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
             text(&err)
         );
     }
+    // A key sent as a Basic password (git over HTTPS does this) is replaced inside the encoding.
+    let (out, err, last) = h
+        .exec(
+            &id,
+            &format!("curl -sS -u \"x-access-token:$OPENROUTER_API_KEY\" -d '{{}}' https://router.provider.test:{port}/api/v1/chat/completions | sha256sum"),
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    assert_eq!(
+        text(&out).split_whitespace().next(),
+        Some(sha256(OPENROUTER_JSON.as_bytes()).as_str())
+    );
+    let basic = {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{router_key}"))
+    };
+    let last_head = seen.lock().unwrap().last().unwrap().0.clone();
+    assert!(
+        last_head.contains(&format!("authorization: Basic {basic}"))
+            || last_head.contains(&format!("Authorization: Basic {basic}")),
+        "{last_head}"
+    );
+
     // Streams stream: each event reaches the guest as the provider sends it, not at the end.
     let (out, err, _) = h
         .exec(
@@ -817,7 +840,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         spread >= 4_000_000_000,
         "the events arrived within {spread} ns of each other: buffered, not streamed"
     );
-    let cases_len = cases.len() + 1; // with the slow stream
+    let cases_len = cases.len() + 2; // with the Basic call and the slow stream
 
     // The provider got the real keys, never a placeholder.
     let got = seen.lock().unwrap().clone();
@@ -835,7 +858,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
             )) || lower.contains(&format!(
                 "authorization: bearer {}",
                 router_key.to_ascii_lowercase()
-            )),
+            )) || head.contains(&basic),
             "{head}"
         );
     }
@@ -940,7 +963,9 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         "{d}"
     );
     assert_eq!(u["totals"]["calls"], cases_len);
-    assert_eq!(u["totals"]["billed_cost_usd"], json!(0.00123));
+    // Two OpenRouter calls (Bearer and Basic), each billed 0.00123.
+    let billed = u["totals"]["billed_cost_usd"].as_f64().unwrap();
+    assert!((billed - 0.00246).abs() < 1e-12, "{u}");
     let v = egress(&h, &id).await;
     assert_eq!(v["by_reason"]["placeholder_leak"], 2, "{v}");
     assert_eq!(v["by_reason"]["sni_host_mismatch"], 1, "{v}");

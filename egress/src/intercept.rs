@@ -346,7 +346,18 @@ impl Proxy {
             if HOP.contains(&k.as_str()) || k == header::HOST {
                 continue;
             }
-            match self.substitute(v) {
+            let v = if k == header::AUTHORIZATION || k == header::PROXY_AUTHORIZATION {
+                match self.substitute_basic(v) {
+                    Ok(v) => v,
+                    Err(()) => {
+                        stats.refuse(Reason::PlaceholderLeak, &target);
+                        return refuse(Reason::PlaceholderLeak);
+                    }
+                }
+            } else {
+                v.clone()
+            };
+            match self.substitute(&v) {
                 Ok(v) => {
                     headers.append(k.clone(), v);
                 }
@@ -490,6 +501,34 @@ impl Proxy {
                 Ok(v)
             }
         }
+    }
+
+    /// `Basic <base64(user:password)>` with placeholders inside (git and other tools send a token
+    /// as the password): decoded, substituted by [`substitute`](Self::substitute)'s rules, and
+    /// encoded again. Any other value is returned as it is.
+    fn substitute_basic(&self, v: &HeaderValue) -> Result<HeaderValue, ()> {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let Some(encoded) = v.to_str().ok().and_then(|t| {
+            t.strip_prefix("Basic ")
+                .or_else(|| t.strip_prefix("basic "))
+        }) else {
+            return Ok(v.clone());
+        };
+        let Ok(decoded) = b64.decode(encoded.trim()) else {
+            return Ok(v.clone());
+        };
+        let Ok(inner) = HeaderValue::from_bytes(&decoded) else {
+            return Ok(v.clone());
+        };
+        let replaced = self.substitute(&inner)?;
+        if replaced.as_bytes() == decoded.as_slice() {
+            return Ok(v.clone());
+        }
+        let mut out = HeaderValue::from_str(&format!("Basic {}", b64.encode(replaced.as_bytes())))
+            .map_err(|_| ())?;
+        out.set_sensitive(true);
+        Ok(out)
     }
 
     /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection (up to
