@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{start, stock_image_missing};
+use common::{guest_image_missing, start, stock_image_missing};
 use serde_json::{Value, json};
 use std::process::{Command, Stdio};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -392,22 +392,10 @@ async fn the_guest_images_clients_go_through_the_stack() {
     if stock_image_missing() {
         return;
     }
-    let store = sandbox_vmm::config::image_dir();
-    if sandbox_vmm::ImageStore::new(&store)
-        .resolve("vantik-guest:latest")
-        .is_err()
-    {
-        let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";
-        let root = std::fs::metadata("/proc/self")
-            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-            .unwrap_or(false);
-        assert!(
-            !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
-            "{why}"
-        );
-        eprintln!("skipped: {why}");
+    if guest_image_missing() {
         return;
     }
+    let store = sandbox_vmm::config::image_dir();
     let dir = tempfile::tempdir().unwrap();
     let (mut tls, tls_port, ca) = tls_server(dir.path(), "tls.test");
     let (port, seen) = http_server("hello from allowed.test\n").await;
@@ -517,28 +505,6 @@ async fn the_guest_images_clients_go_through_the_stack() {
     assert_eq!(v["connections"]["spliced"], 1, "{v}");
     let _ = tls.kill();
     let _ = tls.wait();
-}
-
-/// Whether the guest image is missing (then the test says "skipped"; under CI as root it is built,
-/// so missing is a failure).
-fn guest_image_missing() -> bool {
-    let store = sandbox_vmm::config::image_dir();
-    if sandbox_vmm::ImageStore::new(&store)
-        .resolve("vantik-guest:latest")
-        .is_ok()
-    {
-        return false;
-    }
-    let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";
-    let root = std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false);
-    assert!(
-        !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
-        "{why}"
-    );
-    eprintln!("skipped: {why}");
-    true
 }
 
 const ANTHROPIC_JSON: &str = r#"{"id":"msg_01json","type":"message","role":"assistant","model":"claude-test-1","content":[{"type":"text","text":"usage: {\"input_tokens\": 999999} is not mine"}],"stop_reason":"end_turn","usage":{"input_tokens":1200,"cache_creation_input_tokens":300,"cache_read_input_tokens":4000,"output_tokens":85}}"#;

@@ -90,10 +90,41 @@ impl Io {
         chunk
     }
 
+    /// The connection as a byte stream (with `prefix`, the bytes already read, first) for a
+    /// proxy, and the handle that resets it if the proxy fails.
+    fn into_stream(self, prefix: Vec<u8>) -> (crate::guest_io::GuestStream, End) {
+        let stream = crate::guest_io::GuestStream::new(
+            prefix,
+            self.from_guest,
+            self.to_guest,
+            self.wake.clone(),
+        );
+        (
+            stream,
+            End {
+                ctl: self.ctl,
+                wake: self.wake,
+            },
+        )
+    }
+
     async fn send(&self, bytes: Vec<u8>) -> bool {
         let ok = self.to_guest.send(bytes).await.is_ok();
         self.wake.notify_one();
         ok
+    }
+}
+
+/// Resets the guest's connection once its stream was handed to a proxy.
+pub(crate) struct End {
+    ctl: Arc<Ctl>,
+    wake: Arc<Notify>,
+}
+
+impl End {
+    fn abort(&self) {
+        self.ctl.set(Ctl::ABORT);
+        self.wake.notify_one();
     }
 }
 
@@ -156,24 +187,12 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
                 return;
             };
             io.control(Ctl::RUNNING);
-            let Io {
-                from_guest,
-                to_guest,
-                ctl,
-                wake,
-            } = io;
-            let guest = crate::guest_io::GuestStream::new(
-                decider.received().to_vec(),
-                from_guest,
-                to_guest,
-                wake.clone(),
-            );
+            let (guest, end) = io.into_stream(decider.received().to_vec());
             if let Err(e) =
                 crate::intercept::run(guest, upstream, name, port, cx.clone(), icp).await
             {
                 tracing::info!("egress: {target}: {e}");
-                ctl.set(Ctl::ABORT);
-                wake.notify_one();
+                end.abort();
             }
             return;
         }
@@ -197,17 +216,10 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
     let first = decider.received().to_vec();
     if decision == Decision::Http {
         // Every request of the connection is checked, not only the first.
-        let Io {
-            from_guest,
-            to_guest,
-            ctl,
-            wake,
-        } = io;
-        let guest = crate::guest_io::GuestStream::new(first, from_guest, to_guest, wake.clone());
+        let (guest, end) = io.into_stream(first);
         if let Err(e) = crate::intercept::run_plain(guest, upstream, name, port, cx.clone()).await {
             tracing::debug!("egress: {target}: {e}");
-            ctl.set(Ctl::ABORT);
-            wake.notify_one();
+            end.abort();
         }
         return;
     }

@@ -33,6 +33,28 @@ pub fn stock_image_missing() -> bool {
     true
 }
 
+/// Whether the guest image is missing (then the test says "skipped"; under CI as root it is built,
+/// so missing is a failure).
+pub fn guest_image_missing() -> bool {
+    let store = sandbox_vmm::config::image_dir();
+    if sandbox_vmm::ImageStore::new(&store)
+        .resolve("vantik-guest:latest")
+        .is_ok()
+    {
+        return false;
+    }
+    let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    assert!(
+        !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
+        "{why}"
+    );
+    eprintln!("skipped: {why}");
+    true
+}
+
 /// An image store beside `state` holding only a link to the real stock image.
 pub fn stock_only_store(state: &Path) -> PathBuf {
     let name = state.file_name().unwrap().to_string_lossy();
