@@ -81,23 +81,9 @@ fn start(
     (egress, guest, addr)
 }
 
-/// The first TLS record a client sends to `name`: what decides a connection is spliced.
+/// The first TLS record a client sends to an allowed name: what decides a connection is spliced.
 fn head(_port: u16) -> Vec<u8> {
-    let mut roots = rustls::RootCertStore::empty();
-    let ca = rcgen::generate_simple_self_signed(vec!["unused.test".to_string()]).unwrap();
-    roots.add(ca.cert.der().clone()).unwrap();
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let mut c =
-        rustls::ClientConnection::new(Arc::new(cfg), "sink.test".try_into().unwrap()).unwrap();
-    let mut out = Vec::new();
-    c.write_tls(&mut out).unwrap();
-    out
+    sandbox_egress::sim::client_hello("sink.test")
 }
 
 /// Sends `total` bytes through the stack on one connection; Gbit/s.

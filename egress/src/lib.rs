@@ -16,6 +16,7 @@ pub mod intercept;
 pub mod link;
 pub mod meter;
 pub mod net;
+mod phy;
 pub mod policy;
 pub mod refusal;
 pub mod resolve;

@@ -6,13 +6,12 @@
 //! It is synchronous: the caller polls it from one thread, while the stack runs on a tokio
 //! runtime elsewhere.
 
-use std::collections::VecDeque;
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
-use smoltcp::phy::{self, ChecksumCapabilities, DeviceCapabilities, Medium};
+use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::socket::tcp;
 use smoltcp::wire::{
     EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, HardwareAddress, IpAddress,
@@ -21,58 +20,13 @@ use smoltcp::wire::{
 
 use crate::link::{GuestEnd, MAX_FRAME};
 use crate::net::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, PREFIX_LEN};
-
-struct Dev {
-    link: GuestEnd,
-    rx: VecDeque<Vec<u8>>,
-}
-
-/// smoltcp's receive token of the simulated guest.
-pub struct Rx(Vec<u8>);
-/// smoltcp's transmit token of the simulated guest.
-pub struct Tx<'a>(&'a GuestEnd);
-
-impl phy::RxToken for Rx {
-    fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
-        f(&self.0)
-    }
-}
-
-impl phy::TxToken for Tx<'_> {
-    fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
-        let mut buf = vec![0u8; len];
-        let r = f(&mut buf);
-        self.0.send(&buf);
-        r
-    }
-}
-
-impl phy::Device for Dev {
-    type RxToken<'a> = Rx;
-    type TxToken<'a> = Tx<'a>;
-
-    fn receive(&mut self, _: smoltcp::time::Instant) -> Option<(Rx, Tx<'_>)> {
-        let f = self.rx.pop_front()?;
-        Some((Rx(f), Tx(&self.link)))
-    }
-
-    fn transmit(&mut self, _: smoltcp::time::Instant) -> Option<Tx<'_>> {
-        Some(Tx(&self.link))
-    }
-
-    fn capabilities(&self) -> DeviceCapabilities {
-        let mut caps = DeviceCapabilities::default();
-        caps.medium = Medium::Ethernet;
-        caps.max_transmission_unit = MAX_FRAME - 4;
-        caps
-    }
-}
+use crate::phy::Device;
 
 /// The simulated guest.
 pub struct GuestSim {
     iface: Interface,
     sockets: SocketSet<'static>,
-    dev: Dev,
+    dev: Device<GuestEnd>,
     mac: EthernetAddress,
     epoch: Instant,
     signal: Arc<(Mutex<bool>, Condvar)>,
@@ -89,10 +43,7 @@ impl GuestSim {
             *s.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
             s.1.notify_all();
         });
-        let mut dev = Dev {
-            link,
-            rx: VecDeque::new(),
-        };
+        let mut dev = Device::new(link);
         let cfg = Config::new(HardwareAddress::Ethernet(EthernetAddress(mac)));
         let mut iface = Interface::new(cfg, &mut dev, smoltcp::time::Instant::ZERO);
         iface.update_ip_addrs(|a| {
@@ -289,4 +240,23 @@ fn dns_answer(frame: &[u8], id: u16) -> Option<Option<Ipv4Addr>> {
     // One question echoed, then the answer ends with RDLENGTH 4 and the address.
     let a = &m[m.len().checked_sub(4)?..];
     Some(Some(Ipv4Addr::new(a[0], a[1], a[2], a[3])))
+}
+
+/// The first TLS record a real client (rustls) sends to `name`: a ClientHello, for tests and
+/// benchmarks of what the stack decides from it. No roots are needed to write one.
+pub fn client_hello(name: &str) -> Vec<u8> {
+    let cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("ring supports the default versions")
+    .with_root_certificates(rustls::RootCertStore::empty())
+    .with_no_client_auth();
+    let server =
+        rustls::pki_types::ServerName::try_from(name.to_string()).expect("a valid server name");
+    let mut c = rustls::ClientConnection::new(std::sync::Arc::new(cfg), server)
+        .expect("a client connection");
+    let mut out = Vec::new();
+    let _ = c.write_tls(&mut out);
+    out
 }

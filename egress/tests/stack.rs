@@ -10,7 +10,7 @@ use sandbox_egress::net::guest_mac;
 use sandbox_egress::policy::Allowlist;
 use sandbox_egress::refusal::Reason;
 use sandbox_egress::resolve::ResolveOverrides;
-use sandbox_egress::sim::GuestSim;
+use sandbox_egress::sim::{GuestSim, client_hello};
 use sandbox_egress::stats::Stats;
 use sandbox_egress::{Egress, EgressConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -302,31 +302,6 @@ fn garbage_frames_leave_the_stack_answering() {
     assert!(answered.is_some(), "the stack stopped answering DNS");
     drop(egress);
     drop(rt);
-}
-
-/// The first TLS record a client sends to `name` (a real rustls ClientHello).
-fn client_hello(name: &str) -> Vec<u8> {
-    let mut roots = rustls::RootCertStore::empty();
-    let ca = sandbox_egress::tls::ca::SandboxCa::new(
-        "hello",
-        &[sandbox_egress::policy::HostPattern::parse(name).unwrap()],
-    )
-    .unwrap();
-    for c in rustls::pki_types::pem::PemObject::pem_slice_iter(ca.cert_pem().as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let mut c =
-        rustls::ClientConnection::new(Arc::new(cfg), name.to_string().try_into().unwrap()).unwrap();
-    let mut out = Vec::new();
-    c.write_tls(&mut out).unwrap();
-    out
 }
 
 #[test]

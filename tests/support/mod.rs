@@ -38,15 +38,18 @@ pub async fn boot_stock_with_disks(
     vcpus: u8,
     disks: Vec<sandbox_vmm::Disk>,
 ) -> Option<TestVm> {
-    let store = ImageStore::new(config::image_dir());
-    let image = match store.resolve("stock") {
-        Ok(i) => i,
+    boot_image(&stock_image()?, memory_mib, vcpus, 0, disks).await
+}
+
+/// The stock image of the image store; `None` after printing "skipped" if it is missing.
+fn stock_image() -> Option<sandbox_vmm::Image> {
+    match ImageStore::new(config::image_dir()).resolve("stock") {
+        Ok(i) => Some(i),
         Err(e) => {
             skip(&format!("{e}"));
-            return None;
+            None
         }
-    };
-    boot_image(&image, memory_mib, vcpus, 0, disks).await
+    }
 }
 
 /// Boots `image` on the selected backend; a disk image gets a sandbox disk of `disk_mib`.
@@ -66,15 +69,7 @@ pub async fn boot_stock_with_net(
     vcpus: u8,
     net: sandbox_vmm::NetAttachment,
 ) -> Option<TestVm> {
-    let store = ImageStore::new(config::image_dir());
-    let image = match store.resolve("stock") {
-        Ok(i) => i,
-        Err(e) => {
-            skip(&format!("{e}"));
-            return None;
-        }
-    };
-    boot_image_with_net(&image, memory_mib, vcpus, 0, vec![], Some(net)).await
+    boot_image_with_net(&stock_image()?, memory_mib, vcpus, 0, vec![], Some(net)).await
 }
 
 /// Like [`boot_image`], with a network device if `net` is given.

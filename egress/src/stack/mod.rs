@@ -3,8 +3,6 @@
 //! with it through bounded channels, so a guest's memory on the host is bounded by
 //! [`Limits`], whatever it sends.
 
-mod device;
-
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::sync::Arc;
@@ -29,7 +27,7 @@ use crate::resolve::ResolveOverrides;
 use crate::stats::Stats;
 use crate::upstream::{Resolve, SystemResolver};
 
-use device::Device;
+use crate::phy::Device;
 
 /// The bounds of one sandbox's stack.
 #[derive(Debug, Clone)]
@@ -162,7 +160,7 @@ impl Drop for Conn {
 struct Stack {
     gate: Gate,
     iface: Interface,
-    device: Device,
+    device: Device<StackEnd>,
     sockets: SocketSet<'static>,
     conns: HashMap<SocketHandle, Conn>,
     by_key: HashMap<(u16, SocketAddrV4), SocketHandle>,
