@@ -331,3 +331,60 @@ fn a_client_hello_in_one_byte_segments_is_read_and_spliced() {
     );
     assert_eq!(st.refusals().total(), 0);
 }
+
+#[test]
+fn a_guest_that_never_closes_is_reset_after_the_linger() {
+    let rt = runtime();
+    // An upstream that reads the first bytes and hangs up.
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let mut b = [0u8; 4096];
+            let _ = s.read(&mut b).await;
+        }
+    });
+    let mac = guest_mac("sim");
+    let mut cfg = EgressConfig::new(mac, Allowlist::parse(["tls.test"]).unwrap());
+    cfg.overrides =
+        Arc::new(ResolveOverrides::parse(&format!("tls.test:{port}:127.0.0.1")).unwrap());
+    cfg.limits.linger = Duration::from_millis(300);
+    let (egress, link) = {
+        let _in = rt.enter();
+        Egress::start(cfg)
+    };
+    let mut guest = GuestSim::new(link, mac);
+    let addr = guest.resolve("tls.test", Duration::from_secs(5)).unwrap();
+    let hello = client_hello("tls.test");
+    let h = guest.connect(addr, port, 64 * 1024);
+    let mut sent = false;
+    // The upstream's end reaches the guest as a FIN; the guest keeps its side open.
+    let fin = guest.run_until(Duration::from_secs(10), |g| {
+        let s = g.tcp(h);
+        if !sent && s.can_send() {
+            sent = s.send_slice(&hello).is_ok();
+        }
+        sent && !s.may_recv() && s.state() == smoltcp::socket::tcp::State::CloseWait
+    });
+    assert!(fin, "no FIN from the stack: {}", guest.tcp(h).state());
+    let st = egress.stats();
+    assert_eq!(Stats::get(&st.open), 1);
+    // After the linger the stack resets it and lets it go.
+    let t = Instant::now();
+    let gone = guest.run_until(Duration::from_secs(5), |g| {
+        !g.tcp(h).is_open() && Stats::get(&st.open) == 0
+    });
+    assert!(
+        gone,
+        "still open after {:?}: {}",
+        t.elapsed(),
+        guest.tcp(h).state()
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        t.elapsed()
+    );
+}

@@ -42,6 +42,9 @@ pub struct Limits {
     pub sniff_timeout: Duration,
     /// How long a connection may carry nothing either way.
     pub idle_timeout: Duration,
+    /// How long a connection may take to close after its upstream side ended (a guest that
+    /// never closes its side is reset then).
+    pub linger: Duration,
 }
 
 impl Default for Limits {
@@ -52,6 +55,7 @@ impl Default for Limits {
             socket_buffer: 64 * 1024,
             sniff_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
+            linger: Duration::from_secs(30),
         }
     }
 }
@@ -137,7 +141,8 @@ struct Conn {
     to_task: Option<mpsc::Sender<Vec<u8>>>,
     from_task: mpsc::Receiver<Vec<u8>>,
     task_done: bool,
-    /// When the task ended: a guest that never finishes closing is cut off after [`LINGER`].
+    /// When the task ended: a guest that never finishes closing is cut off after
+    /// [`Limits::linger`].
     task_done_at: Option<Instant>,
     /// Bytes from the task that did not fit the socket yet.
     pending: Vec<u8>,
@@ -178,8 +183,6 @@ const FRAMES_PER_ROUND: usize = 64;
 /// How often the guest's hardware address is re-taught to the interface, below smoltcp's
 /// neighbour lifetime (60 s), so replies never wait for an ARP round trip.
 const ARP_REFRESH: Duration = Duration::from_secs(20);
-/// How long a connection may take to close after its upstream side ended.
-const LINGER: Duration = Duration::from_secs(30);
 /// How long a listening socket may wait for the SYN it was made for.
 const LISTEN_REAP: Duration = Duration::from_secs(5);
 
@@ -251,7 +254,8 @@ impl Stack {
                 .poll_delay(self.now(), &self.sockets)
                 .map(|d| Duration::from_micros(d.total_micros()))
                 .unwrap_or(ARP_REFRESH)
-                .min(ARP_REFRESH);
+                .min(ARP_REFRESH)
+                .min(self.next_linger_end());
             if n == FRAMES_PER_ROUND || delay.is_zero() {
                 tokio::task::yield_now().await;
                 continue;
@@ -262,6 +266,17 @@ impl Stack {
                 () = tokio::time::sleep(delay) => {}
             }
         }
+    }
+
+    /// Time until the first lingering connection is due to be reset.
+    fn next_linger_end(&self) -> Duration {
+        self.conns
+            .values()
+            .filter(|c| !c.aborted)
+            .filter_map(|c| c.task_done_at)
+            .map(|t| (self.limits.linger + Duration::from_millis(1)).saturating_sub(t.elapsed()))
+            .min()
+            .unwrap_or(ARP_REFRESH)
     }
 
     /// One frame from the guest.
@@ -370,6 +385,7 @@ impl Stack {
     fn service(&mut self) -> bool {
         let mut moved = false;
         let mut gone = Vec::new();
+        let linger = self.limits.linger;
         for (handle, c) in &mut self.conns {
             let socket = self.sockets.get_mut::<tcp::Socket>(*handle);
             match c.ctl.get() {
@@ -459,7 +475,7 @@ impl Stack {
                 to_task = c.to_task.is_some(),
                 "egress: conn"
             );
-            if !c.aborted && c.task_done_at.is_some_and(|t| t.elapsed() > LINGER) {
+            if !c.aborted && c.task_done_at.is_some_and(|t| t.elapsed() > linger) {
                 c.aborted = true;
                 socket.abort();
                 moved = true;
