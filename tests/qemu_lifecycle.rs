@@ -1,9 +1,11 @@
 //! Stopping a VM: in the middle of an exec, nothing is left behind (no QEMU process, no socket,
-//! no file), and the exec's caller learns that the channel closed.
+//! no file), and the exec's caller learns that the channel closed. A guest that stops answering
+//! (its agent frozen) or never becomes ready is stopped within its bound and reported with the
+//! step and its last console lines.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use sandbox_e2e::boot_stock;
+use sandbox_e2e::{boot_stock, boot_stock_watched, bounded, freeze_binary};
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
 
@@ -102,4 +104,107 @@ async fn guest_shutdown_ends_the_vm() {
     );
     vm.sandbox.stop().await;
     assert!(!vm.state_dir.exists());
+}
+
+/// The watchdog of the tests below: a ping every second, 5 s without an answer kills the VM.
+const QUICK: sandbox_vmm::Liveness = sandbox_vmm::Liveness {
+    interval: Duration::from_secs(1),
+    timeout: Duration::from_secs(5),
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_agent_is_killed_and_its_waiters_told_why() {
+    let Some(freeze) = freeze_binary() else {
+        return;
+    };
+    let Some(vm) = boot_stock_watched(512, 1, QUICK).await else {
+        return;
+    };
+    let c = &vm.sandbox.client;
+    bounded(
+        "putting the freezer into the guest",
+        c.put_file("/freeze", Some(0o755), freeze),
+    )
+    .await
+    .unwrap();
+    let out = sandbox_e2e::sh(c, "/freeze stop-agent; echo started").await;
+    assert_eq!(out.stdout_str(), "started\n", "{out:?}");
+    let frozen_at = Instant::now();
+    // An exec without a timeout, started as the agent freezes: it must end, not hang.
+    let mut exec = bounded(
+        "an exec after the freeze",
+        c.exec(&ExecRequest {
+            command: Some("sleep 2; echo too late".into()),
+            cwd: Some("/".into()),
+            ..Default::default()
+        }),
+    )
+    .await
+    .unwrap();
+    let waited = bounded("the exec's end after the freeze", async {
+        loop {
+            match exec.output.next().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Some(e),
+                None => return None,
+            }
+        }
+    })
+    .await;
+    let exit = bounded("the watchdog's kill", vm.sandbox.vm.wait()).await;
+    let detected = frozen_at.elapsed();
+    eprintln!(
+        "frozen agent: VM ended {detected:.1?} after the freeze: {}",
+        exit.reason
+    );
+    assert!(!exit.requested, "{exit:?}");
+    assert!(
+        exit.reason.contains("stopped answering")
+            && exit.reason.contains("did not reply to a ping within 5s"),
+        "{}",
+        exit.reason
+    );
+    assert!(
+        waited
+            .as_ref()
+            .is_some_and(|e| e.to_string().contains("closed")),
+        "the exec ended with {waited:?}"
+    );
+    // Removing it (what DELETE and the sweep do) takes no longer than any other stop.
+    let t = Instant::now();
+    let stopped = bounded("stopping the killed VM", vm.sandbox.stop()).await;
+    eprintln!("frozen agent: stop took {:.1?}", t.elapsed());
+    assert_eq!(stopped.reason, exit.reason);
+    assert!(!vm.state_dir.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_becomes_ready_is_stopped_and_reported() {
+    let (Some(backend), Some(image)) = (sandbox_e2e::backend().await, sandbox_e2e::stock()) else {
+        return;
+    };
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let state_dir = tmp.path().join("vm");
+    let mut spec = image.vm_spec("never-ready".into(), 256, 1, 0, state_dir.clone());
+    // Init is `cat` reading the console: the kernel runs, the agent never starts.
+    spec.cmdline.push("rdinit=/bin/cat".into());
+    let limit = Duration::from_secs(20);
+    let t = Instant::now();
+    let booted = bounded(
+        "a boot that never becomes ready",
+        sandbox_vmm::boot_watched(backend.as_ref(), spec, limit, QUICK),
+    )
+    .await;
+    let took = t.elapsed();
+    let Err(e) = booted else {
+        panic!("a guest whose init is cat became ready");
+    };
+    let e = e.to_string();
+    eprintln!("never ready: failed after {took:.1?}: {e}");
+    assert!(e.contains("never-ready"), "the error names the VM: {e}");
+    assert!(
+        e.contains("not ready within 20s") || e.contains("did not accept the host's connection"),
+        "{e}"
+    );
+    assert!(!state_dir.exists(), "the VM's files are gone");
 }

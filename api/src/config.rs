@@ -86,6 +86,9 @@ pub struct Config {
     pub max_body_mb: u64,
     /// How often the sweep runs (15 s; shorter only for tests).
     pub sweep: Duration,
+    /// `SANDBOX_HOST_UNRESPONSIVE_MS`: a guest whose agent leaves a ping unanswered this long
+    /// is killed as unresponsive (and then swept).
+    pub unresponsive: Duration,
     /// The image store.
     pub image_dir: PathBuf,
     /// Where sandboxes keep their files.
@@ -106,6 +109,7 @@ impl std::fmt::Debug for Config {
             .field("grace", &self.grace)
             .field("max_body", &self.max_body)
             .field("sweep", &self.sweep)
+            .field("unresponsive", &self.unresponsive)
             .field("image_dir", &self.image_dir)
             .field("state_dir", &self.state_dir)
             .field("egress_resolve", &self.egress_resolve)
@@ -144,6 +148,14 @@ pub fn load_dotenv() -> Result<Option<PathBuf>, ConfigError> {
 }
 
 impl Config {
+    /// The watchdog of every sandbox: a ping every 5 s (or half the bound, if shorter).
+    pub fn liveness(&self) -> sandbox_vmm::Liveness {
+        sandbox_vmm::Liveness {
+            interval: (self.unresponsive / 2).min(Duration::from_secs(5)),
+            timeout: self.unresponsive,
+        }
+    }
+
     /// Reads the configuration from the process environment (after [`load_dotenv`]).
     pub fn from_env() -> Result<Config, ConfigError> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -191,6 +203,19 @@ impl Config {
             "a number of milliseconds",
         )?;
         let sweep_ms = sweep_ms.max(50);
+        let unresponsive_ms: u64 = parse(
+            &get,
+            "SANDBOX_HOST_UNRESPONSIVE_MS",
+            30_000,
+            "a number of milliseconds",
+        )?;
+        if unresponsive_ms < 1000 {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_UNRESPONSIVE_MS",
+                value: unresponsive_ms.to_string(),
+                expected: "at least 1000 (a busy guest needs time to answer)",
+            });
+        }
         let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {
             None => Default::default(),
             Some(v) => sandbox_egress::resolve::ResolveOverrides::parse(&v).map_err(|e| {
@@ -226,6 +251,7 @@ impl Config {
             max_body: max_body_mb * 1024 * 1024,
             max_body_mb,
             sweep: Duration::from_millis(sweep_ms),
+            unresponsive: Duration::from_millis(unresponsive_ms),
             image_dir: sandbox_vmm::config::image_dir(),
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),
@@ -287,6 +313,17 @@ mod tests {
             (300_000, 120_000, 512)
         );
         assert_eq!(c.sweep.as_millis(), 15_000);
+        assert_eq!(c.unresponsive.as_millis(), 30_000);
+        let e = cfg(&[
+            ("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()),
+            ("SANDBOX_HOST_UNRESPONSIVE_MS", "10"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("SANDBOX_HOST_UNRESPONSIVE_MS is `10`"),
+            "{e}"
+        );
         let e = cfg(&[
             ("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()),
             ("SANDBOX_HOST_PORT", "http"),

@@ -85,9 +85,11 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
         args.disk_mib,
         config::state_dir().join(&id),
     );
-    let sandbox = sandbox_vmm::boot(selected.backend.as_ref(), spec, BOOT_TIMEOUT)
-        .await
-        .map_err(|e| e.to_string())?;
+    let liveness = sandbox_vmm::Liveness::from_env().map_err(|e| e.to_string())?;
+    let sandbox =
+        sandbox_vmm::boot_watched(selected.backend.as_ref(), spec, BOOT_TIMEOUT, liveness)
+            .await
+            .map_err(|e| e.to_string())?;
     tracing::info!(
         boot_ms = sandbox.boot_time.as_millis() as u64,
         "sandbox ready"

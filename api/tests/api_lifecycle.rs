@@ -1,5 +1,5 @@
-//! Lifecycle on the real binary: idle and time-limit disposal, keepalive, a VM that dies,
-//! SIGTERM disposing of everything, and a restart after a crash cleaning up.
+//! Lifecycle on the real binary: idle and time-limit disposal, keepalive, a VM that dies, a guest
+//! that stops answering, SIGTERM disposing of everything, and a restart after a crash cleaning up.
 
 mod common;
 
@@ -123,6 +123,81 @@ async fn a_dead_vm_answers_with_its_reason_and_is_swept() {
     );
     wait_gone(&h, &id, Duration::from_secs(10)).await;
     assert!(state_entries(&h.state).is_empty());
+}
+
+/// Puts the freezer into a sandbox and freezes its agent (see tests/guest/freeze.c).
+async fn freeze_agent(h: &common::Host, id: &str, freeze: &[u8]) {
+    let (s, b) = h
+        .req(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/freeze"),
+            freeze.to_vec(),
+            &[],
+        )
+        .await;
+    assert_eq!(s, 204, "{}", String::from_utf8_lossy(&b));
+    let (out, err, last) = h
+        .exec(id, "chmod 755 /freeze && /freeze stop-agent && echo frozen")
+        .await;
+    assert_eq!(out, b"frozen\n", "{} {last}", String::from_utf8_lossy(&err));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_stops_answering_is_killed_swept_and_deleted_quickly() {
+    if stock_image_missing() {
+        return;
+    }
+    let Some(freeze) = sandbox_e2e::freeze_binary() else {
+        return;
+    };
+    let h = start(&[
+        ("SANDBOX_HOST_UNRESPONSIVE_MS", "4000"),
+        ("SANDBOX_HOST_SWEEP_MS", "1000"),
+    ]);
+    let (swept, deleted) = tokio::join!(
+        h.create(json!({"run_id": "frozen-swept"})),
+        h.create(json!({"run_id": "frozen-deleted"})),
+    );
+
+    // DELETE of a frozen guest: the agent cannot help, the host stops the VM by itself.
+    freeze_agent(&h, &deleted, freeze).await;
+    let t = Instant::now();
+    let (s, _) = h
+        .req("DELETE", &format!("/v1/sandboxes/{deleted}"), vec![], &[])
+        .await;
+    eprintln!("DELETE of a frozen sandbox: {s} after {:.1?}", t.elapsed());
+    assert_eq!(s, 204);
+
+    // An exec without a timeout on a guest that freezes ends with the reason, not a hang.
+    freeze_agent(&h, &swept, freeze).await;
+    let t = Instant::now();
+    let (out, _, last) = h.exec(&swept, "sleep 1; echo never").await;
+    eprintln!(
+        "exec on a frozen sandbox ended after {:.1?}: {last}",
+        t.elapsed()
+    );
+    assert!(out.is_empty());
+    assert_eq!(last["code"], "vm_died", "{last}");
+    assert!(
+        last["error"]
+            .as_str()
+            .unwrap()
+            .contains("the guest stopped answering"),
+        "{last}"
+    );
+    let (s, v) = h
+        .json("GET", &format!("/v1/sandboxes/{swept}?peek"), None)
+        .await;
+    assert!(s == 404 || v["state"] == "dead", "{s} {v}");
+    wait_gone(&h, &swept, Duration::from_secs(10)).await;
+    let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(
+        m.contains("sandbox_host_disposals_total{reason=\"vm_died\"} 1"),
+        "{m}"
+    );
+    assert!(state_entries(&h.state).is_empty());
+    assert!(qemu_pids_under(&h.state).is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

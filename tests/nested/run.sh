@@ -80,7 +80,7 @@ for image in "${images[@]}"; do
   cp -rlL "$src" "$tree/images/${image/://}" 2>/dev/null || cp -rL "$src" "$tree/images/${image/://}"
 done
 install -m 0755 "$here/init" "$tree/init"
-env | grep -E '^(SANDBOX_HOST_[A-Z_]+|RUST_BACKTRACE)=' | grep -vE 'SANDBOX_HOST_(CACHE|IMAGE_DIR|STATE_DIR)=' \
+env | grep -E '^(SANDBOX_HOST_[A-Z0-9_]+|RUST_BACKTRACE)=' | grep -vE 'SANDBOX_HOST_(CACHE|IMAGE_DIR|STATE_DIR)=' \
   | sed "s/=\(.*\)/='\1'/; s/^/export /" > "$tree/nested.env" || true
 printf 'root:x:0:0:root:/root:/bin/sh\n' > "$tree/etc/passwd"
 printf '%s\n' "$cmd" > "$tree/nested.cmd"

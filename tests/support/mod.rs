@@ -3,7 +3,9 @@
 #![allow(missing_docs)]
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use sandbox_protocol::client::{Client, ExecEvent};
 use sandbox_protocol::message::{ExecRequest, ExitStatus};
@@ -15,6 +17,107 @@ pub struct TestVm {
     pub sandbox: Sandbox,
     pub state_dir: PathBuf,
     _tmp: tempfile::TempDir,
+    _deadline: Deadline,
+}
+
+/// The last steps the tests of this process took, with the test (thread) that took each.
+static STEPS: Mutex<Vec<(Instant, String, String)>> = Mutex::new(Vec::new());
+
+/// Records what the current test is about to wait for, for the message of a [`Deadline`].
+pub fn step(what: impl Into<String>) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("an unnamed thread")
+        .to_string();
+    let mut steps = STEPS.lock().unwrap_or_else(|e| e.into_inner());
+    if steps.len() >= 64 {
+        steps.remove(0);
+    }
+    steps.push((Instant::now(), test, what.into()));
+}
+
+/// How long a test may keep a VM: `SANDBOX_HOST_TEST_DEADLINE_S`, else 300 s, well under the
+/// nested host's 20 minutes, so a hang fails that test with what it waited for.
+pub fn deadline_limit() -> Duration {
+    std::env::var("SANDBOX_HOST_TEST_DEADLINE_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(300), Duration::from_secs)
+}
+
+/// A test's own deadline: if it is still armed when the limit passes, the process prints what
+/// the test was waiting for (its last steps) and what its VM was doing (console, vCPUs), and
+/// exits with a failure instead of hanging. Dropping it disarms it.
+pub struct Deadline {
+    armed: Arc<AtomicBool>,
+}
+
+impl Deadline {
+    /// Arms a deadline for the current test; `vm` is reported if it is still alive then.
+    pub fn arm(limit: Duration, vm: Option<Weak<dyn sandbox_vmm::Vm>>) -> Deadline {
+        let armed = Arc::new(AtomicBool::new(true));
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("an unnamed thread")
+            .to_string();
+        let flag = armed.clone();
+        let vm = Mutex::new(vm);
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            while started.elapsed() < limit {
+                std::thread::sleep(Duration::from_millis(200).min(limit));
+                if !flag.load(Ordering::SeqCst) {
+                    return;
+                }
+            }
+            if !flag.load(Ordering::SeqCst) {
+                return;
+            }
+            let steps: Vec<String> = STEPS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter(|(_, t, _)| *t == test)
+                .map(|(at, _, what)| format!("  {:>7.1?} ago: {what}", at.elapsed()))
+                .collect();
+            let vm = vm
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .and_then(|w| w.upgrade());
+            let vm_state = match vm {
+                Some(vm) => format!(
+                    "its VM: exit {:?}; {}\n  console:\n    {}",
+                    vm.exit().map(|e| e.reason),
+                    vm.diagnostics(),
+                    vm.console_tail(12).join("\n    ")
+                ),
+                None => "no VM of it is alive".into(),
+            };
+            eprintln!(
+                "\nDEADLINE: test `{test}` gave up after {limit:?}; it was waiting for its last step:\n{}\n{vm_state}\n",
+                steps.join("\n")
+            );
+            std::process::exit(101);
+        });
+        Deadline { armed }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        self.armed.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Awaits `fut` for at most [`deadline_limit`]; on expiry panics naming `what`.
+pub async fn bounded<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    step(what);
+    let limit = deadline_limit();
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("gave up after {limit:?} waiting for: {what}"),
+    }
 }
 
 /// Says why a test cannot run here. Under `SANDBOX_HOST_REQUIRE_E2E=1` (CI) that is a failure:
@@ -72,6 +175,24 @@ pub async fn boot_stock_with_net(
     boot_image_with_net(&stock_image()?, memory_mib, vcpus, 0, vec![], Some(net)).await
 }
 
+/// The stock image, its agent watched with `liveness` instead of the default.
+pub async fn boot_stock_watched(
+    memory_mib: u32,
+    vcpus: u8,
+    liveness: sandbox_vmm::Liveness,
+) -> Option<TestVm> {
+    boot_with(
+        &stock_image()?,
+        memory_mib,
+        vcpus,
+        0,
+        vec![],
+        None,
+        Some(liveness),
+    )
+    .await
+}
+
 /// Like [`boot_image`], with a network device if `net` is given.
 pub async fn boot_image_with_net(
     image: &sandbox_vmm::Image,
@@ -81,14 +202,36 @@ pub async fn boot_image_with_net(
     disks: Vec<sandbox_vmm::Disk>,
     net: Option<sandbox_vmm::NetAttachment>,
 ) -> Option<TestVm> {
+    boot_with(image, memory_mib, vcpus, disk_mib, disks, net, None).await
+}
+
+/// The backend the environment selects, or `None` after saying why there is none.
+pub async fn backend() -> Option<Box<dyn sandbox_vmm::Backend>> {
     let store = ImageStore::new(config::image_dir());
-    let backend = match sandbox_vmm::select::select(&store).await {
-        Ok(b) => b.backend,
+    match sandbox_vmm::select::select(&store).await {
+        Ok(b) => Some(b.backend),
         Err(e) => {
             skip(&e);
-            return None;
+            None
         }
-    };
+    }
+}
+
+/// The stock image, or `None` after saying why it is missing.
+pub fn stock() -> Option<sandbox_vmm::Image> {
+    stock_image()
+}
+
+async fn boot_with(
+    image: &sandbox_vmm::Image,
+    memory_mib: u32,
+    vcpus: u8,
+    disk_mib: u64,
+    disks: Vec<sandbox_vmm::Disk>,
+    net: Option<sandbox_vmm::NetAttachment>,
+    liveness: Option<sandbox_vmm::Liveness>,
+) -> Option<TestVm> {
+    let backend = backend().await?;
     let tmp = tempfile::Builder::new()
         .prefix("sbx-e2e")
         .tempdir_in("/tmp")
@@ -97,13 +240,27 @@ pub async fn boot_image_with_net(
     let mut spec = image.vm_spec("e2e".into(), memory_mib, vcpus, disk_mib, state_dir.clone());
     spec.disks.extend(disks);
     spec.net = net;
-    let sandbox = sandbox_vmm::boot(backend.as_ref(), spec, Duration::from_secs(180))
-        .await
-        .unwrap_or_else(|e| panic!("image {} boots: {e}", image.name));
+    // The boot has its own bound (180 s): the deadline covers it too, with the VM unknown yet.
+    let booting = Deadline::arm(deadline_limit(), None);
+    step(format!(
+        "booting image {} on {}",
+        image.name,
+        backend.name()
+    ));
+    let timeout = Duration::from_secs(180);
+    let booted = match liveness {
+        Some(l) => sandbox_vmm::boot_watched(backend.as_ref(), spec, timeout, l).await,
+        None => sandbox_vmm::boot(backend.as_ref(), spec, timeout).await,
+    };
+    let sandbox = booted.unwrap_or_else(|e| panic!("image {} boots: {e}", image.name));
+    let deadline = Deadline::arm(deadline_limit(), Some(Arc::downgrade(&sandbox.vm)));
+    drop(booting);
+    step(format!("using the VM of image {}", image.name));
     Some(TestVm {
         sandbox,
         state_dir,
         _tmp: tmp,
+        _deadline: deadline,
     })
 }
 
@@ -136,8 +293,15 @@ pub async fn sh(client: &Client, command: &str) -> Output {
 
 /// Runs a request without stdin and collects its output.
 pub async fn run(client: &Client, req: ExecRequest) -> Output {
-    let exec = client.exec(&req).await.expect("exec starts");
-    collect(exec.output).await
+    let what = match (&req.command, &req.argv) {
+        (Some(c), _) => format!("exec `{}`", c.chars().take(120).collect::<String>()),
+        (None, Some(a)) => format!("exec {:?}", a.iter().take(6).collect::<Vec<_>>()),
+        (None, None) => "exec".into(),
+    };
+    let exec = bounded(&format!("{what}: start"), client.exec(&req))
+        .await
+        .expect("exec starts");
+    bounded(&format!("{what}: output and exit"), collect(exec.output)).await
 }
 
 /// Collects an exec's output until its exit.
@@ -177,6 +341,19 @@ pub fn run_nested(args: &[&std::ffi::OsStr], command: &str, what: &str) -> Strin
         String::from_utf8_lossy(&out.stderr)
     );
     text
+}
+
+/// The static hostile helper of `tests/guest/freeze.c` (see there), or `None` after saying why
+/// it cannot be used.
+pub fn freeze_binary() -> Option<&'static [u8]> {
+    static FREEZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/freeze"));
+    if FREEZE.is_empty() {
+        skip(
+            "tests/guest/freeze.c was not built (no C compiler with a static libc when the tests were built; install gcc and libc6-dev)",
+        );
+        return None;
+    }
+    Some(FREEZE)
 }
 
 /// Hex SHA-256.

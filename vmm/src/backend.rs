@@ -148,8 +148,16 @@ pub trait Vm: Send + Sync {
     /// Ends it: asks the VMM to quit, forces it after `grace`, and removes every file of the VM.
     /// Returns once nothing of it is left. Calling it on an ended VM only cleans up.
     async fn stop(&self, grace: Duration) -> VmExit;
+    /// Ends it as failed for `reason` (the host gave up on it, for instance because the guest
+    /// stopped answering): like `stop` with no grace, but the exit is not `requested` and its
+    /// reason is `reason`, so whoever waits on the VM learns why. Bounded like `stop`.
+    async fn kill(&self, reason: String) -> VmExit;
     /// The last `n` console lines.
     fn console_tail(&self, n: usize) -> Vec<String>;
+    /// What the VMM knows of a VM that stopped answering (vCPU activity), for error messages.
+    fn diagnostics(&self) -> String {
+        String::new()
+    }
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
     /// From the VM's start to the guest's boot marker (userspace up), where the backend

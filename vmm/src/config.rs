@@ -6,7 +6,7 @@ use thiserror::Error;
 
 /// A setting with a value it does not accept.
 #[derive(Debug, Error, PartialEq, Eq)]
-#[error("{var} must be one of {allowed}; it is `{value}`. Fix it in the environment or in .env")]
+#[error("{var} must be {allowed}; it is `{value}`. Fix it in the environment or in .env")]
 pub struct ConfigError {
     /// The variable.
     pub var: &'static str,
@@ -40,6 +40,25 @@ pub fn state_dir() -> PathBuf {
     non_empty_env("SANDBOX_HOST_STATE_DIR").map_or_else(|| cache_dir().join("state"), PathBuf::from)
 }
 
+/// `SANDBOX_HOST_UNRESPONSIVE_MS` when it is not set.
+pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before
+/// its VM is killed as unresponsive (30000; at least 1000).
+pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
+    let Some(v) = non_empty_env("SANDBOX_HOST_UNRESPONSIVE_MS") else {
+        return Ok(UNRESPONSIVE_DEFAULT);
+    };
+    match v.trim().parse::<u64>() {
+        Ok(ms) if ms >= 1000 => Ok(std::time::Duration::from_millis(ms)),
+        _ => Err(ConfigError {
+            var: "SANDBOX_HOST_UNRESPONSIVE_MS",
+            value: v,
+            allowed: "a number of milliseconds, at least 1000",
+        }),
+    }
+}
+
 fn non_empty_env(var: &str) -> Option<String> {
     std::env::var(var).ok().filter(|v| !v.is_empty())
 }
@@ -68,7 +87,7 @@ impl AccelSetting {
             other => Err(ConfigError {
                 var: "SANDBOX_HOST_QEMU_ACCEL",
                 value: other.into(),
-                allowed: "auto, kvm, hvf, tcg",
+                allowed: "one of auto, kvm, hvf, tcg",
             }),
         }
     }
@@ -100,7 +119,7 @@ impl VmmSetting {
             other => Err(ConfigError {
                 var: "SANDBOX_HOST_VMM",
                 value: other.into(),
-                allowed: "auto, kvm, qemu",
+                allowed: "one of auto, kvm, qemu",
             }),
         }
     }

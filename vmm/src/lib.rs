@@ -19,4 +19,4 @@ pub mod select;
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
 pub use image::{Image, ImageError, ImageStore};
 pub use net::{FrameLink, NetAttachment};
-pub use sandbox::{BootError, Sandbox, boot};
+pub use sandbox::{BootError, Liveness, Sandbox, boot, boot_watched};

@@ -15,6 +15,11 @@ use crate::image::{ImageStore, STOCK};
 /// How long a probe boot may take; a real KVM host needs well under a second.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Held while a probe runs (see [`boots_cached`]).
+static PROBING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Numbers the probes of this process, so no two share a state directory.
+static PROBE_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 #[derive(Debug, Serialize, Deserialize)]
 struct ProbeRecord {
     key: u64,
@@ -44,6 +49,9 @@ pub async fn boots_cached(
         keyed.push(e);
     }
     let key = probe_key(&keyed);
+    // One probe at a time in this process: callers that come while one runs (four sandboxes
+    // created at once on a fresh host) wait for its record instead of racing it.
+    let _one_at_a_time = PROBING.lock().await;
     let record_path = crate::config::cache_dir().join(format!("probe/{name}.json"));
     let cached = std::fs::read(&record_path)
         .ok()
@@ -83,8 +91,12 @@ pub async fn probe(
     kernel: &Path,
     initrd: Option<PathBuf>,
 ) -> Result<(), String> {
-    let state_dir =
-        crate::config::state_dir().join(format!("probe-{}-{}", backend.name(), std::process::id()));
+    let seq = PROBE_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let state_dir = crate::config::state_dir().join(format!(
+        "probe-{}-{}-{seq}",
+        backend.name(),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&state_dir);
     let spec = VmSpec {
         id: "probe".into(),
@@ -139,7 +151,13 @@ pub async fn probe(
         }
     };
     let outcome = match outcome {
-        Ok(()) => run_true(&client, what).await,
+        Ok(()) => tokio::time::timeout(PROBE_TIMEOUT, run_true(&client, what))
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "`true` did not finish within {PROBE_TIMEOUT:?} in the {what} probe guest"
+                ))
+            }),
         Err(e) => Err(e),
     };
     // Whatever went wrong, an emulation failure in the console is the real reason.

@@ -1,5 +1,12 @@
-//! Booting a sandbox: a VM from any backend plus its connected, ready agent client.
+//! Booting a sandbox: a VM from any backend plus its connected, ready agent client, and the
+//! watchdog that ends a sandbox whose guest stops answering.
+//!
+//! Every wait on a guest is bounded: boot by the ready timeout, and everything after it (an exec
+//! without a timeout, a transfer, any request) by the watchdog, which pings the agent and, when
+//! a ping goes unanswered for [`Liveness::timeout`], kills the VM with a reason that names the
+//! step and the last console lines. The channel then closes, and every waiter gets that reason.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sandbox_protocol::client::{Client, ClientError};
@@ -15,16 +22,20 @@ pub enum BootError {
     #[error(transparent)]
     Vm(#[from] VmError),
     /// The VM started but its agent never said it was ready.
-    #[error("the guest agent was not ready within {timeout:?}{}", console_suffix(.console))]
+    #[error("VM {vm}: the guest agent was not ready within {timeout:?}{}", console_suffix(.console))]
     NotReady {
+        /// The VM's id.
+        vm: String,
         /// How long it waited.
         timeout: Duration,
         /// The last console lines.
         console: Vec<String>,
     },
     /// The agent channel closed during boot.
-    #[error("the guest agent channel closed during boot: {why}{}", console_suffix(.console))]
+    #[error("VM {vm}: the guest agent channel closed during boot: {why}{}", console_suffix(.console))]
     ChannelClosed {
+        /// The VM's id.
+        vm: String,
         /// Why it closed.
         why: String,
         /// The last console lines.
@@ -32,37 +43,93 @@ pub enum BootError {
     },
 }
 
+/// How the host decides that a guest stopped answering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness {
+    /// Pause between two pings of the agent.
+    pub interval: Duration,
+    /// How long a ping may go unanswered before the VM is killed as unresponsive.
+    pub timeout: Duration,
+}
+
+impl Liveness {
+    /// Pings every 5 s; `SANDBOX_HOST_UNRESPONSIVE_MS` (30000) without an answer ends the VM.
+    pub fn from_env() -> Result<Liveness, crate::config::ConfigError> {
+        Ok(Liveness {
+            interval: Duration::from_secs(5),
+            timeout: crate::config::unresponsive()?,
+        })
+    }
+}
+
 /// A booted sandbox.
 pub struct Sandbox {
     /// The VM.
-    pub vm: Box<dyn Vm>,
+    pub vm: Arc<dyn Vm>,
     /// The agent.
     pub client: Client,
     /// What the agent said when it came up.
     pub ready: Ready,
     /// From asking the backend to start to the agent's `Ready`.
     pub boot_time: Duration,
+    watchdog: tokio::task::AbortHandle,
 }
 
 impl Sandbox {
     /// Stops the VM and removes its files.
     pub async fn stop(&self) -> VmExit {
+        // A stop is not a failure: the watchdog must not see the closing channel and kill.
+        self.watchdog.abort();
         self.vm.stop(Duration::from_secs(2)).await
     }
 }
 
-/// Starts a VM and waits until its agent is ready. On failure nothing of the VM is left.
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        self.watchdog.abort();
+    }
+}
+
+/// Starts a VM and waits until its agent is ready, watched as `SANDBOX_HOST_UNRESPONSIVE_MS`
+/// says (the default if the variable is invalid: the service checks it at start). On failure
+/// nothing of the VM is left.
 pub async fn boot(
     backend: &dyn Backend,
     spec: VmSpec,
     timeout: Duration,
 ) -> Result<Sandbox, BootError> {
+    let liveness = Liveness::from_env().unwrap_or(Liveness {
+        interval: Duration::from_secs(5),
+        timeout: crate::config::UNRESPONSIVE_DEFAULT,
+    });
+    boot_watched(backend, spec, timeout, liveness).await
+}
+
+/// [`boot`] with an explicit watchdog setting.
+pub async fn boot_watched(
+    backend: &dyn Backend,
+    spec: VmSpec,
+    timeout: Duration,
+    liveness: Liveness,
+) -> Result<Sandbox, BootError> {
     let t0 = Instant::now();
-    let started = backend.start(spec).await?;
-    let vm = started.vm;
+    let id = spec.id.clone();
+    // Starting counts against the same bound as becoming ready.
+    let started = match tokio::time::timeout(timeout, backend.start(spec)).await {
+        Ok(started) => started?,
+        Err(_) => {
+            return Err(BootError::NotReady {
+                vm: id,
+                timeout,
+                console: vec!["(the VM was still starting; its console went with it)".into()],
+            });
+        }
+    };
+    let remaining = timeout.saturating_sub(t0.elapsed());
+    let vm: Arc<dyn Vm> = Arc::from(started.vm);
     let client = Client::new(started.channel.read, started.channel.write);
     let result = tokio::select! {
-        r = client.wait_ready(timeout) => r,
+        r = client.wait_ready(remaining) => r,
         exit = vm.wait() => {
             let e = BootError::Vm(VmError::DiedEarly(exit));
             vm.stop(Duration::ZERO).await;
@@ -70,26 +137,85 @@ pub async fn boot(
         }
     };
     match result {
-        Ok(ready) => Ok(Sandbox {
-            vm,
-            client,
-            ready,
-            boot_time: t0.elapsed(),
-        }),
+        Ok(ready) => {
+            let watchdog = tokio::spawn(watch(id, vm.clone(), client.clone(), liveness));
+            Ok(Sandbox {
+                vm,
+                client,
+                ready,
+                boot_time: t0.elapsed(),
+                watchdog: watchdog.abort_handle(),
+            })
+        }
         Err(e) => {
             // The channel usually closes because the VM is ending: let its console finish first.
             let _ = tokio::time::timeout(Duration::from_secs(1), vm.wait()).await;
             let console = diagnostic_lines(vm.as_ref());
             vm.stop(Duration::ZERO).await;
             Err(match e {
-                ClientError::Timeout(_) => BootError::NotReady { timeout, console },
+                ClientError::Timeout(_) => BootError::NotReady {
+                    vm: id,
+                    timeout,
+                    console,
+                },
                 other => BootError::ChannelClosed {
+                    vm: id,
                     why: other.to_string(),
                     console,
                 },
             })
         }
     }
+}
+
+/// Pings the agent until the VM ends; kills the VM when a ping goes unanswered for
+/// `liveness.timeout` or the channel closes while the VM runs on.
+async fn watch(id: String, vm: Arc<dyn Vm>, client: Client, liveness: Liveness) {
+    let reason = loop {
+        tokio::select! {
+            _ = vm.wait() => return,
+            _ = tokio::time::sleep(liveness.interval) => {}
+        }
+        let pinged = tokio::select! {
+            _ = vm.wait() => return,
+            r = tokio::time::timeout(liveness.timeout, client.ping()) => r,
+        };
+        match pinged {
+            // An agent that answers anything is alive.
+            Ok(Ok(_) | Err(ClientError::Agent(_) | ClientError::Unexpected(_))) => {}
+            Ok(Err(ClientError::Timeout(_))) => {}
+            Ok(Err(ClientError::Closed(why))) => {
+                // Usually the VM is ending (a reboot, a crash): give it a moment to say so.
+                if tokio::time::timeout(Duration::from_secs(2), vm.wait())
+                    .await
+                    .is_ok()
+                {
+                    return;
+                }
+                break format!("the guest agent's channel closed while the VM ran on ({why})");
+            }
+            Err(_) => {
+                let vcpus = vm.diagnostics();
+                break format!(
+                    "the guest stopped answering: its agent did not reply to a ping within {:?}{}",
+                    liveness.timeout,
+                    if vcpus.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({vcpus})")
+                    }
+                );
+            }
+        }
+    };
+    // The exit carries the console lines; the reason stays one line.
+    tracing::warn!(
+        vm = %id,
+        reason = %reason,
+        console = %diagnostic_lines(vm.as_ref()).join(" | "),
+        "Killing an unresponsive VM"
+    );
+    vm.kill(reason).await;
 }
 
 /// The console lines that explain a failed boot: any kernel panic, BUG, oops or OOM line from the

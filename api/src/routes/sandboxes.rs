@@ -27,6 +27,8 @@ const DISK_LIMIT_MIB: u64 = 20_480;
 
 /// Longest a sandbox may take to boot before the create fails (TCG boots take seconds).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The longest the guest's network set-up may take, host side.
+const NET_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -197,19 +199,34 @@ async fn create(
     })?;
     let mac = started.attachment.mac;
     spec.net = Some(started.attachment);
-    let sandbox = match sandbox_vmm::boot(backend.as_ref(), spec, BOOT_TIMEOUT).await {
-        Ok(s) => s,
-        Err(e) => {
-            state.metrics().boot_failed();
-            tracing::error!(run_id = %req.run_id, error = %e, "a sandbox did not boot");
-            return Err(ApiError::Internal(format!(
-                "the microVM did not start: {e}"
-            )));
-        }
-    };
-    if let Err(e) =
-        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()).await
-    {
+    let liveness = state.config().liveness();
+    let sandbox =
+        match sandbox_vmm::boot_watched(backend.as_ref(), spec, BOOT_TIMEOUT, liveness).await {
+            Ok(s) => s,
+            Err(e) => {
+                state.metrics().boot_failed();
+                tracing::error!(run_id = %req.run_id, error = %e, "a sandbox did not boot");
+                return Err(ApiError::Internal(format!(
+                    "the microVM did not start: {e}"
+                )));
+            }
+        };
+    // The guest's own timeout for the script is 10 s; the host's bound covers a guest that
+    // never answers at all.
+    let configured = tokio::time::timeout(
+        NET_SETUP_TIMEOUT,
+        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(format!(
+            "the guest did not finish its network set-up within {NET_SETUP_TIMEOUT:?}{}",
+            sandbox_vmm::backend::console_suffix(&sandbox_vmm::sandbox::diagnostic_lines(
+                sandbox.vm.as_ref()
+            ))
+        ))
+    });
+    if let Err(e) = configured {
         sandbox.stop().await;
         state.metrics().boot_failed();
         tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");

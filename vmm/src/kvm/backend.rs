@@ -161,8 +161,18 @@ async fn connect(
                 let _ = tx.send(r);
             }),
         );
+        // The device answers when the guest does; a guest that never answers the request (its
+        // vsock driver wedged) must not keep us here past the deadline.
         let result = tokio::select! {
-            r = rx => r.unwrap_or(Err(ConnectError::Reset)),
+            r = tokio::time::timeout_at(deadline.into(), rx) => match r {
+                Ok(r) => r.unwrap_or(Err(ConnectError::Reset)),
+                Err(_) => {
+                    return Err(VmError::Start(format!(
+                        "the guest never answered the host's vsock connection request within {CONNECT_TIMEOUT:?} (its kernel stopped processing the vsock device){}",
+                        crate::backend::console_suffix(&machine.console_tail(8))
+                    )));
+                }
+            },
             e = exit.wait_for(|e| e.is_some()) => {
                 let e = e.ok().and_then(|e| e.clone()).unwrap_or_else(unreachable_exit);
                 return Err(VmError::DiedEarly(e));
@@ -230,8 +240,22 @@ impl Vm for KvmVm {
         exit
     }
 
+    async fn kill(&self, reason: String) -> VmExit {
+        let m = self.machine.clone();
+        let exit = tokio::task::spawn_blocking(move || m.fail(reason))
+            .await
+            .map(|e| to_vm_exit(&e))
+            .unwrap_or_else(|_| unreachable_exit());
+        remove_state_dir(&self.state_dir);
+        exit
+    }
+
     fn console_tail(&self, n: usize) -> Vec<String> {
         self.machine.console_tail(n.min(EXIT_CONSOLE_LINES.max(n)))
+    }
+
+    fn diagnostics(&self) -> String {
+        self.machine.vcpu_report()
     }
 
     fn pid(&self) -> Option<u32> {

@@ -2,15 +2,17 @@
 //! bus (serial console, i8042 reset, boot marker), the virtio-mmio devices, one thread per vCPU,
 //! a device thread (event-manager) and a supervisor thread that ends them all.
 //!
-//! How it ends: the first of a guest reset (i8042), a triple fault or reboot, a KVM failure, or
-//! [`Machine::stop`] is recorded as the machine's exit; the supervisor then kicks every vCPU out
-//! of KVM_RUN (a signal, repeated until each thread has left) and stops the device thread. After
-//! [`Machine::stop`] returns, no thread of the machine is left and its fds are closed once the
-//! last handle is dropped.
+//! How it ends: the first of a guest reset (i8042), a triple fault or reboot, a KVM failure, a
+//! panic of one of its threads, [`Machine::fail`] or [`Machine::stop`] is recorded as the
+//! machine's exit; the supervisor then kicks every vCPU out of KVM_RUN (a signal, repeated until
+//! each thread has left) and stops the device thread. [`Machine::stop`] waits for that at most
+//! [`STOP_TIMEOUT`]: normally no thread of the machine is left when it returns; a thread that
+//! cannot be brought down in time (stuck in a host syscall) is reported and left to end on its
+//! own, never waited for without bound.
 
 use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -36,6 +38,12 @@ pub const MMIO_BASE: u64 = 0xd000_0000;
 const DEVICE_IRQS: [u32; 8] = [5, 6, 7, 9, 10, 11, 14, 15];
 /// The QueueNotify register's offset in a window.
 const QUEUE_NOTIFY: u64 = 0x50;
+/// The longest [`Machine::stop`] waits for the machine's threads to end.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the supervisor re-kicks vCPUs still in KVM_RUN: often at first (a kick that lands
+/// just before KVM_RUN is lost), then rarely, so a thread stuck elsewhere costs no CPU.
+const KICK_FAST: Duration = Duration::from_millis(5);
+const KICK_SLOW: Duration = Duration::from_secs(1);
 
 /// A disk for the machine.
 #[derive(Debug, Clone)]
@@ -144,11 +152,48 @@ struct Shared {
     running_vcpus: AtomicUsize,
     log: Arc<Mutex<ConsoleLog>>,
     marker: BootMarker,
+    /// Per vCPU: what it last left KVM_RUN for, to tell a spinning guest from a stuck thread.
+    vcpu_stats: Vec<VcpuStats>,
+    /// A stop gave up waiting for the threads once; later stops do not wait again.
+    abandoned: AtomicBool,
+}
+
+/// What one vCPU thread has been doing, readable from any thread.
+#[derive(Debug, Default)]
+struct VcpuStats {
+    exits: AtomicU64,
+    /// The last exit: its kind (see [`exit_kind`]) in the low byte, its address or port above.
+    last: AtomicU64,
+    /// Set while the thread is inside KVM_RUN.
+    in_guest: AtomicBool,
 }
 
 impl Shared {
     fn tail(&self, n: usize) -> Vec<String> {
         self.log.lock().unwrap_or_else(|e| e.into_inner()).tail(n)
+    }
+
+    /// One line per vCPU: exits taken, the last one, and whether it is in the guest now.
+    fn vcpu_report(&self) -> String {
+        self.vcpu_stats
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let last = v.last.load(Ordering::Relaxed);
+                format!(
+                    "vCPU {i}: {} exits, last {} {:#x}, {}",
+                    v.exits.load(Ordering::Relaxed),
+                    exit_name(last as u8),
+                    last >> 8,
+                    if v.in_guest.load(Ordering::Relaxed) {
+                        "in the guest"
+                    } else {
+                        "in the VMM"
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// Records how the machine ended (the first report wins) and wakes the supervisor.
@@ -258,6 +303,8 @@ impl Machine {
             running_vcpus: AtomicUsize::new(vcpus.len()),
             log,
             marker: BootMarker::new(t0),
+            vcpu_stats: (0..cfg.vcpus).map(|_| VcpuStats::default()).collect(),
+            abandoned: AtomicBool::new(false),
         });
         install_kick_handler();
 
@@ -287,11 +334,13 @@ impl Machine {
             std::thread::Builder::new()
                 .name("vm-devices".into())
                 .spawn(move || {
-                    while !shared.stopping.load(Ordering::SeqCst) {
-                        if em.run_with_timeout(1000).is_err() {
-                            shared.end("the device event loop failed".into(), false, false);
+                    guarded(&shared, "the VM's device thread", || {
+                        while !shared.stopping.load(Ordering::SeqCst) {
+                            if em.run_with_timeout(1000).is_err() {
+                                shared.end("the device event loop failed".into(), false, false);
+                            }
                         }
-                    }
+                    })
                 })
                 .map_err(io_err("starting the device thread"))?
         };
@@ -302,7 +351,12 @@ impl Machine {
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
-                    vcpu_loop(vcpu, id, &thread_shared, &bus, &console);
+                    // A panic (a bug of a device model on this thread) ends the VM with its
+                    // message; the thread is counted out either way, so the supervisor never
+                    // waits for a thread that is gone.
+                    guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
+                        vcpu_loop(vcpu, id, &thread_shared, &bus, &console)
+                    });
                     thread_shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
                     thread_shared.ended.notify_all();
                 });
@@ -322,15 +376,17 @@ impl Machine {
             std::thread::Builder::new()
                 .name("vm-supervisor".into())
                 .spawn(move || {
-                    supervise(
-                        &shared,
-                        vcpu_threads,
-                        device_thread,
-                        &device_kick,
-                        vm,
-                        ioevents,
-                        mem,
-                    );
+                    guarded(&shared, "the VM's supervisor", || {
+                        supervise(
+                            &shared,
+                            vcpu_threads,
+                            device_thread,
+                            &device_kick,
+                            vm,
+                            ioevents,
+                            mem,
+                        )
+                    });
                     let exit = shared
                         .exit
                         .lock()
@@ -381,33 +437,74 @@ impl Machine {
         exit.clone()
     }
 
-    /// Ends the machine (if it has not ended) and returns once every thread of it is gone.
+    /// Ends the machine (if it has not ended) and returns once every thread of it is gone, or
+    /// after [`STOP_TIMEOUT`] with the threads that would not end named in the exit's reason
+    /// (they are left to finish on their own; later calls do not wait again).
     pub fn stop(&self) -> MachineExit {
         self.shared.end("stopped by the host".into(), false, true);
-        if let Some(h) = self
-            .supervisor
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            let _ = h.join();
-        }
-        let finished = self
-            .shared
-            .finished
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let _finished = self
-            .shared
-            .finished_cv
-            .wait_while(finished, |f| !*f)
-            .unwrap_or_else(|e| e.into_inner());
-        self.exit().unwrap_or_else(|| MachineExit {
+        self.wait_finished(STOP_TIMEOUT)
+    }
+
+    /// Ends the machine as failed for `reason` (the host gave up on the guest: it stopped
+    /// answering), unless it already ended, and waits for it as [`Machine::stop`] does.
+    pub fn fail(&self, reason: String) -> MachineExit {
+        self.shared.end(reason, false, false);
+        self.wait_finished(STOP_TIMEOUT)
+    }
+
+    fn wait_finished(&self, timeout: Duration) -> MachineExit {
+        let fallback = || MachineExit {
             reason: "stopped by the host".into(),
             by_guest: false,
             requested: true,
             console: Vec::new(),
-        })
+        };
+        if self.shared.abandoned.load(Ordering::SeqCst) {
+            return self.exit().unwrap_or_else(fallback);
+        }
+        let finished = {
+            let guard = self
+                .shared
+                .finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let (guard, _) = self
+                .shared
+                .finished_cv
+                .wait_timeout_while(guard, timeout, |f| !*f)
+                .unwrap_or_else(|e| e.into_inner());
+            *guard
+        };
+        let handle = self
+            .supervisor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let mut exit = self.exit().unwrap_or_else(fallback);
+        if finished {
+            if let Some(h) = handle {
+                // The supervisor has set `finished` as its last step: this join is immediate.
+                let _ = h.join();
+            }
+        } else {
+            self.shared.abandoned.store(true, Ordering::SeqCst);
+            let report = self.shared.vcpu_report();
+            tracing::error!(
+                vcpus = %report,
+                "a VM's threads did not end within {timeout:?} of its stop; they are left behind"
+            );
+            exit.reason = format!(
+                "{}; its threads did not end within {timeout:?} and were left behind ({report})",
+                exit.reason
+            );
+        }
+        exit
+    }
+
+    /// One line per vCPU (exits taken, the last one, in the guest or not): what to look at
+    /// when a guest stops answering.
+    pub fn vcpu_report(&self) -> String {
+        self.shared.vcpu_report()
     }
 
     /// The last `n` console lines.
@@ -453,12 +550,18 @@ fn supervise(
             .unwrap_or_else(|e| e.into_inner());
     }
     // A kick can land just before a vCPU enters KVM_RUN and be lost; repeat until each is out.
+    let kicking = Instant::now();
     while shared.running_vcpus.load(Ordering::SeqCst) > 0 {
         for h in &vcpu_threads {
             kick(h.as_pthread_t());
         }
+        let pause = if kicking.elapsed() < STOP_TIMEOUT {
+            KICK_FAST
+        } else {
+            KICK_SLOW
+        };
         let guard = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = shared.ended.wait_timeout(guard, Duration::from_millis(5));
+        let _ = shared.ended.wait_timeout(guard, pause);
     }
     for h in vcpu_threads {
         let _ = h.join();
@@ -521,8 +624,14 @@ fn vcpu_loop(
         bus.iter()
             .find(|(base, _)| (*base..*base + WINDOW).contains(&addr))
     };
+    let stats = &shared.vcpu_stats[id];
     while !shared.stopping.load(Ordering::SeqCst) {
-        match vcpu.run() {
+        stats.in_guest.store(true, Ordering::Relaxed);
+        let exit = vcpu.run();
+        stats.in_guest.store(false, Ordering::Relaxed);
+        stats.exits.fetch_add(1, Ordering::Relaxed);
+        stats.last.store(exit_kind(&exit), Ordering::Relaxed);
+        match exit {
             Ok(VcpuExit::IoOut(port, data)) => match port {
                 p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
                     if let Some(&b) = data.first() {
@@ -615,6 +724,56 @@ fn vcpu_loop(
     }
 }
 
+/// Kind (low byte) and address or port (above) of a vCPU exit, for [`VcpuStats::last`].
+fn exit_kind(exit: &Result<VcpuExit<'_>, kvm_ioctls::Error>) -> u64 {
+    let (kind, at) = match exit {
+        Ok(VcpuExit::IoOut(p, _)) => (1, u64::from(*p)),
+        Ok(VcpuExit::IoIn(p, _)) => (2, u64::from(*p)),
+        Ok(VcpuExit::MmioRead(a, _)) => (3, *a),
+        Ok(VcpuExit::MmioWrite(a, _)) => (4, *a),
+        Ok(VcpuExit::Hlt) => (5, 0),
+        Ok(VcpuExit::Shutdown) => (6, 0),
+        Ok(_) => (7, 0),
+        Err(e) => (8, e.errno() as u64),
+    };
+    kind | (at << 8)
+}
+
+fn exit_name(kind: u8) -> &'static str {
+    match kind {
+        0 => "none",
+        1 => "port write",
+        2 => "port read",
+        3 => "MMIO read",
+        4 => "MMIO write",
+        5 => "HLT",
+        6 => "shutdown",
+        7 => "other exit",
+        _ => "error (errno)",
+    }
+}
+
+/// Runs `f`; a panic in it ends the machine with `who` and the panic's message as the reason
+/// instead of unwinding the thread silently (which would leave the machine running without it).
+fn guarded(shared: &Shared, who: &str, f: impl FnOnce()) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        shared.end(
+            format!("{who} panicked: {}", panic_text(&panic)),
+            false,
+            false,
+        );
+    }
+}
+
+/// The message of a caught panic.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
 /// Maps guest RAM (anonymous, MAP_NORESERVE: a guest costs what it touches) and registers each
 /// region with KVM.
 fn guest_memory(vm: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, MachineError> {
@@ -654,4 +813,73 @@ fn kick(thread: libc::pthread_t) {
     // SAFETY: `thread` belongs to a JoinHandle not yet joined, so the thread id is valid; the
     // signal has a no-op handler installed, so its only effect is to interrupt KVM_RUN.
     unsafe { libc::pthread_kill(thread, vmm_sys_util::signal::SIGRTMIN()) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(vcpus: usize) -> Arc<Shared> {
+        Arc::new(Shared {
+            exit: Mutex::new(None),
+            ended: Condvar::new(),
+            finished: Mutex::new(false),
+            finished_cv: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            running_vcpus: AtomicUsize::new(vcpus),
+            log: Arc::new(Mutex::new(ConsoleLog::default())),
+            marker: BootMarker::new(Instant::now()),
+            vcpu_stats: (0..vcpus).map(|_| VcpuStats::default()).collect(),
+            abandoned: AtomicBool::new(false),
+        })
+    }
+
+    #[test]
+    fn a_panicking_thread_ends_the_machine_with_its_message() {
+        let s = shared(1);
+        let t = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                guarded(&s, "vCPU 0's thread", || panic!("a device model bug"));
+                s.running_vcpus.fetch_sub(1, Ordering::SeqCst);
+            })
+        };
+        t.join()
+            .expect("the panic is caught, the thread ends normally");
+        let exit = s.exit.lock().unwrap().clone().expect("the machine ended");
+        assert_eq!(exit.reason, "vCPU 0's thread panicked: a device model bug");
+        assert!(!exit.requested && !exit.by_guest);
+        assert!(s.stopping.load(Ordering::SeqCst));
+        assert_eq!(s.running_vcpus.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn stop_gives_up_on_threads_that_never_end_and_says_so() {
+        let s = shared(1);
+        // A supervisor that never finishes (a vCPU thread stuck in a host syscall).
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let supervisor = std::thread::spawn(move || {
+            let _ = stuck.recv();
+        });
+        let m = Machine {
+            shared: s.clone(),
+            vsock: Vsock::new(3).expect("eventfd").1,
+            supervisor: Mutex::new(Some(supervisor)),
+            on_exit: Arc::new(Mutex::new(None)),
+        };
+        let t = Instant::now();
+        let exit = m.wait_finished(Duration::from_millis(200));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            exit.reason.contains("did not end within 200ms"),
+            "{}",
+            exit.reason
+        );
+        assert!(exit.reason.contains("vCPU 0: 0 exits"), "{}", exit.reason);
+        // Later stops (and the drop) do not wait again.
+        let t = Instant::now();
+        drop(m);
+        assert!(t.elapsed() < Duration::from_secs(1));
+        let _ = release.send(());
+    }
 }

@@ -20,6 +20,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
+/// The longest a stop waits for QEMU to be reaped after SIGKILL.
+const REAP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A QEMU process and what belongs to it.
 pub struct QemuVm {
@@ -29,6 +31,8 @@ pub struct QemuVm {
     console: Arc<Mutex<ConsoleLog>>,
     exit: watch::Receiver<Option<VmExit>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by `kill`: the reason the host gave up on the VM, reported as its exit.
+    kill_reason: Arc<Mutex<Option<String>>>,
     state_dir: PathBuf,
     /// From spawning QEMU to the guest's boot marker, once it came (x86_64).
     marker: Arc<std::sync::OnceLock<Duration>>,
@@ -99,11 +103,13 @@ pub async fn spawn(
 
     let (exit_tx, exit_rx) = watch::channel(None);
     let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let kill_reason = Arc::new(Mutex::new(None));
     tokio::spawn(wait_exit(
         child,
         console.clone(),
         exit_tx,
         stop_requested.clone(),
+        kill_reason.clone(),
     ));
 
     let marker = Arc::new(std::sync::OnceLock::new());
@@ -125,6 +131,7 @@ pub async fn spawn(
         console,
         exit: exit_rx,
         stop_requested,
+        kill_reason,
         state_dir: spec.state_dir.clone(),
         marker,
     };
@@ -213,6 +220,7 @@ async fn wait_exit(
     console: Arc<Mutex<ConsoleLog>>,
     tx: watch::Sender<Option<VmExit>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
+    kill_reason: Arc<Mutex<Option<String>>>,
 ) {
     let status = child.wait().await;
     // Give the console pumps a moment to take QEMU's last words.
@@ -221,8 +229,13 @@ async fn wait_exit(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .tail(EXIT_CONSOLE_LINES);
-    let requested = stop_requested.load(std::sync::atomic::Ordering::SeqCst);
-    let reason = classify(status.as_ref().ok().copied(), requested, &lines);
+    let killed = kill_reason
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let requested = killed.is_none() && stop_requested.load(std::sync::atomic::Ordering::SeqCst);
+    let reason =
+        killed.unwrap_or_else(|| classify(status.as_ref().ok().copied(), requested, &lines));
     tx.send_replace(Some(VmExit {
         reason,
         requested,
@@ -292,7 +305,17 @@ impl Vm for QemuVm {
                 self.signal(libc::SIGKILL);
             }
         }
-        let exit = self.wait().await;
+        let exit = self.reaped().await;
+        remove_state_dir(&self.state_dir);
+        exit
+    }
+
+    async fn kill(&self, reason: String) -> VmExit {
+        if self.exit().is_none() {
+            *self.kill_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+            self.signal(libc::SIGKILL);
+        }
+        let exit = self.reaped().await;
         remove_state_dir(&self.state_dir);
         exit
     }
@@ -323,6 +346,32 @@ impl Drop for QemuVm {
 }
 
 impl QemuVm {
+    /// The exit once QEMU (sent SIGKILL) has been reaped, or after [`REAP_TIMEOUT`] an exit
+    /// that says it could not be: a process in uninterruptible sleep is never waited for
+    /// without bound.
+    async fn reaped(&self) -> VmExit {
+        if self.exit().is_none() {
+            self.signal(libc::SIGKILL);
+        }
+        match tokio::time::timeout(REAP_TIMEOUT, self.wait()).await {
+            Ok(exit) => exit,
+            Err(_) => {
+                tracing::error!(
+                    pid = self.pid,
+                    "QEMU did not end within {REAP_TIMEOUT:?} of SIGKILL"
+                );
+                VmExit {
+                    reason: format!(
+                        "QEMU (pid {}) did not end within {REAP_TIMEOUT:?} of SIGKILL; it is left behind",
+                        self.pid
+                    ),
+                    requested: false,
+                    console: self.console_tail(EXIT_CONSOLE_LINES),
+                }
+            }
+        }
+    }
+
     fn signal(&self, sig: i32) {
         use std::os::fd::AsRawFd;
         match &self.pidfd {
