@@ -126,6 +126,7 @@ fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> V
         cmdline: vec![],
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
         net: None,
+        start_timeout: None,
     }
 }
 

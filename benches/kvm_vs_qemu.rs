@@ -39,6 +39,7 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str, disk: Option<&Path>) -> VmSp
         cmdline: vec![],
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
         net: None,
+        start_timeout: None,
     }
 }
 

@@ -123,5 +123,15 @@ async fn tree_round_trip() {
     assert_eq!(err.agent_code(), Some("bad_request"), "{err}");
     assert_eq!(sh(c, "echo alive").await.stdout, b"alive\n");
 
+    // A FIFO with no writer would block a reader forever: it is refused, not read.
+    assert_eq!(sh(c, "mkfifo /tmp/fifo && echo ok").await.stdout, b"ok\n");
+    let read = sandbox_e2e::bounded("reading a FIFO as a file", async {
+        c.get_file("/tmp/fifo").await?.collect().await
+    })
+    .await;
+    let err = read.unwrap_err();
+    assert_eq!(err.agent_code(), Some("bad_request"), "{err}");
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+
     vm.sandbox.stop().await;
 }

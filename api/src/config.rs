@@ -209,11 +209,11 @@ impl Config {
             30_000,
             "a number of milliseconds",
         )?;
-        if unresponsive_ms < 1000 {
+        if unresponsive_ms < 2000 {
             return Err(ConfigError::Invalid {
                 var: "SANDBOX_HOST_UNRESPONSIVE_MS",
                 value: unresponsive_ms.to_string(),
-                expected: "at least 1000 (a busy guest needs time to answer)",
+                expected: "at least 2000 (a busy guest needs time to answer)",
             });
         }
         let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {

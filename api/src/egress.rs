@@ -95,7 +95,7 @@ pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, St
         let secrets = spec
             .secrets
             .iter()
-            .map(|s| Secret::new(&s.env, &s.value, &s.hosts))
+            .map(|s| Secret::new(&s.env, &s.value, &s.hosts, s.headers.as_deref()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| StartError::Bad(e.to_string()))?;
         let client =

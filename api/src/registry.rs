@@ -24,6 +24,9 @@ pub struct SecretSpec {
     pub value: String,
     /// Hosts that may receive it.
     pub hosts: Vec<String>,
+    /// Request headers the placeholder is replaced in (default `authorization`, `x-api-key`).
+    #[serde(default)]
+    pub headers: Option<Vec<String>>,
 }
 
 impl std::fmt::Debug for SecretSpec {
@@ -32,6 +35,7 @@ impl std::fmt::Debug for SecretSpec {
             .field("env", &self.env)
             .field("value", &"<redacted>")
             .field("hosts", &self.hosts)
+            .field("headers", &self.headers)
             .finish()
     }
 }

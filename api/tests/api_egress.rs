@@ -530,7 +530,8 @@ type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 /// A fake model provider on loopback (HTTPS, HTTP/1.1, keep-alive): Anthropic JSON or SSE on
 /// `/v1/messages` (SSE when the body asks for a stream), OpenAI SSE on `/v1/chat/completions`,
 /// OpenRouter JSON with a billed cost on `/api/v1/chat/completions`. Streams are sent in pieces.
-async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
+/// TLS with the certificate `make_certs` put in `dir`.
+fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(dir.join("srv.pem"))
@@ -546,7 +547,11 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
     .with_no_client_auth()
     .with_single_cert(certs, key)
     .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+}
+
+async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
+    let acceptor = tls_acceptor(dir);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let seen: Seen = Arc::default();
@@ -936,4 +941,283 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
     assert_eq!(v["by_reason"]["placeholder_leak"], 2, "{v}");
     assert_eq!(v["by_reason"]["sni_host_mismatch"], 1, "{v}");
     assert_eq!(v["connections"]["intercepted"], cases_len + 2, "{v}");
+}
+
+/// A provider that gives back what it got, in every way a real one might (HTTPS, HTTP/1.1,
+/// keep-alive, chunked): `/headers` echoes the request headers as JSON (like httpbin) and the
+/// credential in a response header; `/error` is Anthropic's 400 quoting the `x-api-key` value;
+/// `/split` sends the credential raw, JSON-escaped and base64-encoded, cut across chunks one
+/// byte at a time; `/big` streams 10 MiB of bytes that hold no key.
+async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
+    let acceptor = tls_acceptor(dir);
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, log) = (acceptor.clone(), log.clone());
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                while let Some(end) = read_head(&mut s, &mut buf).await {
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end);
+                    log.lock().unwrap().push((head.clone(), vec![]));
+                    let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                    let header = |name: &str| {
+                        head.lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+                            })
+                            .unwrap_or_default()
+                    };
+                    let key = header("x-api-key");
+                    let key = if key.is_empty() {
+                        header("authorization")
+                            .trim_start_matches("Bearer ")
+                            .to_string()
+                    } else {
+                        key
+                    };
+                    let (status, pieces): (&str, Vec<Vec<u8>>) = match path.as_str() {
+                        "/headers" => {
+                            let map: serde_json::Map<String, Value> = head
+                                .lines()
+                                .skip(1)
+                                .filter_map(|l| l.split_once(':'))
+                                .map(|(k, v)| (k.to_string(), json!(v.trim())))
+                                .collect();
+                            let body = json!({ "headers": map }).to_string();
+                            ("200 OK", vec![body.into_bytes()])
+                        }
+                        "/error" => {
+                            let body = json!({"type": "error", "error": {"type": "invalid_request_error",
+                                "message": format!("Unexpected value(s) `{key}` for the `anthropic-beta` header")}})
+                            .to_string();
+                            ("400 Bad Request", vec![body.into_bytes()])
+                        }
+                        "/split" => {
+                            use base64::Engine;
+                            let b64 = base64::engine::general_purpose::STANDARD;
+                            let text = format!(
+                                "raw {key} json {} b64 {} end\n",
+                                serde_json::to_string(&key).unwrap(),
+                                b64.encode(format!("user:{key}"))
+                            );
+                            (
+                                "200 OK",
+                                text.into_bytes().chunks(1).map(<[u8]>::to_vec).collect(),
+                            )
+                        }
+                        _ => {
+                            let mut x = 0x2545_f491_4f6c_dd1d_u64;
+                            let chunks = (0..160)
+                                .map(|_| {
+                                    (0..8192)
+                                        .flat_map(|_| {
+                                            x ^= x << 13;
+                                            x ^= x >> 7;
+                                            x ^= x << 17;
+                                            x.to_le_bytes()
+                                        })
+                                        .collect()
+                                })
+                                .collect();
+                            ("200 OK", chunks)
+                        }
+                    };
+                    let h = format!(
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\ntransfer-encoding: chunked\r\n\r\n"
+                    );
+                    if s.write_all(h.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    for p in pieces {
+                        let mut chunk = format!("{:x}\r\n", p.len()).into_bytes();
+                        chunk.extend(p);
+                        chunk.extend(b"\r\n");
+                        if s.write_all(&chunk).await.is_err() {
+                            return;
+                        }
+                        let _ = s.flush().await;
+                    }
+                    if s.write_all(b"0\r\n\r\n").await.is_err() {
+                        return;
+                    }
+                    let _ = s.flush().await;
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
+    if stock_image_missing() || guest_image_missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path(), &["api.provider.test", "gemini.provider.test"]);
+    let (port, seen) = echo_provider(dir.path()).await;
+    let resolve =
+        format!("api.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1");
+    let ca = dir.path().join("ca.pem");
+    let store = sandbox_vmm::config::image_dir();
+    let h = start(&[
+        ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
+    ]);
+    let key = "sk-ant-api03-REALKEY-9/8+7\"6_5";
+    let gemini = "AIzaREALKEY-gemini-0123456789";
+    let id = h
+        .create(json!({
+            "image": "vantik-guest:latest",
+            "egress": {"secrets": [
+                {"env": "ANTHROPIC_API_KEY", "value": key, "hosts": ["api.provider.test"]},
+                {"env": "GEMINI_API_KEY", "value": gemini, "hosts": ["gemini.provider.test"],
+                 "headers": ["x-goog-api-key"]}
+            ]}
+        }))
+        .await;
+    let base = format!("https://api.provider.test:{port}");
+    // Whatever the guest does, neither its output nor the headers it sees hold a key (or its
+    // encodings). `curl -i` prints the response headers too.
+    let forms = |k: &str| {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        vec![
+            k.to_string(),
+            serde_json::to_string(k)
+                .unwrap()
+                .trim_matches('"')
+                .to_string(),
+            b64.encode(format!("user:{k}"))[8..40].to_string(),
+            "REALKEY".to_string(),
+        ]
+    };
+    let run = |cmd: String| {
+        let h = &h;
+        let id = id.clone();
+        async move {
+            let (out, err, last) = h.exec(&id, &cmd).await;
+            let all = format!("{}{}", text(&out), text(&err));
+            for f in forms(key).into_iter().chain(forms(gemini)) {
+                assert!(
+                    !all.contains(&f),
+                    "`{f}` reached the guest through `{cmd}`: {all}"
+                );
+            }
+            (text(&out), last)
+        }
+    };
+    // Credential headers: the provider gets the key and echoes it; the guest sees it masked.
+    let (out, _) = run(format!(
+        "curl -sS -i --http1.1 -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/headers"
+    ))
+    .await;
+    assert!(out.contains("x-echo-key: ****"), "{out}");
+    assert!(
+        out.contains("\"headers\""),
+        "the rest of the echo arrives: {out}"
+    );
+    let (out, _) = run(format!(
+        "curl -sS -i --http2 -H \"authorization: Bearer $ANTHROPIC_API_KEY\" {base}/headers"
+    ))
+    .await;
+    assert!(out.contains("Bearer ****"), "{out}");
+    let (out, _) = run(format!(
+        "curl -sS -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/error"
+    ))
+    .await;
+    assert!(out.contains("Unexpected value(s) `****"), "{out}");
+    let (out, _) = run(format!(
+        "curl -sS --http2 -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/split"
+    ))
+    .await;
+    assert!(
+        out.starts_with("raw ****") && out.ends_with(" end\n"),
+        "{out}"
+    );
+    // A credential header the run named for a provider that reads another one.
+    let (out, _) = run(format!(
+        "curl -sS -H \"x-goog-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/headers"
+    ))
+    .await;
+    assert!(out.contains("\"headers\""), "{out}");
+    let provider_got: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(h, _)| h.clone())
+        .collect();
+    assert_eq!(provider_got.len(), 5, "{provider_got:?}");
+    assert!(
+        provider_got[..4].iter().all(|h| h.contains(key)),
+        "{provider_got:?}"
+    );
+    assert!(provider_got[4].contains(&format!("x-goog-api-key: {gemini}")));
+
+    // A placeholder anywhere but a credential header is refused before the provider sees it.
+    for (what, cmd) in [
+        (
+            "another header",
+            format!("-H \"anthropic-beta: $ANTHROPIC_API_KEY\" {base}/error"),
+        ),
+        (
+            "a custom header",
+            format!("-H \"x-custom: x$ANTHROPIC_API_KEY\" {base}/headers"),
+        ),
+        (
+            "the target",
+            format!("\"{base}/headers?k=$ANTHROPIC_API_KEY\""),
+        ),
+        (
+            "a default header of another secret",
+            format!(
+                "-H \"x-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/headers"
+            ),
+        ),
+    ] {
+        let (out, _) = run(format!("curl -sS -i {cmd}")).await;
+        assert!(
+            out.contains("x-sandbox-egress-refused: placeholder_leak"),
+            "{what}: {out}"
+        );
+    }
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        5,
+        "nothing refused reached the provider"
+    );
+
+    // A long response with no key passes byte for byte, still streamed.
+    let (out, last) = run(format!(
+        "curl -sS -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/big | sha256sum"
+    ))
+    .await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let big: Vec<u8> = (0..160 * 8192)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    assert_eq!(big.len(), 10 << 20);
+    assert_eq!(out.split_whitespace().next(), Some(sha256(&big).as_str()));
+
+    let v = egress(&h, &id).await;
+    assert_eq!(v["by_reason"]["placeholder_leak"], 4, "{v}");
+    // /headers twice (value and echoed header), the error, the split (three forms), gemini.
+    assert!(v["by_reason"]["secret_echo"].as_u64().unwrap() >= 8, "{v}");
+    let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
+    assert!(String::from_utf8_lossy(&m).contains("reason=\"secret_echo\""));
 }

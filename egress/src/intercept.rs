@@ -1,9 +1,10 @@
 //! TLS interception of the secret and meter hosts: the guest's TLS ends here, with a certificate
 //! for the connection's name signed by the sandbox's own CA (which the guest trusts, and which can
 //! sign for these names only); each request is checked, gets the real key in place of its
-//! placeholder when it goes to the secret's hosts, and goes on over verified TLS (system roots,
-//! plus `SANDBOX_HOST_EGRESS_CA_FILE`) to the same name. Responses stream back unchanged while the
-//! meter reads their usage.
+//! placeholder in the secret's credential headers when it goes to the secret's hosts (a placeholder
+//! anywhere else is refused), and goes on over verified TLS (system roots, plus
+//! `SANDBOX_HOST_EGRESS_CA_FILE`) to the same name. Responses stream back while the meter reads
+//! their usage and the echo scan masks any secret value in them (`echo`).
 //!
 //! HTTP/2 and HTTP/1.1 toward the guest (by its ALPN); HTTP/1.1 upstream, on up to
 //! [`UPSTREAM_CONNECTIONS`] connections per guest connection, each made with the same
@@ -28,6 +29,7 @@ use thiserror::Error;
 use tokio::sync::Mutex;
 
 use crate::conn::Context;
+use crate::echo::{EchoForms, EchoScanner};
 use crate::guest_io::GuestStream;
 use crate::meter::record::Meter;
 use crate::policy::{HostPattern, normalize};
@@ -74,6 +76,8 @@ pub enum InterceptError {
 pub struct Interception {
     ca: SandboxCa,
     secrets: Vec<Secret>,
+    /// Every form of every secret's value, looked for in every response.
+    echo: Option<Arc<EchoForms>>,
     meter: Vec<HostPattern>,
     client: Arc<rustls::ClientConfig>,
 }
@@ -90,6 +94,7 @@ impl Interception {
     ) -> Result<Self, CaError> {
         Ok(Interception {
             ca: SandboxCa::new(id, intercepted)?,
+            echo: EchoForms::new(secrets.iter().map(Secret::value)),
             secrets,
             meter,
             client,
@@ -340,14 +345,15 @@ impl Proxy {
             return refuse(Reason::Protocol);
         }
         let (parts, body) = req.into_parts();
-        // Placeholders: the real value for the secret's own hosts, a leak anywhere else.
+        // Placeholders: the real value in the secret's credential headers to its own hosts, a
+        // leak anywhere else (another header, so a provider cannot be made to echo the key).
         let mut headers = HeaderMap::new();
         for (k, v) in &parts.headers {
             if HOP.contains(&k.as_str()) || k == header::HOST {
                 continue;
             }
             let v = if k == header::AUTHORIZATION || k == header::PROXY_AUTHORIZATION {
-                match self.substitute_basic(v) {
+                match self.substitute_basic(k.as_str(), v) {
                     Ok(v) => v,
                     Err(()) => {
                         stats.refuse(Reason::PlaceholderLeak, &target);
@@ -357,7 +363,7 @@ impl Proxy {
             } else {
                 v.clone()
             };
-            match self.substitute(&v) {
+            match self.substitute(k.as_str(), &v) {
                 Ok(v) => {
                     headers.append(k.clone(), v);
                 }
@@ -377,11 +383,8 @@ impl Proxy {
         } else {
             LeakScanner::new(self.secrets(), "") // in cleartext every placeholder is a leak
         };
-        let in_target = self
-            .secrets()
-            .iter()
-            .filter(|s| !self.tls || !s.applies_to(&self.name))
-            .any(|s| path.contains(&s.placeholder));
+        // A target is never a credential: a placeholder there is a leak, to any host.
+        let in_target = self.secrets().iter().any(|s| path.contains(&s.placeholder));
         if in_target {
             stats.refuse(Reason::PlaceholderLeak, &target);
             return refuse(Reason::PlaceholderLeak);
@@ -411,6 +414,11 @@ impl Proxy {
         let body = ScannedBody {
             inner: body,
             scanner: leaks,
+            placeholders: self
+                .secrets()
+                .iter()
+                .map(|s| s.placeholder.clone())
+                .collect(),
             stats: self.cx.stats.clone(),
             target: target.clone(),
         }
@@ -451,6 +459,13 @@ impl Proxy {
         for h in HOP {
             parts.headers.remove(h);
         }
+        let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
+        if let Some(forms) = &echo {
+            let echoed = mask_headers(forms, &mut parts.headers);
+            for _ in 0..echoed {
+                stats.refuse(Reason::SecretEcho, &target);
+            }
+        }
         let meter = if metered {
             parts
                 .headers
@@ -463,7 +478,10 @@ impl Proxy {
         let body = MeteredBody {
             inner: body,
             meter,
+            echo: echo.map(EchoScanner::new),
+            trailers: None,
             host: self.name.clone(),
+            target,
             status: parts.status.as_u16(),
             stats: self.cx.stats.clone(),
         }
@@ -475,10 +493,11 @@ impl Proxy {
         self.icp.as_ref().map_or(&[], |i| i.secrets.as_slice())
     }
 
-    /// The header value with each placeholder of a secret for this host replaced by its value
-    /// (over TLS only); `Err` if it holds the placeholder of a secret for other hosts, or any
-    /// placeholder in plain HTTP.
-    fn substitute(&self, v: &HeaderValue) -> Result<HeaderValue, ()> {
+    /// The value of header `name` with each placeholder replaced by its secret's value, where
+    /// the request goes over TLS to the secret's hosts and `name` is one of its credential
+    /// headers; `Err` for a placeholder anywhere else (another secret's host, another header,
+    /// plain HTTP).
+    fn substitute(&self, name: &str, v: &HeaderValue) -> Result<HeaderValue, ()> {
         let bytes = v.as_bytes();
         let mut out: Option<Vec<u8>> = None;
         for s in self.secrets() {
@@ -487,7 +506,7 @@ impl Proxy {
             if !cur.windows(p.len()).any(|w| w == p) {
                 continue;
             }
-            if !self.tls || !s.applies_to(&self.name) {
+            if !self.tls || !s.applies_to(&self.name) || !s.substitutes_in(name) {
                 return Err(());
             }
             let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
@@ -506,7 +525,7 @@ impl Proxy {
     /// `Basic <base64(user:password)>` with placeholders inside (git and other tools send a token
     /// as the password): decoded, substituted by [`substitute`](Self::substitute)'s rules, and
     /// encoded again. Any other value is returned as it is.
-    fn substitute_basic(&self, v: &HeaderValue) -> Result<HeaderValue, ()> {
+    fn substitute_basic(&self, name: &str, v: &HeaderValue) -> Result<HeaderValue, ()> {
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD;
         let Some(encoded) = v.to_str().ok().and_then(|t| {
@@ -521,7 +540,7 @@ impl Proxy {
         let Ok(inner) = HeaderValue::from_bytes(&decoded) else {
             return Ok(v.clone());
         };
-        let replaced = self.substitute(&inner)?;
+        let replaced = self.substitute(name, &inner)?;
         if replaced.as_bytes() == decoded.as_slice() {
             return Ok(v.clone());
         }
@@ -601,6 +620,8 @@ where
 struct ScannedBody {
     inner: Incoming,
     scanner: LeakScanner,
+    /// Every placeholder: none may be in a trailer, whatever the host.
+    placeholders: Vec<String>,
     stats: Arc<Stats>,
     target: String,
 }
@@ -627,6 +648,20 @@ impl Body for ScannedBody {
                     }
                     Stats::add(&this.stats.to_upstream, data.len() as u64);
                 }
+                if let Some(trailers) = frame.trailers_ref() {
+                    let leaked = trailers.iter().any(|(k, v)| {
+                        this.placeholders.iter().any(|p| {
+                            let p = p.as_bytes();
+                            [k.as_str().as_bytes(), v.as_bytes()]
+                                .iter()
+                                .any(|b| b.windows(p.len()).any(|w| w == p))
+                        })
+                    });
+                    if leaked {
+                        this.stats.refuse(Reason::PlaceholderLeak, &this.target);
+                        return Poll::Ready(Some(Err(Box::new(Leak(this.target.clone())))));
+                    }
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
@@ -650,7 +685,12 @@ impl Body for ScannedBody {
 struct MeteredBody {
     inner: Incoming,
     meter: Option<Meter>,
+    /// Masks secret values on their way to the guest (intercepted hosts with secrets).
+    echo: Option<EchoScanner>,
+    /// Trailers that wait until the bytes the echo scan held back have gone.
+    trailers: Option<HeaderMap>,
     host: String,
+    target: String,
     status: u16,
     stats: Arc<Stats>,
 }
@@ -669,6 +709,14 @@ impl MeteredBody {
     }
 }
 
+impl MeteredBody {
+    fn echoed(&self, n: usize) {
+        for _ in 0..n {
+            self.stats.refuse(Reason::SecretEcho, &self.target);
+        }
+    }
+}
+
 impl Body for MeteredBody {
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -678,35 +726,117 @@ impl Body for MeteredBody {
         cx: &mut TaskContext<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    Stats::add(&this.stats.to_guest, data.len() as u64);
-                    if let Some(m) = this.meter.as_mut() {
-                        m.feed(data);
+        if let Some(t) = this.trailers.take() {
+            return Poll::Ready(Some(Ok(Frame::trailers(t))));
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            Stats::add(&this.stats.to_guest, data.len() as u64);
+                            if let Some(m) = this.meter.as_mut() {
+                                m.feed(&data);
+                            }
+                            let Some(echo) = this.echo.as_mut() else {
+                                return Poll::Ready(Some(Ok(Frame::data(data))));
+                            };
+                            let (out, n) = echo.feed(&data);
+                            this.echoed(n);
+                            if out.is_empty() {
+                                continue; // all held back: wait for more
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                        }
+                        Err(frame) => frame,
+                    };
+                    let Ok(mut trailers) = frame.into_trailers() else {
+                        continue; // a frame kind hyper may add later: not ours to pass
+                    };
+                    if let Some(forms) = this.echo.as_ref().map(|e| e.forms().clone()) {
+                        let n = mask_headers(&forms, &mut trailers);
+                        this.echoed(n);
                     }
+                    let held = this
+                        .echo
+                        .as_mut()
+                        .map(EchoScanner::finish)
+                        .unwrap_or_default();
+                    if held.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                    }
+                    this.trailers = Some(trailers);
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(held)))));
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Ready(Some(Err(e))) => {
+                    this.finish(false);
+                    return Poll::Ready(Some(Err(Box::new(e))));
+                }
+                Poll::Ready(None) => {
+                    let held = this
+                        .echo
+                        .as_mut()
+                        .map(EchoScanner::finish)
+                        .unwrap_or_default();
+                    if !held.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(held)))));
+                    }
+                    this.finish(true);
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => return Poll::Pending,
             }
-            Poll::Ready(Some(Err(e))) => {
-                this.finish(false);
-                Poll::Ready(Some(Err(Box::new(e))))
-            }
-            Poll::Ready(None) => {
-                this.finish(true);
-                Poll::Ready(None)
-            }
-            Poll::Pending => Poll::Pending,
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.trailers.is_none()
+            && !self.echo.as_ref().is_some_and(EchoScanner::holding)
+            && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
+        // Masking keeps every length: the upstream's hint stays exact.
         self.inner.size_hint()
     }
+}
+
+/// Masks secret values in header values (and drops a header whose name holds one); returns how
+/// many there were.
+fn mask_headers(forms: &EchoForms, headers: &mut HeaderMap) -> usize {
+    let mut found = 0;
+    let names: Vec<HeaderName> = headers.keys().cloned().collect();
+    for name in names {
+        let mut n = name.as_str().as_bytes().to_vec();
+        if forms.mask(&mut n) > 0 {
+            found += headers.get_all(&name).iter().count();
+            headers.remove(&name);
+            continue;
+        }
+        let values: Vec<HeaderValue> = headers.get_all(&name).iter().cloned().collect();
+        let mut changed = false;
+        let masked: Vec<HeaderValue> = values
+            .into_iter()
+            .map(|v| {
+                let mut b = v.as_bytes().to_vec();
+                let hits = forms.mask(&mut b);
+                if hits == 0 {
+                    return v;
+                }
+                found += hits;
+                changed = true;
+                // The mask is a visible ASCII byte: a valid header value still.
+                HeaderValue::from_bytes(&b).unwrap_or(HeaderValue::from_static("*"))
+            })
+            .collect();
+        if changed {
+            headers.remove(&name);
+            for v in masked {
+                headers.append(name.clone(), v);
+            }
+        }
+    }
+    found
 }
 
 impl Drop for MeteredBody {

@@ -10,6 +10,7 @@ pub mod addr;
 mod conn;
 pub mod decide;
 pub mod dns;
+pub mod echo;
 pub mod gate;
 mod guest_io;
 pub mod intercept;

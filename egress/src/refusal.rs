@@ -39,11 +39,14 @@ pub enum Reason {
     InternalAddress,
     /// Too many connections open or opening.
     ConnectionLimit,
+    /// A secret's real value (or an encoding of it) in a response of an intercepted host:
+    /// masked before it reached the guest.
+    SecretEcho,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -60,6 +63,7 @@ impl Reason {
         Reason::PlaceholderLeak,
         Reason::InternalAddress,
         Reason::ConnectionLimit,
+        Reason::SecretEcho,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -81,6 +85,7 @@ impl Reason {
             Reason::PlaceholderLeak => "placeholder_leak",
             Reason::InternalAddress => "internal_address",
             Reason::ConnectionLimit => "connection_limit",
+            Reason::SecretEcho => "secret_echo",
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The run's secrets: the guest sees only a random placeholder in each secret's environment
-//! variable; the stack puts the real value in place of the placeholder in request headers bound
-//! for that secret's hosts, and refuses any request to another host in which it can read a
-//! placeholder (a leak, or an attempt to send the key elsewhere).
+//! variable; the stack puts the real value in place of the placeholder only in the secret's
+//! credential headers (`authorization` and `x-api-key` unless the run names others) of requests
+//! bound for the secret's hosts, and refuses any request in which it can read a placeholder
+//! anywhere else (another header, the target, a trailer, or a body to another host): that is a
+//! leak, or an attempt to make a provider echo the key back.
 
 use std::fmt;
 use std::io::Read;
@@ -23,14 +25,52 @@ pub enum SecretsError {
     },
     /// The value would break a header line.
     #[error(
-        "secret `{0}`: the value must be non-empty printable ASCII with no line breaks (it goes \
-         into HTTP headers)"
+        "secret `{0}`: the value must be printable ASCII with no line breaks (it goes into HTTP \
+         headers), at least {MIN_VALUE_LEN} characters (shorter ones cannot be told apart from \
+         ordinary text in responses) and at most {MAX_VALUE_LEN}"
     )]
     BadValue(String),
+    /// A credential header name that cannot carry a key.
+    #[error(
+        "secret `{env}`: `{header}` cannot be one of its headers: {why}. Name the request headers \
+         the provider reads the key from, such as authorization, x-api-key, api-key or x-goog-api-key"
+    )]
+    BadHeader {
+        /// The secret's variable.
+        env: String,
+        /// The header as given (cut short).
+        header: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// No randomness for placeholders.
     #[error("reading /dev/urandom for secret placeholders: {0}")]
     Random(std::io::Error),
 }
+
+/// Shortest secret value accepted.
+pub const MIN_VALUE_LEN: usize = 8;
+/// Longest secret value accepted (a header value; also bounds the response scanner's window).
+pub const MAX_VALUE_LEN: usize = 4096;
+/// The credential headers of a secret that names none: what Anthropic (`x-api-key`), OpenAI and
+/// OpenRouter (`authorization: Bearer`) read.
+pub const DEFAULT_HEADERS: [&str; 2] = ["authorization", "x-api-key"];
+/// Most credential headers one secret may name.
+pub const MAX_HEADERS: usize = 8;
+/// Headers that never carry a key: the proxy sets or drops them itself.
+const NOT_CREDENTIALS: [&str; 11] = [
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+    "content-length",
+    "content-type",
+    "accept-encoding",
+];
 
 /// One secret.
 pub struct Secret {
@@ -40,6 +80,8 @@ pub struct Secret {
     pub placeholder: String,
     value: String,
     hosts: Vec<HostPattern>,
+    /// The request headers (lower case) whose placeholder becomes the value.
+    headers: Vec<String>,
 }
 
 impl fmt::Debug for Secret {
@@ -49,16 +91,29 @@ impl fmt::Debug for Secret {
             .field("env", &self.env)
             .field("placeholder", &self.placeholder)
             .field("hosts", &self.hosts)
+            .field("headers", &self.headers)
             .finish_non_exhaustive()
     }
 }
 
 impl Secret {
-    /// A secret with a fresh random placeholder.
-    pub fn new(env: &str, value: &str, hosts: &[String]) -> Result<Secret, SecretsError> {
-        if value.is_empty() || !value.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+    /// A secret with a fresh random placeholder, replaced in `headers` (lower or mixed case;
+    /// `None` for [`DEFAULT_HEADERS`]) of requests to `hosts`.
+    pub fn new(
+        env: &str,
+        value: &str,
+        hosts: &[String],
+        headers: Option<&[String]>,
+    ) -> Result<Secret, SecretsError> {
+        if !(MIN_VALUE_LEN..=MAX_VALUE_LEN).contains(&value.len())
+            || !value.bytes().all(|b| (0x20..0x7f).contains(&b))
+        {
             return Err(SecretsError::BadValue(env.to_string()));
         }
+        let headers = match headers {
+            None => DEFAULT_HEADERS.iter().map(|h| h.to_string()).collect(),
+            Some(hs) => credential_headers(env, hs)?,
+        };
         let hosts = hosts
             .iter()
             .map(|h| HostPattern::parse(h))
@@ -78,7 +133,14 @@ impl Secret {
             placeholder: format!("vantik-placeholder-{hex}"),
             value: value.to_string(),
             hosts,
+            headers,
         })
+    }
+
+    /// Whether a placeholder in request header `name` (lower case, as `http` keeps names) of a
+    /// request to one of the secret's hosts becomes the value.
+    pub fn substitutes_in(&self, name: &str) -> bool {
+        self.headers.iter().any(|h| h == name)
     }
 
     /// The real value (only ever written into verified TLS to the secret's hosts).
@@ -92,64 +154,41 @@ impl Secret {
     }
 }
 
-/// What happened to a request head.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Rewrite {
-    /// Send this head (placeholders for this host replaced by values).
-    Send(Vec<u8>),
-    /// A placeholder of `env` is in a request to a host it does not belong to: refuse.
-    Leak {
-        /// The secret's variable.
-        env: String,
-    },
-}
-
-/// Rewrites an HTTP/1 request head bound for `host`: each secret's placeholder becomes its value
-/// where the secret applies to `host`; any placeholder anywhere else in the head (request line
-/// included) is a leak.
-pub fn rewrite_head(head: &[u8], host: &str, secrets: &[Secret]) -> Rewrite {
-    let mut out = head.to_vec();
-    for s in secrets {
-        let p = s.placeholder.as_bytes();
-        if !contains(&out, p) {
-            continue;
-        }
-        if !s.applies_to(host) {
-            return Rewrite::Leak { env: s.env.clone() };
-        }
-        // Only in header values: a placeholder in the request line (a URL) is never replaced.
-        let line_end = out
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .unwrap_or(out.len());
-        if contains(&out[..line_end], p) {
-            return Rewrite::Leak { env: s.env.clone() };
-        }
-        let (line, headers) = out.split_at(line_end);
-        let mut next = line.to_vec();
-        next.extend(replace(headers, p, s.value.as_bytes()));
-        out = next;
+/// Checks the credential header names a run gave for a secret.
+fn credential_headers(env: &str, given: &[String]) -> Result<Vec<String>, SecretsError> {
+    let bad = |header: &str, why| SecretsError::BadHeader {
+        env: env.to_string(),
+        header: header.chars().take(64).collect(),
+        why,
+    };
+    if given.is_empty() {
+        return Err(bad(
+            "",
+            "the list is empty (leave `headers` out for the default)",
+        ));
     }
-    Rewrite::Send(out)
+    if given.len() > MAX_HEADERS {
+        return Err(bad(&given[MAX_HEADERS], "a secret names at most 8 headers"));
+    }
+    let mut out: Vec<String> = Vec::new();
+    for h in given {
+        let name = h.trim().to_ascii_lowercase();
+        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if name.is_empty() || name.len() > 64 || !name.bytes().all(token) {
+            return Err(bad(h, "it is not an HTTP header name"));
+        }
+        if name.starts_with(':') || NOT_CREDENTIALS.contains(&name.as_str()) {
+            return Err(bad(h, "the proxy sets or removes that header itself"));
+        }
+        if !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    Ok(out)
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
-}
-
-fn replace(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(hay.len() + to.len());
-    let mut i = 0;
-    while i < hay.len() {
-        if hay[i..].starts_with(from) {
-            out.extend_from_slice(to);
-            i += from.len();
-        } else {
-            out.push(hay[i]);
-            i += 1;
-        }
-    }
-    out
 }
 
 /// Finds placeholders in a request body that streams past in chunks of any size, keeping only
@@ -228,66 +267,66 @@ mod tests {
     fn secret() -> Secret {
         Secret::new(
             "ANTHROPIC_API_KEY",
-            "sk-ant-real",
+            "sk-ant-real-key",
             &["api.anthropic.com".to_string()],
+            None,
         )
         .unwrap()
     }
 
     #[test]
-    fn the_value_goes_only_to_its_hosts() {
+    fn the_value_goes_only_into_its_credential_headers() {
         let s = secret();
         assert!(s.placeholder.starts_with("vantik-placeholder-") && s.placeholder.len() == 51);
         assert_ne!(s.placeholder, secret().placeholder, "random per sandbox");
-        let head = format!(
-            "POST /v1/messages HTTP/1.1\r\nHost: api.anthropic.com\r\nx-api-key: {}\r\n\r\n",
-            s.placeholder
+        assert!(s.substitutes_in("x-api-key") && s.substitutes_in("authorization"));
+        assert!(!s.substitutes_in("anthropic-beta") && !s.substitutes_in("cookie"));
+        let named = Secret::new(
+            "GEMINI_API_KEY",
+            "AIza-real-value",
+            &["generativelanguage.googleapis.com".into()],
+            Some(&["X-Goog-Api-Key".into(), "x-goog-api-key".into()]),
+        )
+        .unwrap();
+        assert!(named.substitutes_in("x-goog-api-key"));
+        assert!(
+            !named.substitutes_in("authorization"),
+            "naming headers replaces the default"
         );
-        let Rewrite::Send(out) = rewrite_head(head.as_bytes(), "API.anthropic.com", &[s]) else {
-            panic!("refused")
-        };
-        let out = String::from_utf8(out).unwrap();
-        assert!(out.contains("x-api-key: sk-ant-real\r\n"), "{out}");
-        assert!(!out.contains("vantik-placeholder-"));
     }
 
     #[test]
-    fn placeholders_elsewhere_are_leaks() {
-        let s = secret();
-        let other = format!(
-            "GET / HTTP/1.1\r\nHost: evil.com\r\nx: {}\r\n\r\n",
-            s.placeholder
-        );
-        assert_eq!(
-            rewrite_head(other.as_bytes(), "evil.com", std::slice::from_ref(&s)),
-            Rewrite::Leak {
-                env: "ANTHROPIC_API_KEY".into()
-            }
-        );
-        let in_url = format!(
-            "GET /?k={} HTTP/1.1\r\nHost: api.anthropic.com\r\n\r\n",
-            s.placeholder
-        );
-        assert!(matches!(
-            rewrite_head(
-                in_url.as_bytes(),
-                "api.anthropic.com",
-                std::slice::from_ref(&s)
-            ),
-            Rewrite::Leak { .. }
-        ));
-        let clean = b"GET / HTTP/1.1\r\nHost: evil.com\r\n\r\n";
-        assert_eq!(
-            rewrite_head(clean, "evil.com", &[s]),
-            Rewrite::Send(clean.to_vec())
-        );
+    fn credential_header_names_are_checked() {
+        let with = |hs: &[&str]| {
+            let hs: Vec<String> = hs.iter().map(|h| h.to_string()).collect();
+            Secret::new("K", "sk-0123456789", &["a.com".into()], Some(&hs))
+        };
+        for bad in [
+            &[][..],
+            &["host"],
+            &["content-length"],
+            &["bad header"],
+            &[":path"],
+            &[""],
+        ] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("secret `K`") && e.contains("authorization, x-api-key"),
+                "{e}"
+            );
+        }
+        assert!(with(&["a", "b", "c", "d", "e", "f", "g", "h", "i"]).is_err());
+        assert!(with(&["api-key"]).is_ok());
     }
 
     #[test]
     fn values_and_hosts_are_checked_and_never_printed() {
-        assert!(Secret::new("K", "a\r\nb", &["a.com".into()]).is_err());
-        assert!(Secret::new("K", "", &["a.com".into()]).is_err());
-        assert!(Secret::new("K", "v", &["10.0.0.1".into()]).is_err());
+        let new = |v: &str, h: &str| Secret::new("K", v, &[h.into()], None);
+        assert!(new("sk-0123\r\n4567", "a.com").is_err());
+        assert!(new("", "a.com").is_err());
+        assert!(new("short", "a.com").is_err());
+        assert!(new(&"k".repeat(MAX_VALUE_LEN + 1), "a.com").is_err());
+        assert!(new("sk-0123456789", "10.0.0.1").is_err());
         assert!(!format!("{:?}", secret()).contains("sk-ant-real"));
     }
 }

@@ -134,6 +134,12 @@ impl Client {
             .map_err(|_| ClientError::Timeout(timeout))?
     }
 
+    /// Closes the channel from the host's side: every open stream ends with `why` and nothing
+    /// more is sent. For a VM the host gave up on, whose transport may not close by itself.
+    pub fn close(&self, why: String) {
+        close(&self.shared, why);
+    }
+
     /// Why the channel closed, if it has.
     pub fn closed_reason(&self) -> Option<String> {
         self.shared.closed.borrow().clone()
@@ -401,6 +407,8 @@ impl Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         lock(&self.shared.streams).remove(&self.id);
+        // A sender still waiting for window on this stream (an exec's stdin) gives up.
+        self.send_credit.close();
         if !self.done {
             // The host gave up on the stream: the agent stops its work (kills an exec).
             send_soon(

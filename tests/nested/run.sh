@@ -9,6 +9,8 @@
 #   tests/nested/run.sh [--with FILE]... [--image NAME[:TAG]]... [--mem MIB] [--timeout S] -- 'shell command'
 #
 # Files given with --with land in /work/<name>; binaries are stripped of debug info first.
+# Exits 125 if the command did not run to completion, 126 if the nested host printed nothing
+# for SANDBOX_HOST_NESTED_SILENCE_S (420) seconds (wedged).
 # SANDBOX_HOST_NESTED_CPUS sets its processor count (1: see README.md, "One processor"). SANDBOX_HOST_NESTED_ACCEL replaces the outer QEMU's `-accel tcg`; SANDBOX_HOST_NESTED_QEMU_ARGS adds options to the outer QEMU (for debugging, e.g.
 # `-d int,cpu_reset -D /tmp/l0.log` logs every exception of both guest levels).
 set -euo pipefail
@@ -96,15 +98,38 @@ tsc_arg=""
 [ -n "$tsc_mhz" ] && tsc_arg="tsc_early_khz=$(awk -v m="$tsc_mhz" 'BEGIN {printf "%d", m * 1000}')"
 
 out="$work/console.log"
+: > "$out"
 set +e
 timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
   -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
   -kernel "$kernel" -initrd "$work/initramfs.cpio" \
   -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg" \
-  -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null | tee "$out"
-qemu_status=${PIPESTATUS[0]}
+  -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
+qemu_pid=$!
+tail -n +1 -f --pid="$qemu_pid" "$out" &
+# A wedged nested host prints nothing: every test in there has its own deadline (5 minutes) and
+# prints why it gave up, so silence for longer than that means the nested host itself stopped
+# (its emulated processor or its kernel), not a test. End it then instead of at the timeout.
+silence=${SANDBOX_HOST_NESTED_SILENCE_S:-420}
+wedged=""
+while kill -0 "$qemu_pid" 2>/dev/null; do
+  sleep 5
+  age=$(( $(date +%s) - $(stat -c %Y "$out") ))
+  if [ "$age" -ge "$silence" ]; then
+    wedged=$age
+    kill "$qemu_pid" 2>/dev/null; sleep 1; pkill -KILL -P "$qemu_pid" 2>/dev/null; kill -KILL "$qemu_pid" 2>/dev/null
+    break
+  fi
+done
+wait "$qemu_pid"
+qemu_status=$?
+wait
 set -e
 status=$(sed -n 's/^NESTED-EXIT \([0-9]*\).*/\1/p' "$out" | tail -n 1)
+if [ -n "$wedged" ]; then
+  log "the nested host printed nothing for ${wedged} s and was stopped: it is wedged (its emulated processor or kernel stopped; see tests/nested/README.md, \"Wedged\"); last lines above"
+  exit 126
+fi
 if [ -z "$status" ]; then
   log "the nested host ended without running the command to completion (QEMU status $qemu_status)"
   exit 125

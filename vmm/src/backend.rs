@@ -36,6 +36,10 @@ pub struct VmSpec {
     pub state_dir: PathBuf,
     /// The network device, if the guest gets one (egress); without it the guest has no network.
     pub net: Option<crate::net::NetAttachment>,
+    /// The longest `Backend::start` may take to hand back a connected agent channel (`None`:
+    /// the backend's own bound). `boot` sets it to its ready timeout, so a guest that never
+    /// listens fails within that bound with its console lines.
+    pub start_timeout: Option<Duration>,
 }
 
 /// A raw disk image. Never probed for a format: the guest may have written anything into it.

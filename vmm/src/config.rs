@@ -44,17 +44,17 @@ pub fn state_dir() -> PathBuf {
 pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before
-/// its VM is killed as unresponsive (30000; at least 1000).
+/// its VM is killed as unresponsive (30000; at least 2000).
 pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
     let Some(v) = non_empty_env("SANDBOX_HOST_UNRESPONSIVE_MS") else {
         return Ok(UNRESPONSIVE_DEFAULT);
     };
     match v.trim().parse::<u64>() {
-        Ok(ms) if ms >= 1000 => Ok(std::time::Duration::from_millis(ms)),
+        Ok(ms) if ms >= 2000 => Ok(std::time::Duration::from_millis(ms)),
         _ => Err(ConfigError {
             var: "SANDBOX_HOST_UNRESPONSIVE_MS",
             value: v,
-            allowed: "a number of milliseconds, at least 1000",
+            allowed: "a number of milliseconds, at least 2000",
         }),
     }
 }

@@ -110,6 +110,7 @@ impl Image {
             cmdline,
             state_dir,
             net: None,
+            start_timeout: None,
         }
     }
 }

@@ -60,6 +60,11 @@ pub async fn boots_cached(
         return if r.ok { Ok(()) } else { Err(r.reason) };
     }
     let result = probe(backend, what, &image.kernel, image.initrd.clone()).await;
+    // A timeout may be a loaded host rather than a backend that cannot work: the next start
+    // tries again instead of living with it until the host reboots.
+    if result.as_ref().is_err_and(|e| e.contains(" within ")) {
+        return result;
+    }
     let record = ProbeRecord {
         key,
         ok: result.is_ok(),
@@ -109,6 +114,7 @@ pub async fn probe(
         cmdline: vec![],
         state_dir,
         net: None,
+        start_timeout: None,
     };
     let started = Instant::now();
     let vm = match tokio::time::timeout(PROBE_TIMEOUT, backend.start(spec)).await {

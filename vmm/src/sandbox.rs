@@ -4,7 +4,10 @@
 //! Every wait on a guest is bounded: boot by the ready timeout, and everything after it (an exec
 //! without a timeout, a transfer, any request) by the watchdog, which pings the agent and, when
 //! a ping goes unanswered for [`Liveness::timeout`], kills the VM with a reason that names the
-//! step and the last console lines. The channel then closes, and every waiter gets that reason.
+//! step and the last console lines. The channel is then closed, and every waiter gets that
+//! reason. The watchdog proves that the agent answers, not that each request progresses: a
+//! request whose work the guest itself blocks (its own process stopped, say) ends with the run's
+//! time limit, which the service enforces.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -80,7 +83,11 @@ impl Sandbox {
     pub async fn stop(&self) -> VmExit {
         // A stop is not a failure: the watchdog must not see the closing channel and kill.
         self.watchdog.abort();
-        self.vm.stop(Duration::from_secs(2)).await
+        let exit = self.vm.stop(Duration::from_secs(2)).await;
+        // Every waiter learns it now, even if the VM's transport outlived the stop.
+        self.client
+            .close(format!("the VM was stopped: {}", exit.reason));
+        exit
     }
 }
 
@@ -114,17 +121,11 @@ pub async fn boot_watched(
 ) -> Result<Sandbox, BootError> {
     let t0 = Instant::now();
     let id = spec.id.clone();
-    // Starting counts against the same bound as becoming ready.
-    let started = match tokio::time::timeout(timeout, backend.start(spec)).await {
-        Ok(started) => started?,
-        Err(_) => {
-            return Err(BootError::NotReady {
-                vm: id,
-                timeout,
-                console: vec!["(the VM was still starting; its console went with it)".into()],
-            });
-        }
-    };
+    // Starting counts against the same bound as becoming ready; the backend applies it itself,
+    // so a failure still carries the console.
+    let mut spec = spec;
+    spec.start_timeout = Some(timeout);
+    let started = backend.start(spec).await?;
     let remaining = timeout.saturating_sub(t0.elapsed());
     let vm: Arc<dyn Vm> = Arc::from(started.vm);
     let client = Client::new(started.channel.read, started.channel.write);
@@ -215,7 +216,8 @@ async fn watch(id: String, vm: Arc<dyn Vm>, client: Client, liveness: Liveness) 
         console = %diagnostic_lines(vm.as_ref()).join(" | "),
         "Killing an unresponsive VM"
     );
-    vm.kill(reason).await;
+    let exit = vm.kill(reason).await;
+    client.close(exit.reason);
 }
 
 /// The console lines that explain a failed boot: any kernel panic, BUG, oops or OOM line from the

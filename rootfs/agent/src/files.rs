@@ -1,6 +1,6 @@
 //! Single-file read and write.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
@@ -61,12 +61,27 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
     let path = Path::new(&req.path);
     let result = (|| -> Result<(), (&'static str, String)> {
         split_abs(path)?;
-        let mut f = File::open(path).map_err(|e| io_error(path, e))?;
+        // Non-blocking open: a FIFO (or a device) would otherwise block this stream's thread
+        // forever in open() or read(); only regular files are served.
+        let mut f = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| io_error(path, e))?;
         let meta = f.metadata().map_err(|e| io_error(path, e))?;
         if meta.is_dir() {
             return Err((
                 code::BAD_REQUEST,
                 format!("{} is a directory; read it as an archive", path.display()),
+            ));
+        }
+        if !meta.is_file() {
+            return Err((
+                code::BAD_REQUEST,
+                format!(
+                    "{} is not a regular file (a FIFO, socket or device); only regular files can be read",
+                    path.display()
+                ),
             ));
         }
         let mut dl = Download::new(ctx.out.clone(), ctx.id, Kind::Output, ctx.credit.clone());

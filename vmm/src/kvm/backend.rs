@@ -128,7 +128,10 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
         exit: exit_rx,
         state_dir: spec.state_dir.clone(),
     };
-    match connect(&machine, &vm.exit).await {
+    let within = spec
+        .start_timeout
+        .map_or(CONNECT_TIMEOUT, |t| t.min(CONNECT_TIMEOUT));
+    match connect(&machine, &vm.exit, within).await {
         Ok(stream) => {
             let (read, write) = stream.into_split();
             Ok(StartedVm {
@@ -150,8 +153,9 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
 async fn connect(
     machine: &Machine,
     exit: &watch::Receiver<Option<VmExit>>,
+    within: Duration,
 ) -> Result<tokio::net::UnixStream, VmError> {
-    let deadline = Instant::now() + CONNECT_TIMEOUT;
+    let deadline = Instant::now() + within;
     let mut exit = exit.clone();
     loop {
         let (tx, rx) = oneshot::channel();
@@ -168,7 +172,7 @@ async fn connect(
                 Ok(r) => r.unwrap_or(Err(ConnectError::Reset)),
                 Err(_) => {
                     return Err(VmError::Start(format!(
-                        "the guest never answered the host's vsock connection request within {CONNECT_TIMEOUT:?} (its kernel stopped processing the vsock device){}",
+                        "the guest never answered the host's vsock connection request within {within:?} (its kernel stopped processing the vsock device){}",
                         crate::backend::console_suffix(&machine.console_tail(8))
                     )));
                 }
@@ -191,7 +195,7 @@ async fn connect(
             }
             Err(e) => {
                 return Err(VmError::Start(format!(
-                    "the guest agent did not accept the host's connection within {CONNECT_TIMEOUT:?}: {e}{}",
+                    "the guest agent did not accept the host's connection within {within:?}: {e}{}",
                     crate::backend::console_suffix(&machine.console_tail(8))
                 )));
             }

@@ -186,7 +186,7 @@ impl Shared {
                     exit_name(last as u8),
                     last >> 8,
                     if v.in_guest.load(Ordering::Relaxed) {
-                        "in the guest"
+                        "inside KVM_RUN"
                     } else {
                         "in the VMM"
                     }
@@ -497,6 +497,16 @@ impl Machine {
                 "{}; its threads did not end within {timeout:?} and were left behind ({report})",
                 exit.reason
             );
+            // Whoever waits on the machine learns that it is over for us now: the supervisor
+            // would only tell them when the stuck thread ends.
+            if let Some(f) = self
+                .on_exit
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                f(&exit);
+            }
         }
         exit
     }
@@ -749,7 +759,7 @@ fn exit_name(kind: u8) -> &'static str {
         5 => "HLT",
         6 => "shutdown",
         7 => "other exit",
-        _ => "error (errno)",
+        _ => "KVM_RUN error, errno",
     }
 }
 
@@ -861,11 +871,15 @@ mod tests {
         let supervisor = std::thread::spawn(move || {
             let _ = stuck.recv();
         });
+        let (told, heard) = std::sync::mpsc::channel::<String>();
+        let on_exit: OnExit = Box::new(move |e| {
+            let _ = told.send(e.reason.clone());
+        });
         let m = Machine {
             shared: s.clone(),
             vsock: Vsock::new(3).expect("eventfd").1,
             supervisor: Mutex::new(Some(supervisor)),
-            on_exit: Arc::new(Mutex::new(None)),
+            on_exit: Arc::new(Mutex::new(Some(on_exit))),
         };
         let t = Instant::now();
         let exit = m.wait_finished(Duration::from_millis(200));
@@ -876,6 +890,11 @@ mod tests {
             exit.reason
         );
         assert!(exit.reason.contains("vCPU 0: 0 exits"), "{}", exit.reason);
+        assert_eq!(
+            heard.try_recv().ok(),
+            Some(exit.reason.clone()),
+            "waiters are told"
+        );
         // Later stops (and the drop) do not wait again.
         let t = Instant::now();
         drop(m);

@@ -226,6 +226,7 @@ mod tests {
             cmdline: vec!["extra=1".into()],
             state_dir: "/s".into(),
             net: None,
+            start_timeout: None,
         }
     }
 

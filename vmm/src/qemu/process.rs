@@ -30,6 +30,8 @@ pub struct QemuVm {
     pidfd: Option<std::os::fd::OwnedFd>,
     console: Arc<Mutex<ConsoleLog>>,
     exit: watch::Receiver<Option<VmExit>>,
+    /// The waiter task sets the exit; a stop that cannot reap QEMU sets it too.
+    exit_tx: Arc<watch::Sender<Option<VmExit>>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
     /// Set by `kill`: the reason the host gave up on the VM, reported as its exit.
     kill_reason: Arc<Mutex<Option<String>>>,
@@ -102,12 +104,13 @@ pub async fn spawn(
     }
 
     let (exit_tx, exit_rx) = watch::channel(None);
+    let exit_tx = Arc::new(exit_tx);
     let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let kill_reason = Arc::new(Mutex::new(None));
     tokio::spawn(wait_exit(
         child,
         console.clone(),
-        exit_tx,
+        exit_tx.clone(),
         stop_requested.clone(),
         kill_reason.clone(),
     ));
@@ -130,6 +133,7 @@ pub async fn spawn(
         pidfd: pidfd_open(pid),
         console,
         exit: exit_rx,
+        exit_tx,
         stop_requested,
         kill_reason,
         state_dir: spec.state_dir.clone(),
@@ -218,7 +222,7 @@ async fn pump(
 async fn wait_exit(
     mut child: Child,
     console: Arc<Mutex<ConsoleLog>>,
-    tx: watch::Sender<Option<VmExit>>,
+    tx: Arc<watch::Sender<Option<VmExit>>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
     kill_reason: Arc<Mutex<Option<String>>>,
 ) {
@@ -360,14 +364,23 @@ impl QemuVm {
                     pid = self.pid,
                     "QEMU did not end within {REAP_TIMEOUT:?} of SIGKILL"
                 );
-                VmExit {
+                let exit = VmExit {
                     reason: format!(
                         "QEMU (pid {}) did not end within {REAP_TIMEOUT:?} of SIGKILL; it is left behind",
                         self.pid
                     ),
                     requested: false,
                     console: self.console_tail(EXIT_CONSOLE_LINES),
-                }
+                };
+                // Waiters learn it now; the waiter task replaces it if QEMU is reaped later.
+                self.exit_tx.send_if_modified(|e| {
+                    if e.is_some() {
+                        return false;
+                    }
+                    *e = Some(exit.clone());
+                    true
+                });
+                exit
             }
         }
     }
