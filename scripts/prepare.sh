@@ -18,6 +18,15 @@ if [ "$(id -u)" -eq 0 ]; then
 else
   log "not root, so the guest image vantik-guest:latest is not built and sandboxes get the stock image; build it with: sudo python3 rootfs/build-guest.py"
 fi
-log "building sandbox-host"
-(cd "$root" && cargo build --quiet -p sandbox-host) >&2
-echo "$CARGO_TARGET_DIR/debug/sandbox-host"
+# What operators run is an optimised build; the test suite builds its own (dev profile, faster to
+# build) and sets SANDBOX_HOST_BUILD_PROFILE=dev so it does not pay for a second one.
+profile=${SANDBOX_HOST_BUILD_PROFILE:-release}
+case "$profile" in
+  release) log "building sandbox-host (release; the first time takes a few minutes)"
+           (cd "$root" && cargo build --quiet --release -p sandbox-host) >&2
+           echo "$CARGO_TARGET_DIR/release/sandbox-host" ;;
+  dev)     log "building sandbox-host (dev profile)"
+           (cd "$root" && cargo build --quiet -p sandbox-host) >&2
+           echo "$CARGO_TARGET_DIR/debug/sandbox-host" ;;
+  *)       log "SANDBOX_HOST_BUILD_PROFILE must be release or dev, not $profile"; exit 2 ;;
+esac

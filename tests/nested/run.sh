@@ -103,7 +103,7 @@ set +e
 timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
   -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
   -kernel "$kernel" -initrd "$work/initramfs.cpio" \
-  -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg" \
+  -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
   -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
 qemu_pid=$!
 tail -n +1 -f --pid="$qemu_pid" "$out" &

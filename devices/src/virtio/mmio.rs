@@ -321,6 +321,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             mem: &self.mem,
             queues: &mut self.queues,
             interrupt: &self.interrupt,
+            resume: 0,
         };
         match self.device.activate(self.driver_features, &mut q) {
             Ok(()) => self.active = true,
@@ -399,7 +400,7 @@ impl<D: VirtioDevice> MutEventSubscriber for MmioTransport<D> {
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let data = events.data();
-        let result = if data < HOST_EVENT_BASE {
+        let (result, resume) = if data < HOST_EVENT_BASE {
             let index = data as usize;
             if let Some(evt) = self.queue_evts.get(index) {
                 let _ = evt.read();
@@ -411,19 +412,34 @@ impl<D: VirtioDevice> MutEventSubscriber for MmioTransport<D> {
                 mem: &self.mem,
                 queues: &mut self.queues,
                 interrupt: &self.interrupt,
+                resume: 0,
             };
-            self.device.queue_notify(index, &mut q, ops)
+            let r = self.device.queue_notify(index, &mut q, ops);
+            (r, q.resume)
         } else if self.active {
             let mut q = Queues {
                 mem: &self.mem,
                 queues: &mut self.queues,
                 interrupt: &self.interrupt,
+                resume: 0,
             };
-            self.device
-                .host_event(data, events.event_set(), Some(&mut q), ops)
+            let r = self
+                .device
+                .host_event(data, events.event_set(), Some(&mut q), ops);
+            (r, q.resume)
         } else {
-            self.device.host_event(data, events.event_set(), None, ops)
+            (
+                self.device.host_event(data, events.event_set(), None, ops),
+                0,
+            )
         };
+        // Work left at the device's budget: its queue's eventfd brings the loop back to it after
+        // the other ready devices (a level-triggered eventfd, read at the top of the next turn).
+        for (i, evt) in self.queue_evts.iter().enumerate() {
+            if resume & (1 << i) != 0 {
+                let _ = evt.write(1);
+            }
+        }
         if let Err(e) = result {
             self.fail(e.to_string());
         }

@@ -48,7 +48,26 @@ pub struct Queues<'a> {
     pub queues: &'a mut [Queue],
     /// Raises the device's interrupt.
     pub interrupt: &'a Interrupt,
+    /// Queues whose work the device stopped at its per-wake-up budget (bit per queue): the
+    /// transport kicks them again, so the event loop comes back to them after the VM's other
+    /// devices had their turn.
+    pub resume: u64,
 }
+
+impl Queues<'_> {
+    /// Asks to be called again for queue `index` on the event loop's next round.
+    pub fn resume_later(&mut self, index: usize) {
+        if index < 64 {
+            self.resume |= 1 << index;
+        }
+    }
+}
+
+/// Most descriptor chains a device takes from one queue per wake-up; more wait for the next round
+/// of the event loop (the other devices of the VM go first).
+pub const CHAINS_PER_WAKE: usize = 64;
+/// Most bytes a block device moves per wake-up, likewise.
+pub const BYTES_PER_WAKE: u64 = 4 << 20;
 
 /// A device's failure. The transport marks the device broken (DEVICE_NEEDS_RESET): the guest
 /// loses that device, the host and the other devices carry on.

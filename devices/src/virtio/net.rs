@@ -11,6 +11,9 @@ use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS, VIRTIO_
 use super::queue::{add_used, pop, reader, writer};
 use super::{DeviceError, HOST_EVENT_BASE, Queues, VIRTIO_F_VERSION_1, VirtioDevice};
 
+/// Most frames one queue moves per wake-up (one ring's worth); more wait for the next round.
+const FRAMES_PER_WAKE: usize = 256;
+
 /// virtio device id of network devices.
 pub const DEVICE_TYPE: u32 = 1;
 /// `virtio_net_hdr_v1` (with `num_buffers`, as VERSION_1 requires).
@@ -100,7 +103,11 @@ impl<B: NetBackend> Net<B> {
 
     fn process_tx(&mut self, q: &mut Queues) -> Result<(), DeviceError> {
         let mut used = false;
-        for _ in 0..usize::from(QUEUE_SIZES[TX]) * 4 {
+        for taken in 0.. {
+            if taken == FRAMES_PER_WAKE {
+                q.resume_later(TX); // more later: the VM's other devices go first
+                break;
+            }
             let Some(chain) = pop(TX, &mut q.queues[TX], q.mem)? else {
                 break;
             };
@@ -133,7 +140,11 @@ impl<B: NetBackend> Net<B> {
 
     fn process_rx(&mut self, q: &mut Queues) -> Result<(), DeviceError> {
         let mut used = false;
-        for _ in 0..usize::from(QUEUE_SIZES[RX]) * 4 {
+        for taken in 0.. {
+            if taken == FRAMES_PER_WAKE {
+                q.resume_later(RX);
+                break;
+            }
             let frame = match self.held.take() {
                 Some(f) => f,
                 None => {

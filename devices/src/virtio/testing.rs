@@ -150,6 +150,15 @@ impl<D: VirtioDevice + 'static> Driver<D> {
         self.run();
     }
 
+    /// Resets the device (status 0), as a driver does, and forgets this driver's ring state.
+    pub fn reset(&mut self) {
+        self.write(reg::VIRTIO_MMIO_STATUS, 0);
+        self.next_desc.fill(0);
+        self.avail_idx.fill(0);
+        self.used_seen.fill(0);
+        self.run();
+    }
+
     pub fn run(&mut self) {
         while self.em.run_with_timeout(20).unwrap() > 0 {}
     }

@@ -32,6 +32,8 @@ pub const DEVICE_TYPE: u32 = 19;
 const RX: usize = 0;
 const TX: usize = 1;
 const QUEUE_SIZES: [u16; 3] = [256, 256, 256];
+/// Most packets one queue moves per wake-up (one ring's worth); more wait for the next round.
+const PACKETS_PER_WAKE: usize = 256;
 /// Most simultaneous connections per VM.
 pub const MAX_CONNECTIONS: usize = 64;
 /// Largest payload a guest packet may carry (Linux sends at most 64 KiB).
@@ -122,6 +124,10 @@ pub struct Vsock {
     next_port: u32,
     resets: VecDeque<Header>,
     active: bool,
+    /// Connections a device reset dropped, kept open until their fds are taken off the event
+    /// loop (a reset has no access to it): else a new connection's socket, given the same fd
+    /// number, could not be registered.
+    retired: Vec<Conn>,
 }
 
 impl Vsock {
@@ -145,6 +151,7 @@ impl Vsock {
                 next_port: 0,
                 resets: VecDeque::new(),
                 active: false,
+                retired: Vec::new(),
             },
             handle,
         ))
@@ -207,7 +214,15 @@ impl Vsock {
         }
     }
 
+    /// Takes the connections of a reset off the event loop and closes them.
+    fn unregister_retired(&mut self, ops: &mut EventOps) {
+        for c in self.retired.drain(..) {
+            let _ = ops.remove(Events::empty(&c.host));
+        }
+    }
+
     fn take_requests(&mut self, ops: &mut EventOps) {
+        self.unregister_retired(ops);
         let _ = self.evt.read();
         let reqs: Vec<ConnectRequest> = self
             .requests
@@ -267,9 +282,13 @@ impl Vsock {
     /// Handles every packet the guest queued on the tx queue.
     fn process_tx(&mut self, q: &mut Queues, ops: &mut EventOps) -> Result<(), DeviceError> {
         let mut used = false;
-        // Bounded: a guest refilling the ring as fast as we drain it cannot keep the device
-        // thread here forever (its next kick resumes it).
-        for _ in 0..usize::from(QUEUE_SIZES[TX]) * 4 {
+        // Bounded per wake-up: a guest refilling the ring as fast as we drain it gets the rest
+        // on the event loop's next round, after the VM's other devices.
+        for taken in 0.. {
+            if taken == PACKETS_PER_WAKE {
+                q.resume_later(TX);
+                break;
+            }
             let Some(chain) = pop(TX, &mut q.queues[TX], q.mem)? else {
                 break;
             };
@@ -410,9 +429,13 @@ impl Vsock {
     /// and host data, until either runs out.
     fn process_rx(&mut self, q: &mut Queues, ops: &mut EventOps) -> Result<(), DeviceError> {
         let mut used = false;
-        // Bounded: each round either uses an rx buffer or ends the loop.
-        for _ in 0..=usize::from(QUEUE_SIZES[RX]) * 4 {
+        // Bounded per wake-up: each round uses an rx buffer or ends the loop.
+        for taken in 0.. {
             if !self.has_rx_work(ops) {
+                break;
+            }
+            if taken == PACKETS_PER_WAKE {
+                q.resume_later(RX);
                 break;
             }
             let Some(chain) = pop(RX, &mut q.queues[RX], q.mem)? else {
@@ -513,10 +536,13 @@ impl Vsock {
     }
 
     fn drop_all(&mut self) {
-        for (_, c) in std::mem::take(&mut self.conns) {
-            if let Some((_, done)) = c.connecting {
+        for (_, mut c) in std::mem::take(&mut self.conns) {
+            if let Some((_, done)) = c.connecting.take() {
                 done(Err(ConnectError::Reset));
             }
+            // The host side sees EOF now; the socket closes once it is off the event loop.
+            let _ = c.host.shutdown(std::net::Shutdown::Both);
+            self.retired.push(c);
         }
         self.resets.clear();
     }
@@ -555,6 +581,7 @@ impl VirtioDevice for Vsock {
         q: &mut Queues,
         ops: &mut EventOps,
     ) -> Result<(), DeviceError> {
+        self.unregister_retired(ops);
         if index == TX {
             self.process_tx(q, ops)?;
         }
@@ -569,6 +596,7 @@ impl VirtioDevice for Vsock {
         q: Option<&mut Queues>,
         ops: &mut EventOps,
     ) -> Result<(), DeviceError> {
+        self.unregister_retired(ops);
         if data == REQUEST_DATA {
             self.take_requests(ops);
         } else {
@@ -809,6 +837,29 @@ mod tests {
             .map(|(_, b)| b.len())
             .sum();
         assert_eq!(rest, 20 * 300);
+    }
+
+    #[test]
+    fn the_host_connects_again_after_the_guest_resets_the_device() {
+        let (mut d, h) = device();
+        let (mut s, _) = connect(&mut d, &h);
+        // The guest's driver resets the device (a kernel kexec, a driver reload, a hostile guest).
+        d.reset();
+        let mut buf = [0u8; 1];
+        assert_eq!(s.read(&mut buf).unwrap(), 0, "the old connection ends");
+        d.setup(VIRTIO_F_VERSION_1);
+        for _ in 0..16 {
+            add_rx_buffer(&mut d);
+        }
+        d.kick(RX);
+        for _ in 0..3 {
+            let (mut s, port) = connect(&mut d, &h);
+            s.write_all(b"again").unwrap();
+            d.run();
+            let pkts = received(&mut d);
+            assert_eq!(pkts.last().map(|p| p.1.as_slice()), Some(&b"again"[..]));
+            send(&mut d, guest_header(op::RST, port, 0), &[]);
+        }
     }
 
     #[test]
