@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use sandbox_egress::intercept::Interception;
+
+use crate::registry::InterceptMode;
 use sandbox_egress::link::GuestEnd;
 use sandbox_egress::policy::{Allowlist, HostPattern};
 use sandbox_egress::refusal::Reason;
@@ -86,7 +88,11 @@ pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, St
             .map_err(|e| StartError::Bad(e.to_string()))
     };
     let meter = parse(&mut spec.meter.iter())?;
-    let intercept = parse(&mut spec.meter.iter().chain(secret_hosts))?;
+    let mut intercept = parse(&mut spec.meter.iter().chain(secret_hosts))?;
+    if spec.intercept == Some(InterceptMode::All) {
+        // Every allowed TLS name is read, so each request's Host is checked against it.
+        intercept.extend(parse(&mut spec.allow.iter())?);
+    }
     let mac = sandbox_egress::net::guest_mac(id);
     let mut cfg = EgressConfig::new(mac, allow);
     cfg.overrides = config.egress_resolve.clone();

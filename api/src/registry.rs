@@ -53,6 +53,19 @@ pub struct EgressSpec {
     /// Provider hosts whose responses are metered.
     #[serde(default)]
     pub meter: Vec<String>,
+    /// `"all"`: every allowed TLS connection is intercepted, not only secret and meter hosts.
+    #[serde(default)]
+    pub intercept: Option<InterceptMode>,
+}
+
+/// Which TLS connections the egress reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InterceptMode {
+    /// Every allowed name: the `Host` (or `:authority`) of each request is checked against the
+    /// connection's name, which closes domain fronting through a shared CDN; the guest sees the
+    /// sandbox's CA for every host.
+    All,
 }
 
 /// Per-sandbox counters.

@@ -1221,3 +1221,62 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
     assert!(String::from_utf8_lossy(&m).contains("reason=\"secret_echo\""));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intercepting_all_hosts_closes_domain_fronting() {
+    if stock_image_missing() || guest_image_missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path(), &["cdn.test"]);
+    let (port, seen) = echo_provider(dir.path()).await;
+    let ca = dir.path().join("ca.pem");
+    let store = sandbox_vmm::config::image_dir();
+    let h = start(&[
+        (
+            "SANDBOX_HOST_EGRESS_RESOLVE",
+            &format!("cdn.test:{port}:127.0.0.1"),
+        ),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
+    ]);
+    let id = h
+        .create(json!({"image": "vantik-guest:latest", "egress": {"allow": ["cdn.test"], "intercept": "all"}}))
+        .await;
+    // An allowed name works, through the sandbox's CA, byte for byte.
+    let (out, err, last) = h
+        .exec(&id, &format!("curl -sS https://cdn.test:{port}/headers"))
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    assert!(text(&out).contains("\"headers\""), "{}", text(&out));
+    // Fronting: the allowed name in the SNI, another site in the Host. Refused, counted.
+    let (out, _, _) = h
+        .exec(
+            &id,
+            &format!("curl -sS -i -H 'Host: hidden.example' https://cdn.test:{port}/headers; curl -sS -i --http2 -H 'Host: hidden.example' https://cdn.test:{port}/headers"),
+        )
+        .await;
+    assert_eq!(
+        text(&out)
+            .matches("x-sandbox-egress-refused: sni_host_mismatch")
+            .count(),
+        2,
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        1,
+        "the fronted requests never left"
+    );
+    // Another port of the allowed name is refused before any connection.
+    let (_, _, last) = h
+        .exec(&id, "curl -sS --max-time 10 https://cdn.test:8443/")
+        .await;
+    assert_ne!(last["exit_code"], 0);
+    let v = egress(&h, &id).await;
+    assert_eq!(v["by_reason"]["sni_host_mismatch"], 2, "{v}");
+    assert_eq!(v["by_reason"]["port_not_allowed"], 1, "{v}");
+    let (_, shown) = h.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(shown["egress_settings"]["intercept"], "all", "{shown}");
+}

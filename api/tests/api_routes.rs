@@ -155,7 +155,7 @@ async fn every_route_and_its_bad_input() {
     let body = json!({
         "run_id": "run-42", "time_limit_ms": 600000, "review": true, "memory_mib": 512, "vcpus": 1,
         "harness_version": "0.73.1", "env": {"GREETING": "hi"},
-        "egress": {"allow": ["registry.npmjs.org", "*.example.com"], "secrets": [{"env": "ANTHROPIC_API_KEY", "value": "sk-real", "hosts": ["api.anthropic.com"]}], "meter": ["api.anthropic.com"]}
+        "egress": {"allow": ["registry.npmjs.org", "*.example.com"], "secrets": [{"env": "ANTHROPIC_API_KEY", "value": "sk-real-value", "hosts": ["api.anthropic.com"]}], "meter": ["api.anthropic.com"]}
     });
     let (s, created) = h.json("POST", "/v1/sandboxes", Some(body)).await;
     assert_eq!(s, 201, "{created}");

@@ -96,6 +96,10 @@ impl Decider {
                 }
                 if self.intercept.iter().any(|p| p.matches(&name)) {
                     Decision::Intercept
+                } else if hello.ech {
+                    // The outer name is checked, the inner one is encrypted: it could name any
+                    // host behind the same front. Only interception would read it.
+                    Decision::Refuse(Reason::Ech)
                 } else {
                     Decision::Splice
                 }

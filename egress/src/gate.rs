@@ -322,21 +322,33 @@ impl Gate {
         let Ok(tcp) = TcpRepr::parse(&packet, &src, &dst, &caps) else {
             return Verdict::Drop;
         };
-        if let Some(name) = self.name_of(ip.dst_addr) {
-            return Verdict::Tcp {
-                name: name.to_string(),
-                dst: SocketAddrV4::new(ip.dst_addr, tcp.dst_port),
-            };
-        }
+        let (reason, target) = match self.name_of(ip.dst_addr) {
+            // Checked here, before any upstream connection: no port scan of an allowed host.
+            Some(name) if self.allow.allows_port(name, tcp.dst_port) => {
+                return Verdict::Tcp {
+                    name: name.to_string(),
+                    dst: SocketAddrV4::new(ip.dst_addr, tcp.dst_port),
+                };
+            }
+            Some(name) => (Reason::PortNotAllowed, format!("{name}:{}", tcp.dst_port)),
+            None if matches!(tcp.dst_port, 53 | 853) => (
+                Reason::DnsBypass,
+                format!("{}:{}", ip.dst_addr, tcp.dst_port),
+            ),
+            None => (
+                Reason::IpLiteral,
+                format!("{}:{}", ip.dst_addr, tcp.dst_port),
+            ),
+        };
         if tcp.control == TcpControl::Rst {
             return Verdict::Drop; // never answer a reset
         }
-        let reason = if matches!(tcp.dst_port, 53 | 853) {
-            Reason::DnsBypass
-        } else {
-            Reason::IpLiteral
-        };
-        self.record(reason, &format!("{}:{}", ip.dst_addr, tcp.dst_port));
+        // Counted once per connection attempt, not per retransmitted segment.
+        if (tcp.control == TcpControl::Syn && tcp.ack_number.is_none())
+            || reason != Reason::PortNotAllowed
+        {
+            self.record(reason, &target);
+        }
         if !self.rejects.take(now) {
             return Verdict::Drop;
         }

@@ -42,11 +42,17 @@ pub enum Reason {
     /// A secret's real value (or an encoding of it) in a response of an intercepted host:
     /// masked before it reached the guest.
     SecretEcho,
+    /// A connection to a port of an allowed name that its entry does not allow (443 and 80
+    /// without a port in the entry).
+    PortNotAllowed,
+    /// A TLS ClientHello with Encrypted Client Hello on a connection that is not intercepted:
+    /// its inner server name cannot be checked.
+    Ech,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 19] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -64,6 +70,8 @@ impl Reason {
         Reason::InternalAddress,
         Reason::ConnectionLimit,
         Reason::SecretEcho,
+        Reason::PortNotAllowed,
+        Reason::Ech,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -86,6 +94,8 @@ impl Reason {
             Reason::InternalAddress => "internal_address",
             Reason::ConnectionLimit => "connection_limit",
             Reason::SecretEcho => "secret_echo",
+            Reason::PortNotAllowed => "port_not_allowed",
+            Reason::Ech => "ech",
         }
     }
 }

@@ -65,7 +65,12 @@ impl ResolveOverrides {
             .map(|ips| ips.iter().map(|ip| SocketAddr::new(*ip, port)).collect())
     }
 
-    /// Whether there are none.
+    /// Every `name:port` with a fixed answer.
+    pub fn routes(&self) -> impl Iterator<Item = (&str, u16)> {
+        self.map.keys().map(|(n, p)| (n.as_str(), *p))
+    }
+
+    /// Whether there is no override.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }

@@ -260,3 +260,35 @@ pub fn client_hello(name: &str) -> Vec<u8> {
     let _ = c.write_tls(&mut out);
     out
 }
+
+/// [`client_hello`] with an `encrypted_client_hello` extension (type 0xfe0d) added, as a client
+/// that uses ECH (or sends ECH "GREASE") writes it.
+pub fn client_hello_with_ech(name: &str) -> Vec<u8> {
+    let mut rec = client_hello(name);
+    // Record (5) and handshake (4) headers, then version, random, and the variable fields.
+    let mut at = 5 + 4 + 2 + 32;
+    at += 1 + usize::from(rec[at]); // session id
+    at += 2 + usize::from(u16::from_be_bytes([rec[at], rec[at + 1]])); // cipher suites
+    at += 1 + usize::from(rec[at]); // compression methods
+    let ext_len_at = at;
+    // An outer ECH extension: type, length, then a made-up config id, key and payload.
+    let body: Vec<u8> = [0u8, 0, 1, 0, 1, 7, 0, 4, 1, 2, 3, 4, 0, 4, 9, 9, 9, 9].to_vec();
+    let mut ext = vec![0xfe, 0x0d];
+    ext.extend((body.len() as u16).to_be_bytes());
+    ext.extend(body);
+    rec.extend(&ext);
+    let grow = |at: usize, width: usize, rec: &mut Vec<u8>| {
+        let mut v = 0usize;
+        for i in 0..width {
+            v = (v << 8) | usize::from(rec[at + i]);
+        }
+        v += ext.len();
+        for i in 0..width {
+            rec[at + width - 1 - i] = (v >> (8 * i)) as u8;
+        }
+    };
+    grow(ext_len_at, 2, &mut rec);
+    grow(6, 3, &mut rec); // handshake length
+    grow(3, 2, &mut rec); // record length
+    rec
+}

@@ -10,7 +10,7 @@ use sandbox_egress::net::guest_mac;
 use sandbox_egress::policy::Allowlist;
 use sandbox_egress::refusal::Reason;
 use sandbox_egress::resolve::ResolveOverrides;
-use sandbox_egress::sim::{GuestSim, client_hello};
+use sandbox_egress::sim::{GuestSim, client_hello, client_hello_with_ech};
 use sandbox_egress::stats::Stats;
 use sandbox_egress::{Egress, EgressConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -387,4 +387,90 @@ fn a_guest_that_never_closes_is_reset_after_the_linger() {
         "{:?}",
         t.elapsed()
     );
+}
+
+/// Opens a connection from the guest and sends `data`; true if the stack reset it (or never
+/// accepted it) within `within`.
+fn refused(g: &mut GuestSim, addr: Ipv4Addr, port: u16, data: &[u8], within: Duration) -> bool {
+    let h = g.connect(addr, port, 64 * 1024);
+    let mut sent = false;
+    let mut was_open = false;
+    let gone = g.run_until(within, |g| {
+        let s = g.tcp(h);
+        if s.may_send() && !sent {
+            sent = s.send_slice(data).is_ok();
+        }
+        was_open |= s.is_active();
+        !s.is_active()
+    });
+    g.remove(h);
+    gone && was_open
+}
+
+#[test]
+fn ports_an_entry_does_not_name_are_refused_before_any_connection() {
+    let rt = runtime();
+    let port = echo_server(&rt);
+    // The routed port of `echo.test` is allowed (an operator override), 22 is not, and an entry
+    // with a port allows that port only.
+    let (egress, mut guest) = start(
+        &rt,
+        &["echo.test", "only.test:8443"],
+        &format!("echo.test:{port}:127.0.0.1,only.test:{port}:127.0.0.1"),
+    );
+    let st = egress.stats();
+    let echo = guest.resolve("echo.test", Duration::from_secs(5)).unwrap();
+    let only = guest.resolve("only.test", Duration::from_secs(5)).unwrap();
+    let req = b"POST / HTTP/1.1\r\nHost: echo.test\r\ncontent-length: 5\r\n\r\nhello";
+    let answer = exchange(&mut guest, echo, port, req);
+    assert!(
+        answer.ends_with(b"hello"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    for (addr, p) in [(echo, 22), (echo, 8443), (only, 443), (only, 80)] {
+        assert!(
+            refused(&mut guest, addr, p, b"x", Duration::from_secs(10)),
+            "{addr}:{p}"
+        );
+    }
+    assert_eq!(st.refusals().count(Reason::PortNotAllowed), 4);
+    assert_eq!(
+        Stats::get(&st.connections),
+        1,
+        "no upstream connection for a refused port"
+    );
+    let log = st.refusals();
+    let (mut events, _) = log.events();
+    assert!(events.any(|e| e.target == "only.test:443"));
+}
+
+#[test]
+fn encrypted_client_hello_on_a_spliced_connection_is_refused() {
+    let rt = runtime();
+    let port = echo_server(&rt);
+    let (egress, mut guest) = start(&rt, &["tls.test"], &format!("tls.test:{port}:127.0.0.1"));
+    let st = egress.stats();
+    let addr = guest.resolve("tls.test", Duration::from_secs(5)).unwrap();
+    let hello = client_hello_with_ech("tls.test");
+    assert!(refused(
+        &mut guest,
+        addr,
+        port,
+        &hello,
+        Duration::from_secs(10)
+    ));
+    assert_eq!(st.refusals().count(Reason::Ech), 1);
+    assert_eq!(Stats::get(&st.spliced), 0);
+    // The same client without ECH is spliced.
+    let h = guest.connect(addr, port, 64 * 1024);
+    let plain = client_hello("tls.test");
+    let mut sent = false;
+    assert!(guest.run_until(Duration::from_secs(10), |g| {
+        let s = g.tcp(h);
+        if s.may_send() && !sent {
+            sent = s.send_slice(&plain).is_ok();
+        }
+        Stats::get(&st.spliced) == 1
+    }));
 }

@@ -303,7 +303,14 @@ fn summary(e: &SandboxEntry) -> Value {
         "egress_settings": {
             "allow": e.egress.allow,
             "meter": e.egress.meter,
-            "secrets": e.egress.secrets.iter().map(|s| json!({ "env": s.env, "hosts": s.hosts })).collect::<Vec<_>>(),
+            "secrets": e.egress.secrets.iter().map(|s| json!({
+                "env": s.env,
+                "hosts": s.hosts,
+                "headers": s.headers.clone().unwrap_or_else(|| {
+                    sandbox_egress::secrets::DEFAULT_HEADERS.iter().map(|h| h.to_string()).collect()
+                }),
+            })).collect::<Vec<_>>(),
+            "intercept": if e.egress.intercept.is_some() { "all" } else { "secret_and_meter_hosts" },
         },
     })
 }

@@ -198,7 +198,10 @@ impl Stack {
         });
         // Every pool address is ours; the gate in front decides which frames get here.
         iface.set_any_ip(true);
-        let gate = Gate::with_refusals(config.guest_mac, config.allow, stats.refusal_log());
+        // A port the operator routes for an allowed name (SANDBOX_HOST_EGRESS_RESOLVE, for tests
+        // and private upstreams) is allowed for it too.
+        let allow = config.allow.with_routed_ports(&config.overrides);
+        let gate = Gate::with_refusals(config.guest_mac, allow, stats.refusal_log());
         let cx = Arc::new(Context {
             overrides: config.overrides,
             resolver: config.resolver,
