@@ -206,7 +206,7 @@ impl Config {
         let unresponsive_ms: u64 = parse(
             &get,
             "SANDBOX_HOST_UNRESPONSIVE_MS",
-            30_000,
+            60_000,
             "a number of milliseconds",
         )?;
         if unresponsive_ms < 2000 {
@@ -313,7 +313,7 @@ mod tests {
             (300_000, 120_000, 512)
         );
         assert_eq!(c.sweep.as_millis(), 15_000);
-        assert_eq!(c.unresponsive.as_millis(), 30_000);
+        assert_eq!(c.unresponsive.as_millis(), 60_000);
         let e = cfg(&[
             ("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()),
             ("SANDBOX_HOST_UNRESPONSIVE_MS", "10"),

@@ -1280,3 +1280,96 @@ async fn intercepting_all_hosts_closes_domain_fronting() {
     let (_, shown) = h.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
     assert_eq!(shown["egress_settings"]["intercept"], "all", "{shown}");
 }
+
+/// A provider that takes requests and never answers, reading their bodies forever; it counts the
+/// connections it has open now and the most it ever had.
+async fn holding_provider(
+    dir: &std::path::Path,
+) -> (
+    u16,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let acceptor = tls_acceptor(dir);
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (o, m) = (open.clone(), most.clone());
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, o, m) = (acceptor.clone(), o.clone(), m.clone());
+            tokio::spawn(async move {
+                let now = o.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                if let Ok(mut s) = acceptor.accept(tcp).await {
+                    let mut b = vec![0u8; 4096];
+                    while matches!(s.read(&mut b).await, Ok(n) if n > 0) {}
+                }
+                o.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (port, open, most)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_guest_connection_cannot_open_unbounded_upstream_connections() {
+    if stock_image_missing() || guest_image_missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path(), &["api.provider.test", "other.provider.test"]);
+    let (port, open, most) = holding_provider(dir.path()).await;
+    let (other_port, other_seen) = echo_provider(dir.path()).await;
+    let ca = dir.path().join("ca.pem");
+    let store = sandbox_vmm::config::image_dir();
+    let h = start(&[
+        (
+            "SANDBOX_HOST_EGRESS_RESOLVE",
+            &format!(
+                "api.provider.test:{port}:127.0.0.1,other.provider.test:{other_port}:127.0.0.1"
+            ),
+        ),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
+    ]);
+    let id = h
+        .create(json!({"image": "vantik-guest:latest", "egress": {
+            "meter": ["other.provider.test"],
+            "secrets": [{"env": "ANTHROPIC_API_KEY", "value": "sk-ant-REALKEY-0123456789", "hosts": ["api.provider.test"]}]}}))
+        .await;
+    // 200 HTTP/2 requests on one connection, each with a body that never ends.
+    let script = format!(
+        "const h=require('http2');const c=h.connect('https://api.provider.test:{port}');c.on('error',()=>{{}});\
+         for(let i=0;i<200;i++){{const s=c.request({{':method':'POST',':path':'/v1/messages','x-api-key':process.env.ANTHROPIC_API_KEY}});s.on('error',()=>{{}});s.write('x');}}\
+         setInterval(()=>{{}},1000);"
+    );
+    let (_, err, last) = h
+        .exec(
+            &id,
+            &format!("cat > /tmp/flood.js <<'EOF'\n{script}\nEOF\n(node /tmp/flood.js >/dev/null 2>&1 &) ; sleep 8; echo started"),
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    let during = open.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!(
+        "200 endless HTTP/2 requests: {during} upstream connections open, at most {}",
+        most.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert!(during > 0, "the flood reached the provider");
+    assert!(
+        most.load(std::sync::atomic::Ordering::SeqCst) <= 8,
+        "more upstream connections than the bound"
+    );
+    // The sandbox's other connections still work meanwhile.
+    let (out, err, last) = h
+        .exec(
+            &id,
+            &format!("curl -sS --max-time 30 https://other.provider.test:{other_port}/headers"),
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    assert!(text(&out).contains("\"headers\""));
+    assert_eq!(other_seen.lock().unwrap().len(), 1);
+}

@@ -140,6 +140,25 @@ async fn every_route_and_its_bad_input() {
     assert_eq!(s, 400);
     let (s, v) = h.json("POST", "/v1/sandboxes", Some(json!({"run_id": "r", "time_limit_ms": 1000, "review": false, "egress": {"allow": ["10.0.0.1"]}}))).await;
     assert_eq!(s, 400, "{v}");
+    // Secrets: too short to be told apart in responses, a header that cannot carry a key, an
+    // unknown interception mode. Each refused with what to do, before any VM starts.
+    for (egress, says) in [
+        (
+            json!({"secrets": [{"env": "K", "value": "short", "hosts": ["a.example.com"]}]}),
+            "at least 8 characters",
+        ),
+        (
+            json!({"secrets": [{"env": "K", "value": "sk-long-enough", "hosts": ["a.example.com"], "headers": ["host"]}]}),
+            "x-goog-api-key",
+        ),
+        (json!({"intercept": "everything"}), "intercept"),
+    ] {
+        let (s, v) = h
+            .json("POST", "/v1/sandboxes", Some(json!({"run_id": "r", "time_limit_ms": 1000, "review": false, "egress": egress})))
+            .await;
+        assert_eq!(s, 400, "{v}");
+        assert!(v["error"].as_str().unwrap().contains(says), "{v}");
+    }
     let (s, v) = h
         .json(
             "POST",

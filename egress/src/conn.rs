@@ -65,6 +65,9 @@ pub(crate) struct Context {
     pub(crate) idle_timeout: Duration,
     /// The sandbox's TLS interception, when it has secret or meter hosts.
     pub(crate) interception: Option<Arc<crate::intercept::Interception>>,
+    /// Upstream connections the sandbox's proxied and intercepted requests may hold at once
+    /// ([`crate::intercept::SANDBOX_UPSTREAM_CONNECTIONS`]); more requests wait their turn.
+    pub(crate) upstream: Arc<tokio::sync::Semaphore>,
 }
 
 /// The task's ends of a connection.

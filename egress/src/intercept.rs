@@ -43,8 +43,12 @@ use crate::upstream;
 pub use rustls::ClientConfig;
 
 /// Upstream connections one guest connection may use at once (HTTP/2 streams from the guest
-/// share them).
+/// share them; more requests wait for one to be free).
 pub const UPSTREAM_CONNECTIONS: usize = 8;
+/// Upstream connections of one sandbox's proxied and intercepted requests at once.
+pub const SANDBOX_UPSTREAM_CONNECTIONS: usize = 64;
+/// Concurrent HTTP/2 streams a guest may open on one intercepted connection.
+pub const MAX_GUEST_STREAMS: u32 = 32;
 /// How long the guest's and the upstream's TLS handshakes may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -205,6 +209,8 @@ pub(crate) async fn run(
         icp: Some(icp),
         tls: true,
         pool: Mutex::new(Vec::new()),
+        returned: tokio::sync::Notify::new(),
+        slots: Arc::new(tokio::sync::Semaphore::new(UPSTREAM_CONNECTIONS)),
         first: std::sync::Mutex::new(Some(first)),
     });
     serve(proxy, TokioIo::new(tls), h2).await
@@ -228,6 +234,8 @@ pub(crate) async fn run_plain(
         icp,
         tls: false,
         pool: Mutex::new(Vec::new()),
+        returned: tokio::sync::Notify::new(),
+        slots: Arc::new(tokio::sync::Semaphore::new(UPSTREAM_CONNECTIONS)),
         first: std::sync::Mutex::new(Some(first)),
     });
     serve(proxy, TokioIo::new(guest), false).await
@@ -243,6 +251,7 @@ where
     });
     if h2 {
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .max_concurrent_streams(MAX_GUEST_STREAMS)
             .serve_connection(io, service)
             .await?;
     } else {
@@ -257,7 +266,26 @@ where
 }
 
 type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
-type Sender = hyper::client::conn::http1::SendRequest<ProxyBody>;
+
+/// An upstream HTTP/1.1 connection and its places in the two bounds (this guest connection's and
+/// the sandbox's), given back when it is dropped.
+struct Sender {
+    send: hyper::client::conn::http1::SendRequest<ProxyBody>,
+    _slots: (
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+}
+
+impl Sender {
+    fn is_ready(&self) -> bool {
+        self.send.is_ready()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.send.is_closed()
+    }
+}
 
 struct Proxy {
     name: String,
@@ -268,6 +296,10 @@ struct Proxy {
     /// Whether upstream is TLS (intercepted) or plain HTTP.
     tls: bool,
     pool: Mutex<Vec<Sender>>,
+    /// Signalled when a sender goes back to the pool.
+    returned: tokio::sync::Notify,
+    /// This guest connection's share of upstream connections.
+    slots: Arc<tokio::sync::Semaphore>,
     /// The connection made (and checked) before the guest's handshake was answered.
     first: std::sync::Mutex<Option<tokio::net::TcpStream>>,
 }
@@ -435,7 +467,7 @@ impl Proxy {
                 return bad_gateway(&e);
             }
         };
-        let resp = match sender.send_request(up).await {
+        let resp = match sender.send.send_request(up).await {
             Ok(r) => r,
             Err(e) => {
                 // A leak found in the body aborts the request (the scanner counted it).
@@ -455,6 +487,7 @@ impl Proxy {
             }
         };
         self.pool.lock().await.push(sender);
+        self.returned.notify_one();
         let (mut parts, body) = resp.into_parts();
         for h in HOP {
             parts.headers.remove(h);
@@ -552,23 +585,59 @@ impl Proxy {
 
     /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection (up to
     /// [`UPSTREAM_CONNECTIONS`]), or the first to become free.
+    /// Waits (never fails for lack of room) while this guest connection has all its
+    /// [`UPSTREAM_CONNECTIONS`] busy, and for a place among the sandbox's
+    /// [`SANDBOX_UPSTREAM_CONNECTIONS`].
     async fn sender(&self) -> Result<Sender, String> {
-        let mut pool = self.pool.lock().await;
-        pool.retain(|s| !s.is_closed());
-        if let Some(i) = pool.iter().position(Sender::is_ready) {
-            return Ok(pool.swap_remove(i));
+        loop {
+            let waiting = {
+                let mut pool = self.pool.lock().await;
+                pool.retain(|s| !s.is_closed());
+                if let Some(i) = pool.iter().position(Sender::is_ready) {
+                    return Ok(pool.swap_remove(i));
+                }
+                // A pooled sender that is still finishing its last response: wait for it.
+                pool.pop()
+            };
+            let slot = match waiting {
+                Some(mut busy) => {
+                    tokio::select! {
+                        ready = busy.send.ready() => {
+                            if ready.is_ok() {
+                                return Ok(busy);
+                            }
+                            continue; // closed: its slot is free now
+                        }
+                        slot = self.slots.clone().acquire_owned() => {
+                            self.pool.lock().await.push(busy);
+                            slot
+                        }
+                    }
+                }
+                None => {
+                    tokio::select! {
+                        _ = self.returned.notified() => continue,
+                        slot = self.slots.clone().acquire_owned() => slot,
+                    }
+                }
+            };
+            let slot = slot.map_err(|e| e.to_string())?;
+            let shared = self
+                .cx
+                .upstream
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|e| e.to_string())?;
+            let send = self.connect().await?;
+            return Ok(Sender {
+                send,
+                _slots: (slot, shared),
+            });
         }
-        if pool.len() < UPSTREAM_CONNECTIONS {
-            drop(pool);
-            return self.connect().await;
-        }
-        let mut s = pool.swap_remove(0);
-        drop(pool);
-        s.ready().await.map_err(|e| e.to_string())?;
-        Ok(s)
     }
 
-    async fn connect(&self) -> Result<Sender, String> {
+    async fn connect(&self) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String> {
         let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
         let tcp = match first {
             Some(t) => t,
@@ -601,7 +670,7 @@ impl Proxy {
 }
 
 /// An HTTP/1.1 client connection over `io`, its connection task spawned.
-async fn handshake<I>(io: I) -> Result<Sender, String>
+async fn handshake<I>(io: I) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {

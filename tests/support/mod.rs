@@ -329,6 +329,14 @@ pub async fn collect(mut output: sandbox_protocol::client::ExecOutput) -> Output
 /// minutes of silence, which no test of ours can cause, since each prints its own deadline
 /// first) is started once more, loudly; see tests/nested/README.md, "Wedged".
 pub fn run_nested(args: &[&std::ffi::OsStr], command: &str, what: &str) -> String {
+    let (status, text, stderr) = nested(args, command);
+    assert_eq!(status, Some(0), "{what}:\n{text}\n{stderr}");
+    text
+}
+
+/// Runs `command` in the nested test host as [`run_nested`] does (once more if the host wedged)
+/// and returns its exit status, its console and `run.sh`'s own messages, whatever the status.
+pub fn nested(args: &[&std::ffi::OsStr], command: &str) -> (Option<i32>, String, String) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .unwrap()
@@ -353,13 +361,11 @@ pub fn run_nested(args: &[&std::ffi::OsStr], command: &str, what: &str) -> Strin
     }
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     eprintln!("{text}");
-    assert_eq!(
+    (
         out.status.code(),
-        Some(0),
-        "{what}:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+        text,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// The static hostile helper of `tests/guest/freeze.c` (see there), or `None` after saying why

@@ -41,10 +41,10 @@ pub fn state_dir() -> PathBuf {
 }
 
 /// `SANDBOX_HOST_UNRESPONSIVE_MS` when it is not set.
-pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(30);
+pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before
-/// its VM is killed as unresponsive (30000; at least 2000).
+/// its VM is killed as unresponsive (60000; at least 2000).
 pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
     let Some(v) = non_empty_env("SANDBOX_HOST_UNRESPONSIVE_MS") else {
         return Ok(UNRESPONSIVE_DEFAULT);

@@ -109,7 +109,7 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
     {
         if !valid_host_pattern(h) {
             return Err(bad(format!(
-                "`{h}` in egress is not a host name or a `*.domain` wildcard"
+                "`{h}` in egress is not a host name or a `*.domain` wildcard (optionally with `:port`)"
             )));
         }
     }
@@ -134,7 +134,8 @@ fn valid_env_name(k: &str) -> bool {
         && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// `example.com`, `api.example.com`, or `*.example.com`; no IP literals, ports or schemes. The
+/// `example.com`, `api.example.com`, or `*.example.com`, each with an optional `:port`; no IP
+/// literals or schemes. The
 /// egress stack's own parser, so what the API accepts is exactly what egress enforces.
 fn valid_host_pattern(h: &str) -> bool {
     sandbox_egress::policy::HostPattern::parse(h).is_ok()
@@ -359,6 +360,7 @@ mod tests {
             "*.npmjs.org",
             "registry.npmjs.org",
             "a-b.example.io",
+            "registry.example.com:8443",
         ] {
             assert!(valid_host_pattern(ok), "{ok}");
         }
@@ -370,7 +372,8 @@ mod tests {
             "a..b",
             "-a.com",
             "https://x.com",
-            "x.com:443",
+            "x.com:0",
+            "x.com:99999",
             "*.*.com",
             "[::1]",
             "10.0.0.1",

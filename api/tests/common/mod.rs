@@ -267,6 +267,20 @@ impl Drop for Host {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A failed test shows what the service said about it.
+        if std::thread::panicking() {
+            let logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+            let tail: Vec<&String> = logs
+                .iter()
+                .filter(|l| !l.contains("\"level\":\"DEBUG\""))
+                .rev()
+                .take(40)
+                .collect();
+            eprintln!("the service's last log lines:");
+            for l in tail.into_iter().rev() {
+                eprintln!("  {l}");
+            }
+        }
     }
 }
 

@@ -210,6 +210,9 @@ impl Stack {
             sniff_timeout: config.limits.sniff_timeout,
             idle_timeout: config.limits.idle_timeout,
             interception: config.interception,
+            upstream: Arc::new(tokio::sync::Semaphore::new(
+                crate::intercept::SANDBOX_UPSTREAM_CONNECTIONS,
+            )),
         });
         Stack {
             gate,
