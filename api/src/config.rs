@@ -86,6 +86,9 @@ pub struct Config {
     pub max_body_mb: u64,
     /// How often the sweep runs (15 s; shorter only for tests).
     pub sweep: Duration,
+    /// `SANDBOX_HOST_MEMORY_LIMIT_MIB` and `SANDBOX_HOST_DISK_OVERCOMMIT`: what sandboxes may
+    /// commit of this host.
+    pub limits: crate::capacity::Limits,
     /// `SANDBOX_HOST_UNRESPONSIVE_MS`: a guest whose agent leaves a ping unanswered this long
     /// is killed as unresponsive (and then swept).
     pub unresponsive: Duration,
@@ -110,6 +113,7 @@ impl std::fmt::Debug for Config {
             .field("max_body", &self.max_body)
             .field("sweep", &self.sweep)
             .field("unresponsive", &self.unresponsive)
+            .field("limits", &self.limits)
             .field("image_dir", &self.image_dir)
             .field("state_dir", &self.state_dir)
             .field("egress_resolve", &self.egress_resolve)
@@ -209,6 +213,25 @@ impl Config {
             60_000,
             "a number of milliseconds",
         )?;
+        let memory_limit_mib: u64 = parse(
+            &get,
+            "SANDBOX_HOST_MEMORY_LIMIT_MIB",
+            crate::capacity::Limits::default_memory_mib(),
+            "a number of MiB",
+        )?;
+        let disk_overcommit: u64 = parse(
+            &get,
+            "SANDBOX_HOST_DISK_OVERCOMMIT",
+            4,
+            "a whole number from 1 to 100",
+        )?;
+        if !(1..=100).contains(&disk_overcommit) {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_DISK_OVERCOMMIT",
+                value: disk_overcommit.to_string(),
+                expected: "a whole number from 1 to 100",
+            });
+        }
         if unresponsive_ms < 2000 {
             return Err(ConfigError::Invalid {
                 var: "SANDBOX_HOST_UNRESPONSIVE_MS",
@@ -252,6 +275,10 @@ impl Config {
             max_body_mb,
             sweep: Duration::from_millis(sweep_ms),
             unresponsive: Duration::from_millis(unresponsive_ms),
+            limits: crate::capacity::Limits {
+                memory_mib: memory_limit_mib,
+                disk_overcommit,
+            },
             image_dir: sandbox_vmm::config::image_dir(),
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),

@@ -10,6 +10,9 @@ use thiserror::Error;
 /// Why a request failed.
 #[derive(Debug, Error)]
 pub enum ApiError {
+    /// Admitting the sandbox would overcommit the host (memory, disk, file descriptors).
+    #[error("{0}")]
+    NoCapacity(String),
     /// Missing or wrong bearer token.
     #[error("missing or wrong bearer token: send Authorization: Bearer <SANDBOX_HOST_TOKEN>")]
     Unauthorized,
@@ -64,6 +67,7 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::VmDied(_) => (StatusCode::GONE, "vm_died"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::NoCapacity(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }

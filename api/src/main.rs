@@ -4,6 +4,7 @@
 
 mod auth;
 mod backend_select;
+mod capacity;
 mod client;
 mod config;
 mod egress;

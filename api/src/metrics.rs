@@ -48,6 +48,7 @@ impl Disposal {
 pub struct Metrics {
     boots: AtomicU64,
     boot_failures: AtomicU64,
+    capacity_refusals: AtomicU64,
     boot_ms_sum: AtomicU64,
     boot_buckets: [AtomicU64; BOOT_BUCKETS_MS.len()],
     /// Execs started.
@@ -78,6 +79,11 @@ impl Metrics {
     /// Records a boot that failed.
     pub fn boot_failed(&self) {
         self.boot_failures.fetch_add(1, Relaxed);
+    }
+
+    /// Records a create refused because the host had no room for it.
+    pub fn refused_for_capacity(&self) {
+        self.capacity_refusals.fetch_add(1, Relaxed);
     }
 
     /// Records a disposal.
@@ -134,6 +140,11 @@ impl Metrics {
             o,
             "sandbox_host_boot_failures_total {}",
             self.boot_failures.load(Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_capacity_refusals_total Creates refused with 503 no_capacity.\n# TYPE sandbox_host_capacity_refusals_total counter\nsandbox_host_capacity_refusals_total {}",
+            self.capacity_refusals.load(Relaxed)
         );
         let _ = writeln!(
             o,

@@ -114,6 +114,8 @@ pub struct SandboxEntry {
     last_activity: Mutex<(Instant, SystemTime)>,
     /// Requests in flight (a long exec, a large upload): a busy sandbox is never idle.
     in_flight: AtomicU64,
+    /// Its share of the host's budgets, given back when the entry goes.
+    _reservation: crate::capacity::Reservation,
 }
 
 /// Marks a sandbox busy for as long as it lives.
@@ -344,6 +346,7 @@ pub fn new_entry(
     net: Option<sandbox_egress::Egress>,
     time_limit: Duration,
     sandbox: Sandbox,
+    reservation: crate::capacity::Reservation,
 ) -> Arc<SandboxEntry> {
     let created_at = SystemTime::now();
     let entry = Arc::new(SandboxEntry {
@@ -364,6 +367,7 @@ pub fn new_entry(
         counters: Counters::default(),
         last_activity: Mutex::new((Instant::now(), created_at)),
         in_flight: AtomicU64::new(0),
+        _reservation: reservation,
     });
     state.registry().insert(entry.clone());
     let watched = entry.clone();

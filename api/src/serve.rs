@@ -90,6 +90,13 @@ pub async fn serve() -> ExitCode {
         );
     }
 
+    let fds = crate::capacity::raise_fd_limit();
+    tracing::info!(
+        fd_limit = fds,
+        memory_limit_mib = cfg.limits.memory_mib,
+        disk_overcommit = cfg.limits.disk_overcommit,
+        "Budgets: guest memory up to SANDBOX_HOST_MEMORY_LIMIT_MIB, sandbox disks up to SANDBOX_HOST_DISK_OVERCOMMIT times the free space, file descriptors up to RLIMIT_NOFILE"
+    );
     let state = AppState::new(cfg, availability, backend);
     tokio::spawn(registry::sweep_forever(state.clone()));
     let app = routes::app(state.clone());

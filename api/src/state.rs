@@ -40,6 +40,7 @@ struct Inner {
     store: ImageStore,
     registry: Registry,
     metrics: Metrics,
+    capacity: Arc<crate::capacity::Capacity>,
     started: Instant,
 }
 
@@ -52,6 +53,7 @@ impl AppState {
     ) -> Self {
         let token_digest = Sha256::digest(config.token.as_bytes()).into();
         let store = ImageStore::new(config.image_dir.clone());
+        let capacity = crate::capacity::Capacity::new(config.limits, config.state_dir.clone());
         AppState {
             inner: Arc::new(Inner {
                 registry: Registry::default(),
@@ -61,6 +63,7 @@ impl AppState {
                 backend,
                 store,
                 metrics: Metrics::default(),
+                capacity,
                 started: Instant::now(),
             }),
         }
@@ -99,6 +102,11 @@ impl AppState {
     /// The counters.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// The host's budgets.
+    pub fn capacity(&self) -> &Arc<crate::capacity::Capacity> {
+        &self.inner.capacity
     }
 
     /// When the service started.

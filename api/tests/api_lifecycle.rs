@@ -253,3 +253,50 @@ async fn restart_after_a_crash_cleans_up() {
     let (s, v) = h2.json("GET", "/v1/sandboxes", None).await;
     assert_eq!((s, v["sandboxes"].as_array().map(Vec::len)), (200, Some(0)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
+    if stock_image_missing() {
+        return;
+    }
+    let h = start(&[("SANDBOX_HOST_MEMORY_LIMIT_MIB", "600")]);
+    let (a, _b) = tokio::join!(h.create(json!({})), h.create(json!({})));
+    let (s, v) = h
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"run_id": "third", "time_limit_ms": 60000, "review": false, "memory_mib": 256, "vcpus": 1})),
+        )
+        .await;
+    assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
+    let why = v["error"].as_str().unwrap();
+    assert!(
+        why.contains("512 MiB of SANDBOX_HOST_MEMORY_LIMIT_MIB=600") && why.contains("Retry"),
+        "{why}"
+    );
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    assert_eq!(
+        health["capacity"]["memory_mib"]["committed"], 512,
+        "{health}"
+    );
+    assert_eq!(health["capacity"]["memory_mib"]["limit"], 600, "{health}");
+    assert!(health["capacity"]["fds"]["limit"].as_u64().unwrap() >= 1024);
+    let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("sandbox_host_capacity_refusals_total 1"), "{m}");
+    assert!(
+        m.contains("sandbox_host_memory_mib{kind=\"committed\"} 512"),
+        "{m}"
+    );
+    // Deleting one lets the next in.
+    let (s, _) = h
+        .req("DELETE", &format!("/v1/sandboxes/{a}"), vec![], &[])
+        .await;
+    assert_eq!(s, 204);
+    h.create(json!({"run_id": "third"})).await;
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    assert_eq!(
+        health["capacity"]["memory_mib"]["committed"], 512,
+        "{health}"
+    );
+}

@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod host;
 pub mod image;
 pub mod kvm;
 pub mod net;

@@ -34,6 +34,7 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
         "version": env!("CARGO_PKG_VERSION"),
         "image": { "name": image, "stock": stock },
         "sandboxes": state.registry().all().len(),
+        "capacity": state.capacity().report(),
         "uptime_ms": state.started().elapsed().as_millis() as u64,
     }))
 }

@@ -68,6 +68,29 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         }
     }
     let refusals = state.metrics().refusal_totals(&live);
-    let text = state.metrics().render(&states, &refusals);
+    let mut text = state.metrics().render(&states, &refusals);
+    text.push_str(&capacity_gauges(&state.capacity().report()));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+/// The host's budgets as gauges (what `GET /v1/health` reports under `capacity`).
+fn capacity_gauges(c: &Value) -> String {
+    let n = |v: &Value| v.as_u64().unwrap_or(0);
+    format!(
+        "# HELP sandbox_host_memory_mib Guest memory committed to sandboxes, and its limit (SANDBOX_HOST_MEMORY_LIMIT_MIB).\n\
+         # TYPE sandbox_host_memory_mib gauge\n\
+         sandbox_host_memory_mib{{kind=\"committed\"}} {}\nsandbox_host_memory_mib{{kind=\"limit\"}} {}\n\
+         # HELP sandbox_host_disk_mib Sandbox disk limits committed, and free space under the state directory.\n\
+         # TYPE sandbox_host_disk_mib gauge\n\
+         sandbox_host_disk_mib{{kind=\"committed\"}} {}\nsandbox_host_disk_mib{{kind=\"free\"}} {}\n\
+         # HELP sandbox_host_fds File descriptors open in the sandbox host, and its limit.\n\
+         # TYPE sandbox_host_fds gauge\n\
+         sandbox_host_fds{{kind=\"open\"}} {}\nsandbox_host_fds{{kind=\"limit\"}} {}\n",
+        n(&c["memory_mib"]["committed"]),
+        n(&c["memory_mib"]["limit"]),
+        n(&c["disk_mib"]["committed"]),
+        n(&c["disk_mib"]["free"]),
+        n(&c["fds"]["open"]),
+        n(&c["fds"]["limit"]),
+    )
 }

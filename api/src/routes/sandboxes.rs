@@ -191,6 +191,17 @@ async fn create(
         disk_limit_mib,
         state.config().state_dir.join(&id),
     );
+    // Admission: the sandbox's share of the host's budgets, held until it is gone.
+    let reservation = state
+        .capacity()
+        .reserve(
+            u64::from(req.memory_mib),
+            spec.scratch_disk_mib.unwrap_or(0),
+        )
+        .map_err(|why| {
+            state.metrics().refused_for_capacity();
+            ApiError::NoCapacity(why)
+        })?;
     // The egress stack starts first: the VM's network device is its other end.
     let started = crate::egress::start(&id, &req.egress, state.config()).map_err(|e| match e {
         crate::egress::StartError::Bad(m) => bad(m),
@@ -257,6 +268,7 @@ async fn create(
         Some(started.egress),
         Duration::from_millis(req.time_limit_ms),
         sandbox,
+        reservation,
     );
     tracing::info!(
         id = %entry.id,
