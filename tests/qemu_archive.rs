@@ -132,6 +132,15 @@ async fn tree_round_trip() {
     let err = read.unwrap_err();
     assert_eq!(err.agent_code(), Some("bad_request"), "{err}");
     assert!(err.to_string().contains("not a regular file"), "{err}");
+    // A character device never ends either.
+    let read = sandbox_e2e::bounded("reading /dev/zero as a file", async {
+        c.get_file("/dev/zero").await?.collect().await
+    })
+    .await;
+    assert!(
+        read.is_err_and(|e| e.to_string().contains("not a regular file")),
+        "/dev/zero was read"
+    );
 
     vm.sandbox.stop().await;
 }

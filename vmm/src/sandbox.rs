@@ -22,8 +22,14 @@ use crate::backend::{Backend, Vm, VmError, VmExit, VmSpec, console_suffix};
 #[derive(Debug, Error)]
 pub enum BootError {
     /// The backend could not start the VM.
-    #[error(transparent)]
-    Vm(#[from] VmError),
+    #[error("VM {vm}: {source}")]
+    Vm {
+        /// The VM's id.
+        vm: String,
+        /// What the backend said.
+        #[source]
+        source: VmError,
+    },
     /// The VM started but its agent never said it was ready.
     #[error("VM {vm}: the guest agent was not ready within {timeout:?}{}", console_suffix(.console))]
     NotReady {
@@ -125,14 +131,20 @@ pub async fn boot_watched(
     // so a failure still carries the console.
     let mut spec = spec;
     spec.start_timeout = Some(timeout);
-    let started = backend.start(spec).await?;
+    let started = backend.start(spec).await.map_err(|source| BootError::Vm {
+        vm: id.clone(),
+        source,
+    })?;
     let remaining = timeout.saturating_sub(t0.elapsed());
     let vm: Arc<dyn Vm> = Arc::from(started.vm);
     let client = Client::new(started.channel.read, started.channel.write);
     let result = tokio::select! {
         r = client.wait_ready(remaining) => r,
         exit = vm.wait() => {
-            let e = BootError::Vm(VmError::DiedEarly(exit));
+            let e = BootError::Vm {
+                vm: id,
+                source: VmError::DiedEarly(exit),
+            };
             vm.stop(Duration::ZERO).await;
             return Err(e);
         }

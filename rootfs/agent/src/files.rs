@@ -2,7 +2,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use sandbox_protocol::Kind;
@@ -75,11 +75,13 @@ pub fn get(ctx: StreamCtx, req: PathRequest) {
                 format!("{} is a directory; read it as an archive", path.display()),
             ));
         }
-        if !meta.is_file() {
+        // Regular files and block devices (a disk) end; a FIFO or socket may never, a character
+        // device (/dev/zero) never does.
+        if !meta.is_file() && !meta.file_type().is_block_device() {
             return Err((
                 code::BAD_REQUEST,
                 format!(
-                    "{} is not a regular file (a FIFO, socket or device); only regular files can be read",
+                    "{} is not a regular file (a FIFO, socket or character device); only regular files and block devices can be read",
                     path.display()
                 ),
             ));
