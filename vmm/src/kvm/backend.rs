@@ -157,6 +157,8 @@ async fn connect(
 ) -> Result<tokio::net::UnixStream, VmError> {
     let deadline = Instant::now() + within;
     let mut exit = exit.clone();
+    // What the last finished attempt got, to say why the deadline passed.
+    let mut last: Option<ConnectError> = None;
     loop {
         let (tx, rx) = oneshot::channel();
         machine.vsock().connect(
@@ -171,8 +173,12 @@ async fn connect(
             r = tokio::time::timeout_at(deadline.into(), rx) => match r {
                 Ok(r) => r.unwrap_or(Err(ConnectError::Reset)),
                 Err(_) => {
+                    let why = match &last {
+                        Some(e) => e.to_string(),
+                        None => "the guest's kernel never answered a connection request".into(),
+                    };
                     return Err(VmError::Start(format!(
-                        "the guest never answered the host's vsock connection request within {within:?} (its kernel stopped processing the vsock device){}",
+                        "the guest agent did not accept the host's connection within {within:?}: {why}{}",
                         crate::backend::console_suffix(&machine.console_tail(8))
                     )));
                 }
@@ -190,7 +196,10 @@ async fn connect(
                 return tokio::net::UnixStream::from_std(stream)
                     .map_err(|e| VmError::io("the agent channel", e));
             }
-            Err(ConnectError::Refused(_) | ConnectError::NotReady) if Instant::now() < deadline => {
+            Err(e @ (ConnectError::Refused(_) | ConnectError::NotReady))
+                if Instant::now() < deadline =>
+            {
+                last = Some(e);
                 tokio::time::sleep(RETRY).await;
             }
             Err(e) => {
