@@ -1174,6 +1174,10 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
             format!("-H \"x-custom: x$ANTHROPIC_API_KEY\" {base}/headers"),
         ),
         (
+            "padding in a credential header",
+            format!("-H \"x-api-key: AAAAAAAA$ANTHROPIC_API_KEY\" {base}/headers"),
+        ),
+        (
             "the target",
             format!("\"{base}/headers?k=$ANTHROPIC_API_KEY\""),
         ),
@@ -1215,7 +1219,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     assert_eq!(out.split_whitespace().next(), Some(sha256(&big).as_str()));
 
     let v = egress(&h, &id).await;
-    assert_eq!(v["by_reason"]["placeholder_leak"], 4, "{v}");
+    assert_eq!(v["by_reason"]["placeholder_leak"], 5, "{v}");
     // /headers twice (value and echoed header), the error, the split (three forms), gemini.
     assert!(v["by_reason"]["secret_echo"].as_u64().unwrap() >= 8, "{v}");
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;

@@ -145,10 +145,10 @@ async fn every_route_and_its_bad_input() {
     for (egress, says) in [
         (
             json!({"secrets": [{"env": "K", "value": "short", "hosts": ["a.example.com"]}]}),
-            "at least 8 characters",
+            "at least 16 characters",
         ),
         (
-            json!({"secrets": [{"env": "K", "value": "sk-long-enough", "hosts": ["a.example.com"], "headers": ["host"]}]}),
+            json!({"secrets": [{"env": "K", "value": "sk-long-enough-0000", "hosts": ["a.example.com"], "headers": ["host"]}]}),
             "x-goog-api-key",
         ),
         (json!({"intercept": "everything"}), "intercept"),
@@ -174,7 +174,7 @@ async fn every_route_and_its_bad_input() {
     let body = json!({
         "run_id": "run-42", "time_limit_ms": 600000, "review": true, "memory_mib": 512, "vcpus": 1,
         "harness_version": "0.73.1", "env": {"GREETING": "hi"},
-        "egress": {"allow": ["registry.npmjs.org", "*.example.com"], "secrets": [{"env": "ANTHROPIC_API_KEY", "value": "sk-real-value", "hosts": ["api.anthropic.com"]}], "meter": ["api.anthropic.com"]}
+        "egress": {"allow": ["registry.npmjs.org", "*.example.com"], "secrets": [{"env": "ANTHROPIC_API_KEY", "value": "sk-real-value-00000", "hosts": ["api.anthropic.com"]}], "meter": ["api.anthropic.com"]}
     });
     let (s, created) = h.json("POST", "/v1/sandboxes", Some(body)).await;
     assert_eq!(s, 201, "{created}");

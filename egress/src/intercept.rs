@@ -47,6 +47,8 @@ pub use rustls::ClientConfig;
 pub const UPSTREAM_CONNECTIONS: usize = 8;
 /// Upstream connections of one sandbox's proxied and intercepted requests at once.
 pub const SANDBOX_UPSTREAM_CONNECTIONS: usize = 64;
+/// How often a request waiting for an upstream connection looks at the pool again.
+const POOL_POLL: Duration = Duration::from_millis(20);
 /// Concurrent HTTP/2 streams a guest may open on one intercepted connection.
 pub const MAX_GUEST_STREAMS: u32 = 32;
 /// How long the guest's and the upstream's TLS handshakes may take.
@@ -267,15 +269,19 @@ where
 
 type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
-/// An upstream HTTP/1.1 connection and its places in the two bounds (this guest connection's and
-/// the sandbox's), given back when it is dropped.
+/// An upstream HTTP/1.1 connection. Its places in the two bounds (this guest connection's and
+/// the sandbox's) belong to its connection task and are given back when the connection itself
+/// ends, not when this handle is dropped: a request the guest abandons mid-response leaves the
+/// connection busy, and it still counts.
 struct Sender {
     send: hyper::client::conn::http1::SendRequest<ProxyBody>,
-    _slots: (
-        tokio::sync::OwnedSemaphorePermit,
-        tokio::sync::OwnedSemaphorePermit,
-    ),
 }
+
+/// Places in the two bounds.
+type Slots = (
+    tokio::sync::OwnedSemaphorePermit,
+    tokio::sync::OwnedSemaphorePermit,
+);
 
 impl Sender {
     fn is_ready(&self) -> bool {
@@ -380,8 +386,13 @@ impl Proxy {
         // Placeholders: the real value in the secret's credential headers to its own hosts, a
         // leak anywhere else (another header, so a provider cannot be made to echo the key).
         let mut headers = HeaderMap::new();
+        let secret_host = self.tls && self.secrets().iter().any(|s| s.applies_to(&self.name));
         for (k, v) in &parts.headers {
             if HOP.contains(&k.as_str()) || k == header::HOST {
+                continue;
+            }
+            // A range of an echo could cut a key where the guest likes: whole bodies only.
+            if secret_host && (k == header::RANGE || k == header::IF_RANGE) {
                 continue;
             }
             let v = if k == header::AUTHORIZATION || k == header::PROXY_AUTHORIZATION {
@@ -492,6 +503,9 @@ impl Proxy {
         for h in HOP {
             parts.headers.remove(h);
         }
+        // The upstream's own reason phrase would be written back to an HTTP/1.1 guest as it is,
+        // unscanned ("401 invalid key sk-..."): the guest gets the standard one.
+        parts.extensions.remove::<hyper::ext::ReasonPhrase>();
         let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
         if let Some(forms) = &echo {
             let echoed = mask_headers(forms, &mut parts.headers);
@@ -539,7 +553,11 @@ impl Proxy {
             if !cur.windows(p.len()).any(|w| w == p) {
                 continue;
             }
-            if !self.tls || !s.applies_to(&self.name) || !s.substitutes_in(name) {
+            if !self.tls
+                || !s.applies_to(&self.name)
+                || !s.substitutes_in(name)
+                || !credential_shape(cur, p)
+            {
                 return Err(());
             }
             let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
@@ -583,61 +601,40 @@ impl Proxy {
         Ok(out)
     }
 
-    /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection (up to
-    /// [`UPSTREAM_CONNECTIONS`]), or the first to become free.
-    /// Waits (never fails for lack of room) while this guest connection has all its
-    /// [`UPSTREAM_CONNECTIONS`] busy, and for a place among the sandbox's
-    /// [`SANDBOX_UPSTREAM_CONNECTIONS`].
+    /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection. Waits (never
+    /// fails for lack of room) while this guest connection has all its [`UPSTREAM_CONNECTIONS`]
+    /// busy, and for a place among the sandbox's [`SANDBOX_UPSTREAM_CONNECTIONS`].
     async fn sender(&self) -> Result<Sender, String> {
         loop {
-            let waiting = {
+            {
                 let mut pool = self.pool.lock().await;
                 pool.retain(|s| !s.is_closed());
                 if let Some(i) = pool.iter().position(Sender::is_ready) {
                     return Ok(pool.swap_remove(i));
                 }
-                // A pooled sender that is still finishing its last response: wait for it.
-                pool.pop()
+            }
+            // No free connection: a new one when both bounds have room, else wait for one to be
+            // given back or to finish its response (polled: a pooled sender becomes ready when
+            // its body ends, which nothing signals).
+            let slot = tokio::select! {
+                slot = self.slots.clone().acquire_owned() => slot.map_err(|e| e.to_string())?,
+                _ = self.returned.notified() => continue,
+                _ = tokio::time::sleep(POOL_POLL) => continue,
             };
-            let slot = match waiting {
-                Some(mut busy) => {
-                    tokio::select! {
-                        ready = busy.send.ready() => {
-                            if ready.is_ok() {
-                                return Ok(busy);
-                            }
-                            continue; // closed: its slot is free now
-                        }
-                        slot = self.slots.clone().acquire_owned() => {
-                            self.pool.lock().await.push(busy);
-                            slot
-                        }
-                    }
-                }
-                None => {
-                    tokio::select! {
-                        _ = self.returned.notified() => continue,
-                        slot = self.slots.clone().acquire_owned() => slot,
-                    }
-                }
+            let shared = tokio::select! {
+                shared = self.cx.upstream.clone().acquire_owned() => shared.map_err(|e| e.to_string())?,
+                _ = self.returned.notified() => continue,
+                _ = tokio::time::sleep(POOL_POLL) => continue,
             };
-            let slot = slot.map_err(|e| e.to_string())?;
-            let shared = self
-                .cx
-                .upstream
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|e| e.to_string())?;
-            let send = self.connect().await?;
-            return Ok(Sender {
-                send,
-                _slots: (slot, shared),
-            });
+            let send = self.connect((slot, shared)).await?;
+            return Ok(Sender { send });
         }
     }
 
-    async fn connect(&self) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String> {
+    async fn connect(
+        &self,
+        slots: Slots,
+    ) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String> {
         let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
         let tcp = match first {
             Some(t) => t,
@@ -655,7 +652,7 @@ impl Proxy {
         };
         let icp = match (&self.icp, self.tls) {
             (Some(icp), true) => icp,
-            _ => return handshake(tcp).await,
+            _ => return handshake(tcp, slots).await,
         };
         let server_name = ServerName::try_from(self.name.clone()).map_err(|e| e.to_string())?;
         let tls = tokio::time::timeout(
@@ -665,12 +662,15 @@ impl Proxy {
         .await
         .map_err(|_| "the upstream TLS handshake timed out".to_string())?
         .map_err(|e| format!("upstream TLS: {e}"))?;
-        handshake(tls).await
+        handshake(tls, slots).await
     }
 }
 
 /// An HTTP/1.1 client connection over `io`, its connection task spawned.
-async fn handshake<I>(io: I) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String>
+async fn handshake<I>(
+    io: I,
+    slots: Slots,
+) -> Result<hyper::client::conn::http1::SendRequest<ProxyBody>, String>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -679,6 +679,7 @@ where
         .map_err(|e| e.to_string())?;
     tokio::spawn(async move {
         let _ = conn.await;
+        drop(slots); // the connection is gone: its places are free
     });
     Ok(sender)
 }
@@ -911,5 +912,54 @@ fn mask_headers(forms: &EchoForms, headers: &mut HeaderMap) -> usize {
 impl Drop for MeteredBody {
     fn drop(&mut self) {
         self.finish(false);
+    }
+}
+
+/// Whether a header value holding `placeholder` has the shape of a credential: the placeholder
+/// alone, after one short scheme word (`Bearer <placeholder>`), or as the password of a short
+/// user name (`user:<placeholder>`, inside Basic). Padding around it would let a guest choose
+/// where a provider that quotes a truncated header cuts the key.
+fn credential_shape(value: &[u8], placeholder: &[u8]) -> bool {
+    if value == placeholder {
+        return true;
+    }
+    let Some(before) = value.strip_suffix(placeholder) else {
+        return false;
+    };
+    if let Some(user) = before.strip_suffix(b":") {
+        return user.len() <= 64 && !user.contains(&b':');
+    }
+    let word = before.strip_suffix(b" ").unwrap_or(b"");
+    !word.is_empty() && word.len() <= 16 && word.iter().all(u8::is_ascii_alphanumeric)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::credential_shape;
+
+    #[test]
+    fn only_credential_shapes_get_the_key() {
+        let p = b"vantik-placeholder-0123";
+        for ok in [
+            &b"vantik-placeholder-0123"[..],
+            b"Bearer vantik-placeholder-0123",
+            b"x-access-token:vantik-placeholder-0123",
+        ] {
+            assert!(credential_shape(ok, p), "{}", String::from_utf8_lossy(ok));
+        }
+        for bad in [
+            &b"AAAAvantik-placeholder-0123"[..],
+            b"vantik-placeholder-0123AAAA",
+            b"Bearer  vantik-placeholder-0123",
+            b"a b vantik-placeholder-0123",
+            b"Averyveryverylongschemeword vantik-placeholder-0123",
+            b"u:v:vantik-placeholder-0123",
+        ] {
+            assert!(
+                !credential_shape(bad, p),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 }

@@ -49,7 +49,7 @@ pub enum SecretsError {
 }
 
 /// Shortest secret value accepted.
-pub const MIN_VALUE_LEN: usize = 8;
+pub const MIN_VALUE_LEN: usize = 16;
 /// Longest secret value accepted (a header value; also bounds the response scanner's window).
 pub const MAX_VALUE_LEN: usize = 4096;
 /// The credential headers of a secret that names none: what Anthropic (`x-api-key`), OpenAI and
@@ -267,7 +267,7 @@ mod tests {
     fn secret() -> Secret {
         Secret::new(
             "ANTHROPIC_API_KEY",
-            "sk-ant-real-key",
+            "sk-ant-real-key-000",
             &["api.anthropic.com".to_string()],
             None,
         )
@@ -283,7 +283,7 @@ mod tests {
         assert!(!s.substitutes_in("anthropic-beta") && !s.substitutes_in("cookie"));
         let named = Secret::new(
             "GEMINI_API_KEY",
-            "AIza-real-value",
+            "AIza-real-value-000",
             &["generativelanguage.googleapis.com".into()],
             Some(&["X-Goog-Api-Key".into(), "x-goog-api-key".into()]),
         )
@@ -299,7 +299,7 @@ mod tests {
     fn credential_header_names_are_checked() {
         let with = |hs: &[&str]| {
             let hs: Vec<String> = hs.iter().map(|h| h.to_string()).collect();
-            Secret::new("K", "sk-0123456789", &["a.com".into()], Some(&hs))
+            Secret::new("K", "sk-0123456789abcdef", &["a.com".into()], Some(&hs))
         };
         for bad in [
             &[][..],
@@ -326,7 +326,7 @@ mod tests {
         assert!(new("", "a.com").is_err());
         assert!(new("short", "a.com").is_err());
         assert!(new(&"k".repeat(MAX_VALUE_LEN + 1), "a.com").is_err());
-        assert!(new("sk-0123456789", "10.0.0.1").is_err());
+        assert!(new("sk-0123456789abcdef", "10.0.0.1").is_err());
         assert!(!format!("{:?}", secret()).contains("sk-ant-real"));
     }
 }
