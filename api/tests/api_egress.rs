@@ -1030,8 +1030,14 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                             ("200 OK", chunks)
                         }
                     };
+                    // `/gzip`: compressed although asked for identity (bytes the scan cannot read).
+                    let encoding = if path == "/gzip" {
+                        "content-encoding: gzip\r\n"
+                    } else {
+                        ""
+                    };
                     let h = format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\ntransfer-encoding: chunked\r\n\r\n"
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\n{encoding}transfer-encoding: chunked\r\n\r\n"
                     );
                     if s.write_all(h.as_bytes()).await.is_err() {
                         return;
@@ -1144,6 +1150,15 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         out.starts_with("raw ****") && out.ends_with(" end\n"),
         "{out}"
     );
+    // A compressed answer although identity was asked for: refused, not passed unread.
+    let (out, _) = run(format!(
+        "curl -sS -i -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/gzip"
+    ))
+    .await;
+    assert!(
+        out.starts_with("HTTP/1.1 502") || out.starts_with("HTTP/2 502"),
+        "{out}"
+    );
     // A credential header the run named for a provider that reads another one.
     let (out, _) = run(format!(
         "curl -sS -H \"x-goog-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/headers"
@@ -1156,12 +1171,12 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         .iter()
         .map(|(h, _)| h.clone())
         .collect();
-    assert_eq!(provider_got.len(), 5, "{provider_got:?}");
+    assert_eq!(provider_got.len(), 6, "{provider_got:?}");
     assert!(
-        provider_got[..4].iter().all(|h| h.contains(key)),
+        provider_got[..5].iter().all(|h| h.contains(key)),
         "{provider_got:?}"
     );
-    assert!(provider_got[4].contains(&format!("x-goog-api-key: {gemini}")));
+    assert!(provider_got[5].contains(&format!("x-goog-api-key: {gemini}")));
 
     // A placeholder anywhere but a credential header is refused before the provider sees it.
     for (what, cmd) in [
@@ -1196,7 +1211,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     }
     assert_eq!(
         seen.lock().unwrap().len(),
-        5,
+        6,
         "nothing refused reached the provider"
     );
 

@@ -507,6 +507,20 @@ impl Proxy {
         // unscanned ("401 invalid key sk-..."): the guest gets the standard one.
         parts.extensions.remove::<hyper::ext::ReasonPhrase>();
         let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
+        // Asked for identity (`metered` covers secret hosts), a provider that compresses anyway
+        // sends bytes the scan cannot read: it does not reach the guest.
+        let encoded = parts
+            .headers
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        if metered && echo.is_some() && encoded {
+            tracing::warn!(
+                "egress: {target} answered with a Content-Encoding although asked for identity"
+            );
+            return bad_gateway(&format!(
+                "{target} sent a compressed response although asked not to; it cannot be checked for secrets"
+            ));
+        }
         if let Some(forms) = &echo {
             let echoed = mask_headers(forms, &mut parts.headers);
             for _ in 0..echoed {
