@@ -337,8 +337,8 @@ fn bad_gateway(why: &str) -> Response<ProxyBody> {
     r
 }
 
-/// Headers that belong to one hop and never pass.
-const HOP: [&str; 7] = [
+/// Headers that belong to one hop and never pass (nor carry a secret).
+pub(crate) const HOP: [&str; 7] = [
     "connection",
     "keep-alive",
     "proxy-connection",

@@ -57,21 +57,8 @@ pub const MAX_VALUE_LEN: usize = 4096;
 pub const DEFAULT_HEADERS: [&str; 2] = ["authorization", "x-api-key"];
 /// Most credential headers one secret may name.
 pub const MAX_HEADERS: usize = 8;
-/// Headers that never carry a key: the proxy sets or drops them itself.
-const NOT_CREDENTIALS: [&str; 11] = [
-    "host",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "upgrade",
-    "trailer",
-    "content-length",
-    "content-type",
-    "accept-encoding",
-];
-
+/// Headers that never carry a key, besides the hop-by-hop ones: the proxy sets them itself.
+const SET_BY_THE_PROXY: [&str; 4] = ["host", "content-length", "content-type", "accept-encoding"];
 /// One secret.
 pub struct Secret {
     /// The environment variable the guest sees the placeholder in.
@@ -177,7 +164,10 @@ fn credential_headers(env: &str, given: &[String]) -> Result<Vec<String>, Secret
         if name.is_empty() || name.len() > 64 || !name.bytes().all(token) {
             return Err(bad(h, "it is not an HTTP header name"));
         }
-        if name.starts_with(':') || NOT_CREDENTIALS.contains(&name.as_str()) {
+        if name.starts_with(':')
+            || crate::intercept::HOP.contains(&name.as_str())
+            || SET_BY_THE_PROXY.contains(&name.as_str())
+        {
             return Err(bad(h, "the proxy sets or removes that header itself"));
         }
         if !out.contains(&name) {
