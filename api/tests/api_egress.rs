@@ -994,6 +994,7 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                             let body = json!({ "headers": map }).to_string();
                             ("200 OK", vec![body.into_bytes()])
                         }
+                        "/reason" => ("401 Unauthorized", vec![b"{}".to_vec()]),
                         "/error" => {
                             let body = json!({"type": "error", "error": {"type": "invalid_request_error",
                                 "message": format!("Unexpected value(s) `{key}` for the `anthropic-beta` header")}})
@@ -1035,6 +1036,12 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                         "content-encoding: gzip\r\n"
                     } else {
                         ""
+                    };
+                    // `/reason`: the key in the status line's reason phrase.
+                    let status = if path == "/reason" {
+                        format!("401 invalid key {key}")
+                    } else {
+                        status.to_string()
                     };
                     let h = format!(
                         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\n{encoding}transfer-encoding: chunked\r\n\r\n"
@@ -1150,6 +1157,12 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         out.starts_with("raw ****") && out.ends_with(" end\n"),
         "{out}"
     );
+    // The key in the upstream's reason phrase: an HTTP/1.1 guest gets the standard phrase.
+    let (out, _) = run(format!(
+        "curl -sS -i --http1.1 -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/reason"
+    ))
+    .await;
+    assert!(out.starts_with("HTTP/1.1 401 Unauthorized"), "{out}");
     // A compressed answer although identity was asked for: refused, not passed unread.
     let (out, _) = run(format!(
         "curl -sS -i -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/gzip"
@@ -1171,12 +1184,12 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         .iter()
         .map(|(h, _)| h.clone())
         .collect();
-    assert_eq!(provider_got.len(), 6, "{provider_got:?}");
+    assert_eq!(provider_got.len(), 7, "{provider_got:?}");
     assert!(
-        provider_got[..5].iter().all(|h| h.contains(key)),
+        provider_got[..6].iter().all(|h| h.contains(key)),
         "{provider_got:?}"
     );
-    assert!(provider_got[5].contains(&format!("x-goog-api-key: {gemini}")));
+    assert!(provider_got[6].contains(&format!("x-goog-api-key: {gemini}")));
 
     // A placeholder anywhere but a credential header is refused before the provider sees it.
     for (what, cmd) in [
@@ -1211,7 +1224,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     }
     assert_eq!(
         seen.lock().unwrap().len(),
-        6,
+        7,
         "nothing refused reached the provider"
     );
 
