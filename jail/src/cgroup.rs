@@ -1,0 +1,407 @@
+//! A control group per VM, so one guest touching all of its memory, forking without end or
+//! spinning its vCPUs is stopped by the kernel at its own limit, not by the OOM killer choosing
+//! among every sandbox (and the service) on the host.
+//!
+//! cgroup v2 (one unified hierarchy) is used where the host has it with its controllers; else the
+//! v1 controllers `memory`, `pids` and `cpu` under `/sys/fs/cgroup/<controller>`. Each service
+//! instance keeps its VMs under `<parent>/<instance>/vm-<name>`, so a restarted service can
+//! remove what a crashed one left without touching another instance's VMs.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Why a VM's control group could not be made or used.
+#[derive(Debug, Error)]
+pub enum CgroupError {
+    /// A file or directory of the hierarchy could not be written.
+    #[error("cgroup: {what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError {
+    let path = path.to_path_buf();
+    move |source| CgroupError::Io { what, path, source }
+}
+
+/// The limits of one VM's group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Memory the whole VM process may use: guest memory plus the VMM's own allowance.
+    pub memory_bytes: u64,
+    /// Processes and threads.
+    pub pids: u64,
+    /// CPU weight on v2's scale (1 to 10000, 100 is a default process); v1's shares are
+    /// derived from it.
+    pub cpu_weight: u32,
+}
+
+#[derive(Debug, Clone)]
+enum Layout {
+    /// The instance's directory in the unified hierarchy.
+    V2(PathBuf),
+    /// The instance's directory under each v1 controller that could be used.
+    V1 {
+        memory: Option<PathBuf>,
+        pids: Option<PathBuf>,
+        cpu: Option<PathBuf>,
+    },
+}
+
+/// Where this service instance makes its VMs' groups.
+#[derive(Debug, Clone)]
+pub struct Cgroups {
+    layout: Layout,
+}
+
+/// One VM's group, removed by [`Leaf::remove`] once its processes are gone.
+#[derive(Debug)]
+pub struct Leaf {
+    dirs: Vec<PathBuf>,
+    v2: bool,
+    memory_dir: Option<PathBuf>,
+}
+
+const ROOT: &str = "/sys/fs/cgroup";
+
+impl Cgroups {
+    /// Finds (or, as root, makes) the directory for `instance` under `parent` (a path relative
+    /// to the hierarchy's root, `sandbox-host` by default). Returns the groups and the controllers
+    /// that are missing, or why none can be used.
+    pub fn discover(parent: &str, instance: &str) -> Result<(Cgroups, Vec<String>), String> {
+        let parent = parent.trim_matches('/');
+        if Path::new(ROOT).join("cgroup.controllers").is_file() {
+            return v2(parent, instance).map(|c| (c, vec![]));
+        }
+        let mut missing = vec![];
+        let mut one = |ctrl: &str| {
+            let base = Path::new(ROOT).join(ctrl);
+            if !base.join("cgroup.procs").is_file() {
+                missing.push(format!("{ctrl} (not mounted)"));
+                return None;
+            }
+            let dir = base.join(parent).join(instance);
+            match std::fs::create_dir_all(&dir) {
+                Ok(()) if writable(&dir) => Some(dir),
+                Ok(()) => {
+                    missing.push(format!("{ctrl} ({} is not writable)", dir.display()));
+                    None
+                }
+                Err(e) => {
+                    missing.push(format!("{ctrl} ({}: {e})", dir.display()));
+                    None
+                }
+            }
+        };
+        let memory = one("memory");
+        let pids = one("pids");
+        let cpu = one("cpu");
+        if memory.is_none() && pids.is_none() && cpu.is_none() {
+            return Err(format!(
+                "no cgroup controller can be used: {}",
+                missing.join(", ")
+            ));
+        }
+        Ok((
+            Cgroups {
+                layout: Layout::V1 { memory, pids, cpu },
+            },
+            missing,
+        ))
+    }
+
+    /// Removes the (empty) groups of instances named `pid-N` whose process is gone: tools and
+    /// tests that start VMs without the service name their groups after their pid.
+    pub fn remove_dead_instances(&self) {
+        for dir in self.dirs() {
+            let Some(parent) = dir.parent() else { continue };
+            let Ok(entries) = std::fs::read_dir(parent) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let Some(pid) = name
+                    .strip_prefix("pid-")
+                    .and_then(|p| p.parse::<u32>().ok())
+                else {
+                    continue;
+                };
+                if !Path::new(&format!("/proc/{pid}")).exists() {
+                    let p = e.path();
+                    if let Ok(leaves) = std::fs::read_dir(&p) {
+                        for l in leaves.flatten().filter(|l| l.path().is_dir()) {
+                            kill_all(&l.path());
+                            remove_dir(&l.path());
+                        }
+                    }
+                    let _ = std::fs::remove_dir(&p);
+                }
+            }
+        }
+    }
+
+    /// `v2` or `v1`, for the operator.
+    pub fn version(&self) -> &'static str {
+        match self.layout {
+            Layout::V2(_) => "v2",
+            Layout::V1 { .. } => "v1",
+        }
+    }
+
+    fn dirs(&self) -> Vec<PathBuf> {
+        match &self.layout {
+            Layout::V2(d) => vec![d.clone()],
+            Layout::V1 { memory, pids, cpu } => {
+                [memory, pids, cpu].into_iter().flatten().cloned().collect()
+            }
+        }
+    }
+
+    /// Removes the groups a previous run of this instance left (killing what is still in them).
+    pub fn remove_stale(&self) -> usize {
+        let mut removed = 0;
+        for dir in self.dirs() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() && e.file_name().to_string_lossy().starts_with("vm-") {
+                    kill_all(&p);
+                    if remove_dir(&p) {
+                        removed += 1;
+                    }
+                }
+            }
+        }
+        removed
+    }
+
+    /// Makes `vm-<name>` with `limits`. A group of the same name left by a crash is replaced.
+    pub fn create(&self, name: &str, limits: &Limits) -> Result<Leaf, CgroupError> {
+        let leaf_name = format!("vm-{name}");
+        match &self.layout {
+            Layout::V2(d) => {
+                let dir = d.join(&leaf_name);
+                fresh_dir(&dir)?;
+                let leaf = Leaf {
+                    dirs: vec![dir.clone()],
+                    v2: true,
+                    memory_dir: Some(dir.clone()),
+                };
+                let set = || -> Result<(), CgroupError> {
+                    write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+                    // Swap would let a guest exceed its memory at the host's disk's expense.
+                    let swap = dir.join("memory.swap.max");
+                    if swap.exists() {
+                        write(&swap, "0")?;
+                    }
+                    write(&dir.join("pids.max"), &limits.pids.to_string())?;
+                    write(
+                        &dir.join("cpu.weight"),
+                        &limits.cpu_weight.clamp(1, 10_000).to_string(),
+                    )
+                };
+                set().inspect_err(|_| leaf.remove())?;
+                Ok(leaf)
+            }
+            Layout::V1 { memory, pids, cpu } => {
+                let mut leaf = Leaf {
+                    dirs: vec![],
+                    v2: false,
+                    memory_dir: None,
+                };
+                let set = |leaf: &mut Leaf| -> Result<(), CgroupError> {
+                    if let Some(m) = memory {
+                        let dir = m.join(&leaf_name);
+                        fresh_dir(&dir)?;
+                        leaf.dirs.push(dir.clone());
+                        leaf.memory_dir = Some(dir.clone());
+                        write(
+                            &dir.join("memory.limit_in_bytes"),
+                            &limits.memory_bytes.to_string(),
+                        )?;
+                        let memsw = dir.join("memory.memsw.limit_in_bytes");
+                        if memsw.exists() {
+                            write(&memsw, &limits.memory_bytes.to_string())?;
+                        }
+                    }
+                    if let Some(p) = pids {
+                        let dir = p.join(&leaf_name);
+                        fresh_dir(&dir)?;
+                        leaf.dirs.push(dir.clone());
+                        write(&dir.join("pids.max"), &limits.pids.to_string())?;
+                    }
+                    if let Some(c) = cpu {
+                        let dir = c.join(&leaf_name);
+                        fresh_dir(&dir)?;
+                        leaf.dirs.push(dir.clone());
+                        let shares =
+                            (u64::from(limits.cpu_weight.clamp(1, 10_000)) * 1024 / 100).max(2);
+                        write(&dir.join("cpu.shares"), &shares.to_string())?;
+                    }
+                    Ok(())
+                };
+                set(&mut leaf).inspect_err(|_| leaf.remove())?;
+                Ok(leaf)
+            }
+        }
+    }
+}
+
+impl Leaf {
+    /// Moves `pid` (and all its threads) into the group.
+    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
+        for d in &self.dirs {
+            write(&d.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// How many times the kernel's OOM killer killed a process of this group for its limit.
+    pub fn oom_kills(&self) -> u64 {
+        let Some(d) = &self.memory_dir else {
+            return 0;
+        };
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        std::fs::read_to_string(d.join(file))
+            .ok()
+            .and_then(|t| {
+                t.lines().find_map(|l| {
+                    l.strip_prefix("oom_kill ")
+                        .and_then(|n| n.trim().parse().ok())
+                })
+            })
+            .unwrap_or(0)
+    }
+
+    /// The group's memory limit, as set.
+    pub fn memory_limit(&self) -> Option<u64> {
+        let d = self.memory_dir.as_ref()?;
+        let file = if self.v2 {
+            "memory.max"
+        } else {
+            "memory.limit_in_bytes"
+        };
+        std::fs::read_to_string(d.join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// The directories of the group (one on v2, one per controller on v1).
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// Removes the group once it is empty; kills anything still in it first.
+    pub fn remove(&self) {
+        for d in &self.dirs {
+            kill_all(d);
+            if !remove_dir(d) {
+                tracing::warn!(dir = %d.display(), "could not remove a VM's cgroup");
+            }
+        }
+    }
+}
+
+fn v2(parent: &str, instance: &str) -> Result<Cgroups, String> {
+    let root = Path::new(ROOT);
+    let wanted = ["memory", "pids", "cpu"];
+    // The parent chain must pass the controllers down: enable them from the root to the
+    // instance's directory (as root), or find them already enabled (a delegated subtree).
+    let dir = root.join(parent).join(instance);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut d = root.to_path_buf();
+    for part in Path::new(parent).join(instance).components() {
+        enable(&d, &wanted)?;
+        d = d.join(part);
+    }
+    enable(&dir, &wanted)?;
+    if !writable(&dir) {
+        return Err(format!("{} is not writable", dir.display()));
+    }
+    Ok(Cgroups {
+        layout: Layout::V2(dir),
+    })
+}
+
+fn enable(dir: &Path, wanted: &[&str]) -> Result<(), String> {
+    let control = dir.join("cgroup.subtree_control");
+    let have = std::fs::read_to_string(&control).unwrap_or_default();
+    let missing: Vec<String> = wanted
+        .iter()
+        .filter(|w| !have.split_whitespace().any(|h| h == **w))
+        .map(|w| format!("+{w}"))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    std::fs::write(&control, missing.join(" ")).map_err(|e| {
+        format!(
+            "cannot enable {} in {}: {e}",
+            missing.join(" "),
+            control.display()
+        )
+    })
+}
+
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: access with a valid NUL-terminated path.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
+fn fresh_dir(dir: &Path) -> Result<(), CgroupError> {
+    if dir.exists() {
+        kill_all(dir);
+        remove_dir(dir);
+    }
+    std::fs::create_dir(dir).map_err(io("creating", dir))
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    std::fs::write(path, value).map_err(io("writing", path))
+}
+
+/// SIGKILLs every process of a group (a stale one, or one whose VM process is gone).
+fn kill_all(dir: &Path) {
+    let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+        return;
+    };
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        if pid > 0 {
+            // SAFETY: kill has no memory arguments.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// rmdir, retried for a moment: a group is busy until its last process is fully gone.
+fn remove_dir(dir: &Path) -> bool {
+    for _ in 0..50 {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    false
+}
