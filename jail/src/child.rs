@@ -131,7 +131,7 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
             }
         }};
     }
-    // SAFETY (whole block): raw system calls on descriptors and NUL-terminated strings the
+    // SAFETY: (the whole block) raw system calls on descriptors and NUL-terminated strings the
     // parent prepared; no allocation, no locks, no unwinding.
     unsafe {
         for fd in plan.parent_ends {
@@ -323,8 +323,8 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
         };
         let err = libc::fcntl(plan.err_write, libc::F_DUPFD_CLOEXEC, n + 2);
         check!(17, err < 0);
-        for i in 0..plan.fds.len() {
-            check!(17, libc::dup2(parked[i], i as c_int) < 0);
+        for (i, &p) in parked.iter().enumerate().take(plan.fds.len()) {
+            check!(17, libc::dup2(p, i as c_int) < 0);
         }
         // The error pipe at n + 1 and the program at n, both closed by exec; nothing else.
         if err != n + 1 {

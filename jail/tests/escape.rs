@@ -296,7 +296,7 @@ fn payload() {
     let mut words = case.split_whitespace();
     let name = words.next().unwrap_or("");
     let arg = words.next().unwrap_or("");
-    // SAFETY (whole block): raw system calls with local buffers, the point of this payload.
+    // SAFETY: (the whole block) raw system calls with local buffers, the point of this payload.
     unsafe {
         match name {
             "host_file" => {
@@ -525,7 +525,7 @@ fn payload() {
             }
             "memory" => {
                 let mut v: Vec<Vec<u8>> = vec![];
-                for _ in 0..(4 * MEMORY >> 20) {
+                for _ in 0..((4 * MEMORY) >> 20) {
                     v.push(vec![1u8; 1 << 20]);
                 }
                 say(false, &format!("touched {} MiB", v.len()))
