@@ -53,8 +53,56 @@ pub async fn serve() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // The jail comes first: every VM process (the probes' too) is started through it.
+    let jail_settings = match sandbox_jail::Settings::from_env(&jail_instance(&cfg.state_dir)) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let jail = sandbox_jail::install(&jail_settings);
+    let stale = jail.remove_stale();
+    if stale > 0 {
+        tracing::info!(
+            groups = stale,
+            "Removed the cgroups of VMs a previous run left"
+        );
+    }
     let store = ImageStore::new(cfg.image_dir.clone());
-    let (availability, backend) = availability(&store).await;
+    let (mut availability, backend) = availability(&store).await;
+    let mut missing = jail.status().missing.clone();
+    if availability.backend == "kvm" {
+        missing.push(
+            "the KVM backend runs each VM's vCPU and device threads inside the sandbox host's own \
+             process, outside the jail (SANDBOX_HOST_VMM=qemu gives every VM the jail)"
+                .into(),
+        );
+    }
+    if jail_settings.mode == sandbox_jail::Mode::Required && !missing.is_empty() {
+        availability.available = false;
+        availability.reason = Some(format!(
+            "SANDBOX_HOST_JAIL=required, but {}",
+            missing.join("; ")
+        ));
+    } else if !missing.is_empty() {
+        let jail_warning = format!("the VM jail is incomplete: {}", missing.join("; "));
+        availability.warning = Some(match availability.warning.take() {
+            Some(w) => format!("{w}; {jail_warning}"),
+            None => jail_warning,
+        });
+    }
+    // /proc/self belongs to the effective uid.
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if root {
+        tracing::warn!(
+            "The sandbox host runs as root: the process that parses every HTTP request and holds every key \
+             should run as an ordinary user (with access to /dev/kvm and subordinate ids for the jail); see \
+             \"The jail\" in the operator guide"
+        );
+    }
     let addr = SocketAddr::new(cfg.bind, cfg.port);
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
@@ -72,6 +120,7 @@ pub async fn serve() -> ExitCode {
         backend = %availability.backend,
         accel = %availability.accel,
         warning = availability.warning.as_deref(),
+        jail = %crate::routes::health::jail_report(),
         "Listening on {}:{}",
         local.ip(),
         local.port()
@@ -133,6 +182,23 @@ async fn shutdown_signal() -> &'static str {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     }
+}
+
+/// Names this instance's cgroups after its state directory: stable across restarts (so a
+/// restart finds what a crash left) and distinct between instances on one host.
+fn jail_instance(state_dir: &Path) -> String {
+    use sha2::Digest;
+    let canonical = state_dir
+        .canonicalize()
+        .unwrap_or_else(|_| state_dir.to_path_buf());
+    let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    format!(
+        "i-{}",
+        digest[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    )
 }
 
 /// Can this host start a microVM? The backend must be usable and the stock image present.

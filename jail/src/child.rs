@@ -1,6 +1,7 @@
 //! The jailed process's side, between `clone3` and `execve`.
 //!
-//! It runs in a copy of a multi-threaded process, so it may only make system calls: every
+//! It runs in a copy of a multi-threaded process, so it may only make system calls (and never
+//! through a C library wrapper that coordinates threads, like `setresuid`'s): every
 //! string, list and filter it needs is prepared by the parent in a [`Plan`] before the clone,
 //! and nothing here allocates, locks or unwinds. A failed step is written to the error pipe as
 //! (step, errno) and the child exits; the parent turns that into a sentence.
@@ -208,10 +209,16 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
 
         if plan.namespaces {
             if let Some(groups) = &plan.set_groups {
-                check!(13, libc::setgroups(groups.len(), groups.as_ptr()) != 0);
+                check!(
+                    13,
+                    libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0
+                );
             }
-            check!(14, libc::setresgid(0, 0, 0) != 0);
-            check!(15, libc::setresuid(0, 0, 0) != 0);
+            // Raw system calls: the C library's wrappers broadcast credential changes to every
+            // thread it knows of, and in this copy of a multi-threaded process those threads do
+            // not exist (it would wait for them forever).
+            check!(14, libc::syscall(libc::SYS_setresgid, 0, 0, 0) != 0);
+            check!(15, libc::syscall(libc::SYS_setresuid, 0, 0, 0) != 0);
         }
 
         if plan.staging.is_some() {
@@ -270,11 +277,25 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
                     ) != 0
                 );
             }
-            check!(
-                10,
-                libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) != 0
-            );
-            check!(11, libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0);
+            if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) == 0 {
+                check!(11, libc::umount2(c".".as_ptr(), libc::MNT_DETACH) != 0);
+            } else {
+                // The host's root is the initramfs (rootfs), which cannot be pivoted away from:
+                // move the new root over it and chroot, as switch_root does. The host's mounts
+                // stay beneath, unreachable without the capabilities dropped below.
+                check!(10, *libc::__errno_location() != libc::EINVAL);
+                check!(
+                    10,
+                    libc::mount(
+                        c".".as_ptr(),
+                        c"/".as_ptr(),
+                        none,
+                        libc::MS_MOVE,
+                        std::ptr::null()
+                    ) != 0
+                );
+                check!(10, libc::chroot(c".".as_ptr()) != 0);
+            }
             check!(10, libc::chdir(c"/".as_ptr()) != 0);
             check!(
                 12,
@@ -307,7 +328,7 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
 
         // Descriptors: park every source above the targets, then put each in its place.
         let n = plan.fds.len() as c_int;
-        let mut parked = [0 as RawFd; 16];
+        let mut parked = [0 as RawFd; 32];
         check!(17, plan.fds.len() > parked.len());
         for (i, &fd) in plan.fds.iter().enumerate() {
             parked[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, n + 2);

@@ -92,7 +92,8 @@ pub struct Command {
     pub program: Option<PathBuf>,
     /// Its arguments (argv[0] is the program's file name).
     pub args: Vec<OsString>,
-    /// Descriptors that become 0, 1, 2, ... in the jailed process; nothing else is inherited.
+    /// Descriptors that become 0, 1, 2, ... in the jailed process (at most 32); nothing else is
+    /// inherited.
     pub fds: Vec<OwnedFd>,
     /// The root file system; `None` keeps the host's mounts (only for a probe or tests).
     pub root: Option<Root>,
@@ -487,8 +488,8 @@ fn cap_last() -> libc::c_int {
 /// Starts `cmd` in a jail. Must run on a thread that outlives the process (the parent-death
 /// signal follows the thread that cloned).
 pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jailed, SpawnError> {
-    if cmd.fds.len() > 16 {
-        return Err(SpawnError::Invalid("more than 16 descriptors".into()));
+    if cmd.fds.len() > 32 {
+        return Err(SpawnError::Invalid("more than 32 descriptors".into()));
     }
     let (sync_read, sync_write) = pipe()?;
     let (err_read, err_write) = pipe()?;

@@ -35,6 +35,18 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
         "image": { "name": image, "stock": stock },
         "sandboxes": state.registry().all().len(),
         "capacity": state.capacity().report(),
+        "jail": jail_report(),
         "uptime_ms": state.started().elapsed().as_millis() as u64,
     }))
+}
+
+/// The jail's status for `/v1/health` (see `docs/openapi.json`).
+pub fn jail_report() -> Value {
+    let s = sandbox_jail::global().status();
+    json!({
+        "namespaces": s.namespaces,
+        "ids": s.ids,
+        "cgroup": s.cgroup,
+        "missing": s.missing,
+    })
 }

@@ -1,7 +1,7 @@
 //! The HTTP routes of `/v1` and `/metrics`, one router per resource, merged behind the token.
 
 mod exec;
-mod health;
+pub mod health;
 mod observe;
 pub mod sandboxes;
 mod transfer;

@@ -303,15 +303,27 @@ pub fn parse_ndjson(body: &[u8]) -> (Vec<u8>, Vec<u8>, Value) {
 
 /// Pids of QEMU processes whose command line mentions `dir` (the state directory of a test).
 pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
-    let needle = dir.to_string_lossy().into_owned();
+    // QEMU runs in its jail with no host path on its command line: find it by its cgroup, which
+    // the service names after its state directory (as `jail_instance` in serve.rs does), so
+    // this finds QEMUs that outlived the service too.
+    use sha2::Digest;
+    let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    let instance = format!(
+        "/i-{}/vm-",
+        digest[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    );
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd);
-            cmd.contains("qemu-system") && cmd.contains(&needle)
+            let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains("qemu-system") && cgroup.contains(&instance)
         })
         .collect()
 }

@@ -2,7 +2,7 @@
 //! `microvm`, aarch64 `virt`, each accelerator) is unit-tested without running QEMU.
 
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::PathBuf;
 
 use sandbox_protocol::SERIAL_PORT_NAME;
 
@@ -77,8 +77,31 @@ pub fn kernel_cmdline(arch: Arch, spec: &VmSpec) -> String {
     words.join(" ")
 }
 
+/// How QEMU reaches what the host gives it. Every socket and disk is a descriptor QEMU inherits,
+/// so in its jail it opens nothing by path but its kernel and initramfs, at their jail paths.
+#[derive(Debug, Clone)]
+pub struct Wiring {
+    /// The kernel, as QEMU sees it.
+    pub kernel: PathBuf,
+    /// The initramfs, as QEMU sees it.
+    pub initrd: Option<PathBuf>,
+    /// A connected stream socket: the agent channel.
+    pub agent_fd: i32,
+    /// A connected stream socket for the boot marker (x86_64).
+    pub marker_fd: Option<i32>,
+    /// A connected stream socket for the guest's frames.
+    pub net_fd: Option<i32>,
+    /// Per disk of the spec, its descriptors: one read-only, and one read-write for a writable
+    /// disk (QEMU opens a writable disk both ways).
+    pub disk_fds: Vec<Vec<i32>>,
+}
+
+/// QEMU's own seccomp filter with every optional part set to deny: no obsolete system calls, no
+/// privilege changes, no new processes or programs, no scheduling or resource changes.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
 /// The full argument list (program not included).
-pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -> Vec<OsString> {
+pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
     let mut push = |s: &str| a.push(s.into());
     match arch {
@@ -117,19 +140,24 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
     ] {
         push(s);
     }
+    if cfg!(target_os = "linux") {
+        push("-sandbox");
+        push(SANDBOX);
+    }
     push("-kernel");
-    a.push(spec.kernel.clone().into());
-    if let Some(initrd) = &spec.initrd {
+    a.push(wiring.kernel.clone().into());
+    if let Some(initrd) = &wiring.initrd {
         a.push("-initrd".into());
         a.push(initrd.clone().into());
     }
     a.push("-append".into());
     a.push(kernel_cmdline(arch, spec).into());
 
-    // The agent channel: QEMU connects to the host's listening socket before the guest runs.
-    let mut chardev = OsString::from("socket,id=agent,path=");
-    chardev.push(escape_commas(agent_socket.as_os_str()));
-    a.extend(["-chardev".into(), chardev]);
+    // The agent channel: a socket QEMU inherits, connected to the host before QEMU starts.
+    a.extend([
+        "-chardev".into(),
+        format!("socket,id=agent,fd={}", wiring.agent_fd).into(),
+    ]);
     for s in ["-device", "virtio-serial-device", "-device"] {
         a.push(s.into());
     }
@@ -137,11 +165,13 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
     // Entropy for getrandom() early in the guest (Node.js and Python ask for it at start).
     a.extend(["-device".into(), "virtio-rng-device".into()]);
     // The boot marker: the agent's first write as PID 1 goes to this I/O port, and QEMU's
-    // debug console passes it to a socket beside the agent's, where the host times it.
-    if arch == Arch::X86_64 {
-        let mut chardev = OsString::from("socket,id=marker,path=");
-        chardev.push(escape_commas(marker_socket(agent_socket).as_os_str()));
-        a.extend(["-chardev".into(), chardev, "-device".into()]);
+    // debug console passes it to a socket of the host's, where the host times it.
+    if let (Arch::X86_64, Some(fd)) = (arch, wiring.marker_fd) {
+        a.extend([
+            "-chardev".into(),
+            format!("socket,id=marker,fd={fd}").into(),
+            "-device".into(),
+        ]);
         a.push(
             format!(
                 "isa-debugcon,iobase={:#x},chardev=marker",
@@ -151,26 +181,34 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
         );
     }
 
-    for (i, disk) in spec.disks.iter().enumerate() {
-        // format=raw always: a guest-written image must never be probed for a format.
-        let mut drive = OsString::from("file=");
-        drive.push(escape_commas(disk.path.as_os_str()));
-        drive.push(format!(
-            ",if=none,id=disk{i},format=raw,readonly={}",
-            if disk.read_only { "on" } else { "off" }
-        ));
-        a.extend(["-drive".into(), drive]);
+    for (i, (disk, fds)) in spec.disks.iter().zip(&wiring.disk_fds).enumerate() {
+        // The disk is a QEMU fd set of inherited descriptors; format=raw always: a
+        // guest-written image must never be probed for a format.
+        for fd in fds {
+            a.extend(["-add-fd".into(), format!("fd={fd},set={}", i + 1).into()]);
+        }
+        a.extend([
+            "-drive".into(),
+            format!(
+                "file=/dev/fdset/{},if=none,id=disk{i},format=raw,readonly={}",
+                i + 1,
+                if disk.read_only { "on" } else { "off" }
+            )
+            .into(),
+        ]);
         a.extend([
             "-device".into(),
             format!("virtio-blk-device,drive=disk{i},serial=disk{i}").into(),
         ]);
     }
-    // The network: QEMU connects to the host's stack and carries frames as a 4-byte big-endian
-    // length and the frame (`-netdev stream`), with no offloads (the guest computes checksums).
-    if let Some(net) = &spec.net {
-        let mut netdev = OsString::from("stream,id=net0,server=off,addr.type=unix,addr.path=");
-        netdev.push(escape_commas(net_socket(agent_socket).as_os_str()));
-        a.extend(["-netdev".into(), netdev, "-device".into()]);
+    // The network: frames as a 4-byte big-endian length and the frame (`-netdev stream`) on an
+    // inherited socket, with no offloads (the guest computes checksums).
+    if let (Some(net), Some(fd)) = (&spec.net, wiring.net_fd) {
+        a.extend([
+            "-netdev".into(),
+            format!("stream,id=net0,server=off,addr.type=fd,addr.str={fd}").into(),
+            "-device".into(),
+        ]);
         a.push(
             format!(
                 "virtio-net-device,netdev=net0,mac={}",
@@ -180,29 +218,6 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, agent_socket: &Path) -
         );
     }
     a
-}
-
-/// The network's socket, beside the agent's.
-pub fn net_socket(agent_socket: &Path) -> std::path::PathBuf {
-    agent_socket.with_file_name("net.sock")
-}
-
-/// The boot marker's socket, beside the agent's.
-pub fn marker_socket(agent_socket: &Path) -> std::path::PathBuf {
-    agent_socket.with_file_name("marker.sock")
-}
-
-/// QEMU option values separate with commas; a literal comma is written twice.
-fn escape_commas(s: &std::ffi::OsStr) -> OsString {
-    use std::os::unix::ffi::{OsStrExt, OsStringExt};
-    let mut out = Vec::with_capacity(s.len());
-    for &b in s.as_bytes() {
-        out.push(b);
-        if b == b',' {
-            out.push(b',');
-        }
-    }
-    OsString::from_vec(out)
 }
 
 #[cfg(test)]
@@ -230,8 +245,19 @@ mod tests {
         }
     }
 
+    fn wiring() -> Wiring {
+        Wiring {
+            kernel: "/vm/kernel".into(),
+            initrd: Some("/vm/initrd".into()),
+            agent_fd: 3,
+            marker_fd: Some(4),
+            net_fd: Some(5),
+            disk_fds: vec![vec![6]],
+        }
+    }
+
     fn joined(arch: Arch, accel: Accel) -> String {
-        qemu_args(arch, accel, &spec(), Path::new("/s/agent.sock"))
+        qemu_args(arch, accel, &spec(), &wiring())
             .iter()
             .map(|s| s.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
@@ -243,13 +269,16 @@ mod tests {
         let s = joined(Arch::X86_64, Accel::Tcg);
         assert!(s.starts_with("-M microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on -accel tcg -cpu max -m 4096 -smp 2 "), "{s}");
         assert!(!s.contains("pit=off"));
-        assert!(s.contains(
-            "-kernel /img/vmlinux -initrd /img/initramfs.cpio -append console=ttyS0 reboot=t"
-        ));
+        assert!(s.contains("-kernel /vm/kernel -initrd /vm/initrd -append console=ttyS0 reboot=t"));
         assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
-        assert!(s.contains("-chardev socket,id=agent,path=/s/agent.sock -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
-        assert!(s.contains("-drive file=/d/base,,1.ext4,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
-        assert!(s.contains("-chardev socket,id=marker,path=/s/marker.sock -device isa-debugcon,iobase=0x440,chardev=marker"));
+        assert!(s.contains("-chardev socket,id=agent,fd=3 -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
+        assert!(s.contains("-add-fd fd=6,set=1 -drive file=/dev/fdset/1,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
+        assert!(s.contains(
+            "-chardev socket,id=marker,fd=4 -device isa-debugcon,iobase=0x440,chardev=marker"
+        ));
+        assert!(s.contains(
+            "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+        ));
         assert!(s.contains("-no-reboot") && s.contains("-nodefaults"));
     }
 
@@ -271,18 +300,13 @@ mod tests {
             mac: [0x02, 0x53, 0x42, 0xab, 0x0c, 0x01],
             link: std::sync::Arc::new(NoLink),
         });
-        let s = qemu_args(
-            Arch::X86_64,
-            Accel::Tcg,
-            &spec,
-            Path::new("/s,x/agent.sock"),
-        )
-        .iter()
-        .map(|s| s.to_string_lossy().into_owned())
-        .collect::<Vec<_>>()
-        .join(" ");
+        let s = qemu_args(Arch::X86_64, Accel::Tcg, &spec, &wiring())
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
         assert!(
-            s.contains("-netdev stream,id=net0,server=off,addr.type=unix,addr.path=/s,,x/net.sock -device virtio-net-device,netdev=net0,mac=02:53:42:ab:0c:01"),
+            s.contains("-netdev stream,id=net0,server=off,addr.type=fd,addr.str=5 -device virtio-net-device,netdev=net0,mac=02:53:42:ab:0c:01"),
             "{s}"
         );
     }

@@ -106,9 +106,7 @@ impl Backend for QemuBackend {
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
         validate(&spec)?;
         let spec = crate::backend::prepare(&spec)?;
-        let sock = spec.state_dir.join("agent.sock");
-        let args = args::qemu_args(self.arch, self.accel, &spec, &sock);
-        let started = process::spawn(&self.program, args, &spec).await;
+        let started = process::spawn(&self.program, self.arch, self.accel, &spec).await;
         if started.is_err() {
             let _ = std::fs::remove_dir_all(&spec.state_dir);
         }

@@ -1,16 +1,14 @@
-//! The QEMU side of the guest's network: QEMU's `-netdev stream` connects to a socket in the VM's
-//! state directory and carries each Ethernet frame as a 4-byte big-endian length and the frame.
+//! The QEMU side of the guest's network: QEMU's `-netdev stream` inherits one end of a socket
+//! pair and carries each Ethernet frame as a 4-byte big-endian length and the frame.
 //! This pump moves frames between that socket and the VM's [`FrameLink`].
 //!
 //! Frame lengths come from the guest (through QEMU): a frame longer than the link carries is
 //! read into a fixed buffer and dropped; a length beyond any Ethernet frame ends the pump.
 
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
-use tokio::net::UnixListener;
+use tokio::net::UnixStream;
 use tokio::sync::{Notify, watch};
 
 use crate::backend::VmExit;
@@ -20,26 +18,14 @@ use crate::net::FrameLink;
 const MAX_STREAM_FRAME: usize = 65_535 + 18;
 /// Longest frame the link carries (1500 bytes of MTU, header, VLAN tag).
 const MAX_FRAME: usize = 1518;
-/// How long QEMU gets to connect.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Accepts QEMU's connection and moves frames until the VM or the socket ends.
+/// Moves frames between QEMU's socket and the link until the VM or the socket ends.
 pub(super) async fn run(
-    listener: UnixListener,
-    path: PathBuf,
+    stream: UnixStream,
     link: Arc<dyn FrameLink>,
     mut exit: watch::Receiver<Option<VmExit>>,
 ) {
     let work = async {
-        let Ok(Ok((stream, _))) = tokio::time::timeout(CONNECT_TIMEOUT, listener.accept()).await
-        else {
-            tracing::warn!(
-                "QEMU did not connect to the network socket {}",
-                path.display()
-            );
-            return;
-        };
-        let _ = std::fs::remove_file(&path);
         let (mut r, w) = stream.into_split();
         let ready = Arc::new(Notify::new());
         let waker = ready.clone();
@@ -97,5 +83,4 @@ pub(super) async fn run(
         () = work => {}
         _ = exit.wait_for(Option::is_some) => {}
     }
-    let _ = std::fs::remove_file(&path);
 }

@@ -2,21 +2,15 @@
 //! removing everything it had on disk.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use sandbox_devices::ConsoleLog;
 use tokio::io::{AsyncRead, AsyncReadExt};
-use tokio::net::UnixListener;
-use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
-
-/// How long QEMU gets to connect to the agent socket after it starts.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
@@ -26,8 +20,8 @@ const REAP_TIMEOUT: Duration = Duration::from_secs(10);
 /// A QEMU process and what belongs to it.
 pub struct QemuVm {
     pid: u32,
-    /// A pidfd for the process, so signals can never reach a recycled pid.
-    pidfd: Option<std::os::fd::OwnedFd>,
+    /// The jailed QEMU process (signals go through its pidfd, never to a recycled pid).
+    jailed: Arc<sandbox_jail::Jailed>,
     console: Arc<Mutex<ConsoleLog>>,
     exit: watch::Receiver<Option<VmExit>>,
     /// The waiter task sets the exit; a stop that cannot reap QEMU sets it too.
@@ -40,67 +34,194 @@ pub struct QemuVm {
     marker: Arc<std::sync::OnceLock<Duration>>,
 }
 
-/// Spawns QEMU with `args` and waits for it to connect to the agent socket.
+/// Memory QEMU itself may use beyond the guest's, in its cgroup: TCG keeps a translation cache
+/// (bounded by `tb-size`, see [`super::args`]) and QEMU its device and I/O buffers.
+pub const QEMU_ALLOWANCE_TCG_MIB: u64 = 512;
+/// The same with a hardware accelerator (no translation cache).
+pub const QEMU_ALLOWANCE_MIB: u64 = 256;
+
+/// A connected pair of stream sockets: the host's end and QEMU's.
+fn socket_pair(
+    what: &str,
+) -> Result<(std::os::unix::net::UnixStream, std::os::fd::OwnedFd), VmError> {
+    let (host, vm) = std::os::unix::net::UnixStream::pair()
+        .map_err(|e| VmError::io(format!("making the {what} socket"), e))?;
+    host.set_nonblocking(true)
+        .map_err(|e| VmError::io(format!("making the {what} socket"), e))?;
+    Ok((host, vm.into()))
+}
+
+fn pipe(what: &str) -> Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd), VmError> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into our array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(VmError::io(
+            format!("making QEMU's {what} pipe"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: two new descriptors that nothing else owns.
+    Ok(unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// Spawns QEMU in its jail, with every socket and disk as an inherited descriptor.
 pub async fn spawn(
     program: &Path,
-    args: Vec<std::ffi::OsString>,
+    arch: super::Arch,
+    accel: super::Accel,
     spec: &VmSpec,
 ) -> Result<StartedVm, VmError> {
-    let sock = spec.state_dir.join("agent.sock");
-    let listener = UnixListener::bind(&sock)
-        .map_err(|e| VmError::io(format!("listening on {}", sock.display()), e))?;
-
-    // QEMU connects to the marker socket at start, like the agent's (x86_64 only).
-    let marker_sock = super::args::marker_socket(&sock);
-    let marker_listener = if args
-        .iter()
-        .any(|a| a.to_string_lossy().contains("isa-debugcon"))
-    {
-        Some(
-            UnixListener::bind(&marker_sock)
-                .map_err(|e| VmError::io(format!("listening on {}", marker_sock.display()), e))?,
-        )
+    use std::os::fd::OwnedFd;
+    let jailer = sandbox_jail::global();
+    let (agent_host, agent_vm) = socket_pair("agent")?;
+    // The boot marker is an I/O port write, x86_64 only.
+    let marker = if arch == super::Arch::X86_64 {
+        Some(socket_pair("boot marker")?)
     } else {
         None
     };
-    // QEMU connects to the network socket at start too, when the VM has a network.
     let net = match &spec.net {
-        Some(n) => {
-            let path = super::args::net_socket(&sock);
-            let l = UnixListener::bind(&path)
-                .map_err(|e| VmError::io(format!("listening on {}", path.display()), e))?;
-            Some((l, path, n.link.clone()))
-        }
+        Some(n) => Some((socket_pair("network")?, n.link.clone())),
         None => None,
     };
-    let started = std::time::Instant::now();
-    let mut cmd = Command::new(program);
-    cmd.args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which is
-    // async-signal-safe; it makes the kernel kill QEMU if sandbox-host dies, so no VM outlives it.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+    let (out_r, out_w) = pipe("output")?;
+    let (err_r, err_w) = pipe("error")?;
+    let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
+
+    let mut fds: Vec<OwnedFd> = vec![null.into(), out_w, err_w, agent_vm];
+    let agent_fd = 3;
+    // QEMU's ends move into its descriptors: the host keeps no copy, so QEMU's end closing
+    // (it died) is an end of file here.
+    let mut marker_fd = None;
+    let marker = marker.map(|(host, vm)| {
+        fds.push(vm);
+        marker_fd = Some(fds.len() as i32 - 1);
+        host
+    });
+    let mut net_fd = None;
+    let net = net.map(|((host, vm), link)| {
+        fds.push(vm);
+        net_fd = Some(fds.len() as i32 - 1);
+        (host, link)
+    });
+    let mut disk_fds = vec![];
+    let mut fsize = 0u64;
+    for d in &spec.disks {
+        let open = |write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(&d.path)
+                .map_err(|e| VmError::io(format!("opening the disk {}", d.path.display()), e))
+        };
+        // QEMU opens a writable disk read-only first, then read-write: its fd set holds both.
+        let mut set = vec![];
+        if !d.read_only {
+            let f = open(true)?;
+            fsize = fsize.max(f.metadata().map(|m| m.len()).unwrap_or(0));
+            fds.push(f.into());
+            set.push(fds.len() as i32 - 1);
+        }
+        fds.push(open(false)?.into());
+        set.push(fds.len() as i32 - 1);
+        disk_fds.push(set);
+    }
+
+    let jailed_paths = jailer.namespaces();
+    let (kernel, initrd) = if jailed_paths {
+        (
+            PathBuf::from("/vm/kernel"),
+            spec.initrd.as_ref().map(|_| PathBuf::from("/vm/initrd")),
+        )
+    } else {
+        (spec.kernel.clone(), spec.initrd.clone())
+    };
+    let wiring = super::args::Wiring {
+        kernel,
+        initrd,
+        agent_fd,
+        marker_fd,
+        net_fd,
+        disk_fds,
+    };
+    let args = super::args::qemu_args(arch, accel, spec, &wiring);
+
+    let staging = spec.state_dir.join("root");
+    std::fs::create_dir(&staging)
+        .map_err(|e| VmError::io(format!("creating {}", staging.display()), e))?;
+    let mut binds = vec![sandbox_jail::Bind {
+        src: spec.kernel.clone(),
+        dst: "/vm/kernel".into(),
+        writable: false,
+    }];
+    if let Some(i) = &spec.initrd {
+        binds.push(sandbox_jail::Bind {
+            src: i.clone(),
+            dst: "/vm/initrd".into(),
+            writable: false,
         });
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| VmError::Start(format!("cannot run {}: {e}", program.display())))?;
-    let pid = child.id().unwrap_or(0);
+    let (devices, keep_groups) = if accel == super::Accel::Kvm {
+        (
+            vec![PathBuf::from("/dev/kvm")],
+            kvm_group().into_iter().collect(),
+        )
+    } else {
+        (vec![], vec![])
+    };
+    let allowance = if accel == super::Accel::Tcg {
+        QEMU_ALLOWANCE_TCG_MIB
+    } else {
+        QEMU_ALLOWANCE_MIB
+    };
+    let limits = sandbox_jail::Limits {
+        memory_bytes: (u64::from(spec.memory_mib) + allowance) << 20,
+        // QEMU's threads: the main loop, RCU, one per vCPU, and its block I/O pool (up to 64).
+        pids: 128 + u64::from(spec.vcpus),
+        cpu_weight: 100 * u32::from(spec.vcpus),
+    };
+    let cmd = sandbox_jail::Command {
+        name: spec.id.clone(),
+        program: Some(program.to_path_buf()),
+        args,
+        fds,
+        root: Some(sandbox_jail::Root {
+            staging,
+            system: true,
+            binds,
+            devices,
+            proc: false,
+        }),
+        limits,
+        nofile: 1024,
+        fsize: Some(fsize.max(1 << 20)),
+        keep_groups,
+        seccomp: true,
+    };
+    let started = std::time::Instant::now();
+    let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
+        .await
+        .map_err(|e| VmError::Start(format!("the jail's spawner failed: {e}")))?
+        .map_err(|e| {
+            VmError::Start(format!("cannot run {} in its jail: {e}", program.display()))
+        })?;
+    let jailed = Arc::new(jailed);
+    let pid = jailed.pid();
 
     let console = Arc::new(Mutex::new(ConsoleLog::default()));
-    if let Some(out) = child.stdout.take() {
-        tokio::spawn(pump(out, console.clone(), ""));
-    }
-    if let Some(err) = child.stderr.take() {
-        tokio::spawn(pump(err, console.clone(), "qemu: "));
+    for (fd, prefix) in [(out_r, ""), (err_r, "qemu: ")] {
+        match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
+            Ok(r) => {
+                tokio::spawn(pump(r, console.clone(), prefix));
+            }
+            Err(e) => tracing::warn!("cannot read QEMU's console: {e}"),
+        }
     }
 
     let (exit_tx, exit_rx) = watch::channel(None);
@@ -108,56 +229,43 @@ pub async fn spawn(
     let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let kill_reason = Arc::new(Mutex::new(None));
     tokio::spawn(wait_exit(
-        child,
+        jailed.clone(),
+        limits,
         console.clone(),
         exit_tx.clone(),
         stop_requested.clone(),
         kill_reason.clone(),
     ));
 
-    let marker = Arc::new(std::sync::OnceLock::new());
-    if let Some(l) = marker_listener {
+    let marker_time = Arc::new(std::sync::OnceLock::new());
+    if let Some(host) = marker {
+        let s = tokio::net::UnixStream::from_std(host)
+            .map_err(|e| VmError::io("watching the boot marker socket", e))?;
         tokio::spawn(time_marker(
-            l,
-            marker_sock,
+            s,
             started,
-            marker.clone(),
+            marker_time.clone(),
             exit_rx.clone(),
         ));
     }
-    if let Some((l, path, link)) = net {
-        tokio::spawn(super::netpump::run(l, path, link, exit_rx.clone()));
+    if let Some((host, link)) = net {
+        let s = tokio::net::UnixStream::from_std(host)
+            .map_err(|e| VmError::io("connecting the network socket", e))?;
+        tokio::spawn(super::netpump::run(s, link, exit_rx.clone()));
     }
     let vm = QemuVm {
         pid,
-        pidfd: pidfd_open(pid),
+        jailed,
         console,
         exit: exit_rx,
         exit_tx,
         stop_requested,
         kill_reason,
         state_dir: spec.state_dir.clone(),
-        marker,
+        marker: marker_time,
     };
-    let accepted = tokio::select! {
-        r = tokio::time::timeout(CONNECT_TIMEOUT, listener.accept()) => r,
-        exit = vm.wait() => return Err(VmError::DiedEarly(exit)),
-    };
-    // The socket file is not needed once QEMU is connected.
-    let _ = std::fs::remove_file(&sock);
-    let stream = match accepted {
-        Ok(Ok((s, _))) => s,
-        Ok(Err(e)) => {
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::io("accepting QEMU's agent connection", e));
-        }
-        Err(_) => {
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(format!(
-                "QEMU did not connect to the agent socket within {CONNECT_TIMEOUT:?}"
-            )));
-        }
-    };
+    let stream = tokio::net::UnixStream::from_std(agent_host)
+        .map_err(|e| VmError::io("connecting the agent socket", e))?;
     let (read, write) = stream.into_split();
     Ok(StartedVm {
         vm: Box::new(vm),
@@ -168,17 +276,21 @@ pub async fn spawn(
     })
 }
 
+/// The group that owns `/dev/kvm`, when it is not root's: QEMU with KVM keeps it in its jail.
+fn kvm_group() -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let gid = std::fs::metadata("/dev/kvm").ok()?.gid();
+    (gid != 0).then_some(gid)
+}
+
 /// Records when the guest's boot marker arrives on the marker socket; ends with the VM.
 async fn time_marker(
-    listener: UnixListener,
-    sock: PathBuf,
+    mut s: tokio::net::UnixStream,
     started: std::time::Instant,
     marker: Arc<std::sync::OnceLock<Duration>>,
     mut exit: watch::Receiver<Option<VmExit>>,
 ) {
     let timed = async {
-        let (mut s, _) = listener.accept().await.ok()?;
-        let _ = std::fs::remove_file(&sock);
         let mut b = [0u8; 1];
         if s.read(&mut b).await.ok()? == 1 && b[0] == sandbox_devices::BootMarker::VALUE {
             let _ = marker.set(started.elapsed());
@@ -192,7 +304,6 @@ async fn time_marker(
         _ = timed => {}
         _ = exit.wait_for(Option::is_some) => {}
     }
-    let _ = std::fs::remove_file(&sock);
 }
 
 async fn pump(
@@ -220,13 +331,14 @@ async fn pump(
 }
 
 async fn wait_exit(
-    mut child: Child,
+    jailed: Arc<sandbox_jail::Jailed>,
+    limits: sandbox_jail::Limits,
     console: Arc<Mutex<ConsoleLog>>,
     tx: Arc<watch::Sender<Option<VmExit>>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
     kill_reason: Arc<Mutex<Option<String>>>,
 ) {
-    let status = child.wait().await;
+    let exit = jailed.wait().await;
     // Give the console pumps a moment to take QEMU's last words.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let lines = console
@@ -238,8 +350,21 @@ async fn wait_exit(
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     let requested = killed.is_none() && stop_requested.load(std::sync::atomic::Ordering::SeqCst);
-    let reason =
-        killed.unwrap_or_else(|| classify(status.as_ref().ok().copied(), requested, &lines));
+    let reason = killed.unwrap_or_else(|| {
+        if exit.oom_kills > 0 && !requested {
+            return format!(
+                "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
+                 memory and QEMU's own allowance) and the kernel killed it",
+                limits.memory_bytes >> 20
+            );
+        }
+        use std::os::unix::process::ExitStatusExt;
+        classify(
+            Some(std::process::ExitStatus::from_raw(exit.status)),
+            requested,
+            &lines,
+        )
+    });
     tx.send_replace(Some(VmExit {
         reason,
         requested,
@@ -386,42 +511,8 @@ impl QemuVm {
     }
 
     fn signal(&self, sig: i32) {
-        use std::os::fd::AsRawFd;
-        match &self.pidfd {
-            Some(fd) => {
-                // SAFETY: pidfd_send_signal with a valid pidfd we own and a null siginfo.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        fd.as_raw_fd(),
-                        sig,
-                        std::ptr::null::<libc::siginfo_t>(),
-                        0,
-                    )
-                };
-            }
-            None if self.pid > 0 && self.exit().is_none() => {
-                // SAFETY: kill has no memory preconditions; without a pidfd (kernel < 5.3) this
-                // is the best available, checked against the exit just above.
-                unsafe { libc::kill(self.pid as i32, sig) };
-            }
-            None => {}
-        }
+        self.jailed.signal(sig);
     }
-}
-
-fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    if pid == 0 {
-        return None;
-    }
-    // SAFETY: pidfd_open has no memory arguments; the result is checked.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: the syscall returned a new descriptor that nothing else owns.
-    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }
 
 fn remove_state_dir(dir: &Path) {
