@@ -22,11 +22,11 @@ fi
 # build) and sets SANDBOX_HOST_BUILD_PROFILE=dev so it does not pay for a second one.
 profile=${SANDBOX_HOST_BUILD_PROFILE:-release}
 case "$profile" in
-  release) log "building sandbox-host (release; the first time takes a few minutes)"
-           (cd "$root" && cargo build --quiet --release -p sandbox-host) >&2
+  release) log "building sandbox-host and its VM program sandbox-vm (release; the first time takes a few minutes)"
+           (cd "$root" && cargo build --quiet --release -p sandbox-host -p sandbox-vmm --bins) >&2
            echo "$CARGO_TARGET_DIR/release/sandbox-host" ;;
-  dev)     log "building sandbox-host (dev profile)"
-           (cd "$root" && cargo build --quiet -p sandbox-host) >&2
+  dev)     log "building sandbox-host and sandbox-vm (dev profile)"
+           (cd "$root" && cargo build --quiet -p sandbox-host -p sandbox-vmm --bins) >&2
            echo "$CARGO_TARGET_DIR/debug/sandbox-host" ;;
   *)       log "SANDBOX_HOST_BUILD_PROFILE must be release or dev, not $profile"; exit 2 ;;
 esac

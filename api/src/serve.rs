@@ -71,14 +71,7 @@ pub async fn serve() -> ExitCode {
     }
     let store = ImageStore::new(cfg.image_dir.clone());
     let (mut availability, backend) = availability(&store).await;
-    let mut missing = jail.status().missing.clone();
-    if availability.backend == "kvm" {
-        missing.push(
-            "the KVM backend runs each VM's vCPU and device threads inside the sandbox host's own \
-             process, outside the jail (SANDBOX_HOST_VMM=qemu gives every VM the jail)"
-                .into(),
-        );
-    }
+    let missing = jail.status().missing.clone();
     if jail_settings.mode == sandbox_jail::Mode::Required && !missing.is_empty() {
         availability.available = false;
         availability.reason = Some(format!(

@@ -80,7 +80,15 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         .unwrap();
     let out = Command::new("bash")
         .arg(root.join("tests/nested/run.sh"))
-        .args(["--with", env!("CARGO_BIN_EXE_sandbox-host"), "--"])
+        .args(["--with", env!("CARGO_BIN_EXE_sandbox-host")])
+        // The KVM backend's VM process, built beside the service by `cargo test --workspace`.
+        .args([
+            "--with".as_ref(),
+            std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"))
+                .with_file_name("sandbox-vm")
+                .as_os_str(),
+            "--".as_ref(),
+        ])
         .arg(
             // Through a pipe, so the logs are plain text; pipefail keeps the run's status. First
             // QEMU on KVM, then the default (auto), which must pick the in-process KVM backend.

@@ -42,8 +42,10 @@ fn assert_threads_back(before: usize) {
 
 fn boot_stock(image: &sandbox_vmm::Image, vcpus: u8, memory_mib: u32) -> MachineExit {
     let cfg = MachineConfig {
-        kernel: image.kernel.clone(),
-        initrd: image.initrd.clone(),
+        kvm: None,
+        kernel: image.kernel.clone().into(),
+        initrd: image.initrd.clone().map(Into::into),
+        console: None,
         // init is busybox's `true`: its exit panics the kernel (which names the status), and
         // panic=-1 restarts the guest at once.
         cmdline: "console=ttyS0 reboot=t panic=-1 rdinit=/bin/busybox -- true".into(),
@@ -144,8 +146,10 @@ fn stress_four_at_once() {
                 let image = image.clone();
                 std::thread::spawn(move || {
                     let cfg = MachineConfig {
-                        kernel: image.kernel.clone(),
-                        initrd: image.initrd.clone(),
+                        kvm: None,
+                        kernel: image.kernel.clone().into(),
+                        initrd: image.initrd.clone().map(Into::into),
+                        console: None,
                         cmdline:
                             "console=ttyS0 loglevel=8 reboot=t panic=-1 rdinit=/bin/busybox -- true"
                                 .into(),

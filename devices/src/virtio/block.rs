@@ -48,6 +48,12 @@ impl Block {
             .read(true)
             .write(!read_only)
             .open(path)?;
+        Block::from_file(file, read_only, id)
+    }
+
+    /// A disk on a file the caller opened (read-write unless `read_only`): a jailed VM process
+    /// gets its disks as descriptors, with no path to open.
+    pub fn from_file(file: std::fs::File, read_only: bool, id: &str) -> std::io::Result<Block> {
         let len = file.metadata()?.len();
         let mut idb = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         for (d, s) in idb.iter_mut().zip(id.bytes()) {

@@ -23,14 +23,34 @@ const RETRY: Duration = Duration::from_millis(5);
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
 
-/// The in-process KVM backend.
+/// The KVM backend.
 #[derive(Debug, Clone, Default)]
-pub struct KvmBackend;
+pub struct KvmBackend {
+    /// Each VM in this process instead of a jailed `sandbox-vm` of its own: only for the
+    /// benchmark that measures what the process and the jail cost.
+    in_process: bool,
+}
 
 impl KvmBackend {
     /// Checks that /dev/kvm can be opened and has what the machine uses. This does not prove
     /// the host's KVM can run Linux; [`probe`] does.
     pub fn new() -> Result<KvmBackend, String> {
+        check_kvm()?;
+        super::process::vm_binary()?;
+        Ok(KvmBackend { in_process: false })
+    }
+
+    /// The same backend running each VM's threads in this process (no jail): the reference the
+    /// benchmarks measure the VM process against.
+    pub fn in_process() -> Result<KvmBackend, String> {
+        check_kvm()?;
+        Ok(KvmBackend { in_process: true })
+    }
+}
+
+/// Checks that /dev/kvm can be opened and has what the machine uses.
+fn check_kvm() -> Result<(), String> {
+    {
         let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
             libc::ENOENT => "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host with hardware virtualisation)".to_string(),
             libc::EACCES | libc::EPERM => "/dev/kvm exists but this user may not open it (add the user to the kvm group)".to_string(),
@@ -46,7 +66,7 @@ impl KvmBackend {
                 return Err(format!("the host's KVM lacks {name}"));
             }
         }
-        Ok(KvmBackend)
+        Ok(())
     }
 }
 
@@ -88,7 +108,11 @@ impl Backend for KvmBackend {
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
         validate_spec(&spec)?;
         let spec = crate::backend::prepare(&spec)?;
-        let result = start(&spec).await;
+        let result = if self.in_process {
+            start(&spec).await
+        } else {
+            super::process::start(&spec, kernel_cmdline(&spec), AGENT_PORT, GUEST_CID).await
+        };
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&spec.state_dir);
         }
@@ -98,8 +122,10 @@ impl Backend for KvmBackend {
 
 async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
     let cfg = MachineConfig {
-        kernel: spec.kernel.clone(),
-        initrd: spec.initrd.clone(),
+        kvm: None,
+        kernel: spec.kernel.clone().into(),
+        initrd: spec.initrd.clone().map(Into::into),
+        console: None,
         cmdline: kernel_cmdline(spec),
         memory_mib: spec.memory_mib,
         vcpus: spec.vcpus,
@@ -107,7 +133,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
             .disks
             .iter()
             .map(|d| DiskConfig {
-                path: d.path.clone(),
+                file: d.path.clone().into(),
                 read_only: d.read_only,
             })
             .collect(),

@@ -2,8 +2,7 @@
 //! the PVH start info with the memory map: everything the guest finds in memory at its first
 //! instruction.
 
-use std::fs::File;
-use std::path::Path;
+use std::io::Read;
 
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
@@ -16,6 +15,7 @@ use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::layout;
+use super::machine::FileRef;
 
 /// The PVH start info magic.
 const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;
@@ -61,12 +61,12 @@ pub enum BootError {
 pub fn load(
     mem: &GuestMemoryMmap,
     mem_bytes: u64,
-    kernel: &Path,
-    initrd: Option<&Path>,
+    kernel: &FileRef,
+    initrd: Option<&FileRef>,
     cmdline: &str,
 ) -> Result<GuestAddress, BootError> {
-    let mut f = File::open(kernel).map_err(|e| BootError::Kernel {
-        path: kernel.display().to_string(),
+    let mut f = kernel.open(false).map_err(|e| BootError::Kernel {
+        path: kernel.to_string(),
         source: e,
     })?;
     let loaded = Elf::load(mem, None, &mut f, Some(layout::HIMEM_START))
@@ -102,12 +102,11 @@ pub fn load(
     let mut module = None;
     if let Some(path) = initrd {
         let bad = |why: String| BootError::Initrd {
-            path: path.display().to_string(),
+            path: path.to_string(),
             why,
         };
-        let size = std::fs::metadata(path)
-            .map_err(|e| bad(e.to_string()))?
-            .len();
+        let mut file = path.open(false).map_err(|e| bad(e.to_string()))?;
+        let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
         if size > MAX_INITRD {
             return Err(bad(format!(
                 "{size} bytes is more than the {MAX_INITRD}-byte limit"
@@ -115,7 +114,10 @@ pub fn load(
         }
         let addr = layout::initrd_address(mem_bytes, size, loaded.kernel_end)
             .ok_or_else(|| bad(format!("{size} bytes do not fit below the MMIO hole above the kernel; give the guest more memory")))?;
-        let data = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let mut data = Vec::with_capacity(size as usize);
+        std::io::Read::take(&mut file, size)
+            .read_to_end(&mut data)
+            .map_err(|e| bad(e.to_string()))?;
         mem.write_slice(&data, addr)
             .map_err(|e| bad(e.to_string()))?;
         module = Some(hvm_modlist_entry {

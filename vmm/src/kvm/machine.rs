@@ -45,11 +45,60 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const KICK_FAST: Duration = Duration::from_millis(5);
 const KICK_SLOW: Duration = Duration::from_secs(1);
 
+/// A file the machine reads or writes: a path it opens, or a file opened for it. A jailed VM
+/// process gets every file as a descriptor: its jail has no path to any of them.
+#[derive(Debug, Clone)]
+pub enum FileRef {
+    /// Opened by the machine.
+    Path(PathBuf),
+    /// Already open (read-write where the machine writes it); named for messages.
+    Open(Arc<std::fs::File>, String),
+}
+
+impl FileRef {
+    /// The file, opened for writing too when `write`.
+    pub fn open(&self, write: bool) -> std::io::Result<std::fs::File> {
+        match self {
+            FileRef::Path(p) => std::fs::OpenOptions::new().read(true).write(write).open(p),
+            FileRef::Open(f, _) => f.try_clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for FileRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FileRef::Path(p) => write!(f, "{}", p.display()),
+            FileRef::Open(_, name) => f.write_str(name),
+        }
+    }
+}
+
+impl From<PathBuf> for FileRef {
+    fn from(p: PathBuf) -> Self {
+        FileRef::Path(p)
+    }
+}
+
+/// Where the guest's console bytes go besides the machine's own log (the VM process passes them
+/// to the service).
+#[derive(Clone)]
+pub struct ConsoleSink(pub Arc<ConsoleFn>);
+
+/// What a [`ConsoleSink`] calls with each piece of console output.
+pub type ConsoleFn = dyn Fn(&[u8]) + Send + Sync;
+
+impl std::fmt::Debug for ConsoleSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConsoleSink")
+    }
+}
+
 /// A disk for the machine.
 #[derive(Debug, Clone)]
 pub struct DiskConfig {
-    /// Raw image on the host.
-    pub path: PathBuf,
+    /// Raw image.
+    pub file: FileRef,
     /// Whether the guest may write it.
     pub read_only: bool,
 }
@@ -57,10 +106,14 @@ pub struct DiskConfig {
 /// What to boot.
 #[derive(Debug, Clone)]
 pub struct MachineConfig {
+    /// `/dev/kvm`, opened by the caller; `None` opens it here.
+    pub kvm: Option<Arc<std::fs::File>>,
     /// Uncompressed kernel with a PVH note.
-    pub kernel: PathBuf,
+    pub kernel: FileRef,
     /// Initramfs.
-    pub initrd: Option<PathBuf>,
+    pub initrd: Option<FileRef>,
+    /// A copy of the guest's console output.
+    pub console: Option<ConsoleSink>,
     /// Kernel command line; the machine appends a `virtio_mmio.device=` entry per device.
     pub cmdline: String,
     /// Guest memory.
@@ -228,7 +281,17 @@ impl Machine {
         if cfg.vcpus == 0 {
             return Err(MachineError::Cpu(cpu::CpuError::zero()));
         }
-        let kvm = Kvm::new().map_err(kvm_err("opening /dev/kvm"))?;
+        let kvm = match &cfg.kvm {
+            Some(f) => {
+                use std::os::fd::{FromRawFd, IntoRawFd};
+                let dup = f
+                    .try_clone()
+                    .map_err(io_err("duplicating the /dev/kvm descriptor"))?;
+                // SAFETY: a descriptor of /dev/kvm that we own (a fresh duplicate), handed over.
+                unsafe { Kvm::from_raw_fd(dup.into_raw_fd()) }
+            }
+            None => Kvm::new().map_err(kvm_err("opening /dev/kvm"))?,
+        };
         let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         vm.set_tss_address(layout::KVM_TSS_ADDRESS)
             .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
@@ -254,8 +317,11 @@ impl Machine {
         }
         add_device(&vm, &mem, vsock, &mut devices, &mut cmdline)?;
         for (i, d) in cfg.disks.iter().enumerate() {
-            let blk = Block::open(&d.path, d.read_only, &format!("disk{i}"))
-                .map_err(io_err(format!("opening disk {}", d.path.display())))?;
+            let blk = d
+                .file
+                .open(!d.read_only)
+                .and_then(|f| Block::from_file(f, d.read_only, &format!("disk{i}")))
+                .map_err(io_err(format!("opening disk {}", d.file)))?;
             add_device(&vm, &mem, blk, &mut devices, &mut cmdline)?;
         }
         if let Some(net) = &cfg.net {
@@ -270,20 +336,18 @@ impl Machine {
             )?;
         }
 
-        let entry = boot::load(
-            &mem,
-            mem_bytes,
-            &cfg.kernel,
-            cfg.initrd.as_deref(),
-            &cmdline,
-        )?;
+        let entry = boot::load(&mem, mem_bytes, &cfg.kernel, cfg.initrd.as_ref(), &cmdline)?;
         mptable::write(&mem, cfg.vcpus)?;
 
         let log = Arc::new(Mutex::new(ConsoleLog::default()));
         let irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
         vm.register_irqfd(&irq, serial::COM1_IRQ)
             .map_err(kvm_err("KVM_IRQFD (serial)"))?;
-        let console = Arc::new(Mutex::new(serial::console(irq, log.clone())));
+        let console = Arc::new(Mutex::new(serial::console(
+            irq,
+            log.clone(),
+            cfg.console.clone(),
+        )));
 
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
         for id in 0..cfg.vcpus {

@@ -24,12 +24,18 @@ impl Trigger for IrqTrigger {
     }
 }
 
-/// Where the guest's console output goes: the bounded log.
-pub struct LogWriter(pub Arc<Mutex<ConsoleLog>>);
+/// Where the guest's console output goes: the bounded log, and a copy to the sink if any.
+pub struct LogWriter(
+    pub Arc<Mutex<ConsoleLog>>,
+    pub Option<super::machine::ConsoleSink>,
+);
 
 impl io::Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).write(buf);
+        if let Some(sink) = &self.1 {
+            (sink.0)(buf);
+        }
         Ok(buf.len())
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -41,6 +47,10 @@ impl io::Write for LogWriter {
 pub type Console = Serial<IrqTrigger, vm_superio::serial::NoEvents, LogWriter>;
 
 /// A console writing into `log`, interrupting through `irq`.
-pub fn console(irq: EventFd, log: Arc<Mutex<ConsoleLog>>) -> Console {
-    Serial::new(IrqTrigger(irq), LogWriter(log))
+pub fn console(
+    irq: EventFd,
+    log: Arc<Mutex<ConsoleLog>>,
+    sink: Option<super::machine::ConsoleSink>,
+) -> Console {
+    Serial::new(IrqTrigger(irq), LogWriter(log, sink))
 }

@@ -4,7 +4,7 @@
 
 mod accel;
 pub mod args;
-mod netpump;
+pub(crate) mod netpump;
 mod process;
 
 use std::path::{Path, PathBuf};

@@ -20,7 +20,7 @@ const MAX_STREAM_FRAME: usize = 65_535 + 18;
 const MAX_FRAME: usize = 1518;
 
 /// Moves frames between QEMU's socket and the link until the VM or the socket ends.
-pub(super) async fn run(
+pub(crate) async fn run(
     stream: UnixStream,
     link: Arc<dyn FrameLink>,
     mut exit: watch::Receiver<Option<VmExit>>,

@@ -1,0 +1,253 @@
+//! The VM process (`sandbox-vm`): one KVM machine, run in the jail the service started it in.
+//!
+//! It holds nothing but its guest: `/dev/kvm`, its kernel, initramfs and disks as descriptors, a
+//! socket for the guest's frames, the control socket (descriptor 3), the console pipe
+//! (descriptor 1) and its own log (descriptor 2). The service's keys, other guests, the network
+//! and the host's files are out of its reach (see `docs/threat-model.md`).
+
+use std::io::Write;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use sandbox_devices::virtio::vsock::ConnectError;
+
+use super::control::{self, Event, Request, VmConfig};
+use super::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineExit};
+
+/// The control socket's descriptor.
+pub const CONTROL_FD: RawFd = 3;
+/// Pause between connection attempts while the agent is not listening yet.
+const RETRY: Duration = Duration::from_millis(5);
+
+type Writer = Arc<Mutex<UnixStream>>;
+
+fn say(w: &Writer, e: &Event, fd: Option<RawFd>) {
+    let sock = w.lock().unwrap_or_else(|e| e.into_inner());
+    // The service gone: nothing to tell; the parent-death signal ends us.
+    let _ = control::send(&sock, e, fd);
+}
+
+/// Takes an inherited descriptor as a file (each number once).
+fn file(fd: RawFd, taken: &mut Vec<RawFd>) -> Result<std::fs::File, String> {
+    if fd <= CONTROL_FD || taken.contains(&fd) {
+        return Err(format!("descriptor {fd} is not one of the VM's files"));
+    }
+    // SAFETY: F_GETFD only checks the number.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(format!("descriptor {fd} is not open"));
+    }
+    taken.push(fd);
+    // SAFETY: an inherited descriptor, checked open above, taken once.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
+    let mut taken = vec![];
+    let kvm = file(cfg.kvm_fd, &mut taken)?;
+    let kernel = FileRef::Open(
+        Arc::new(file(cfg.kernel_fd, &mut taken)?),
+        "the kernel".into(),
+    );
+    let initrd = match cfg.initrd_fd {
+        Some(fd) => Some(FileRef::Open(
+            Arc::new(file(fd, &mut taken)?),
+            "the initramfs".into(),
+        )),
+        None => None,
+    };
+    let mut disks = vec![];
+    for (i, d) in cfg.disks.iter().enumerate() {
+        disks.push(DiskConfig {
+            file: FileRef::Open(Arc::new(file(d.fd, &mut taken)?), format!("disk {i}")),
+            read_only: d.read_only,
+        });
+    }
+    let net = match cfg.net {
+        Some(n) => {
+            let sock = UnixStream::from(std::os::fd::OwnedFd::from(file(n.fd, &mut taken)?));
+            let link = super::stream_link::StreamLink::new(sock)
+                .map_err(|e| format!("starting the network link: {e}"))?;
+            Some(crate::net::NetAttachment {
+                mac: n.mac,
+                link: Arc::new(link),
+            })
+        }
+        None => None,
+    };
+    // The console goes to the service as it comes; a service that does not keep up loses
+    // bytes here rather than stalling the guest's vCPU.
+    // SAFETY: F_SETFL on our stdout.
+    unsafe {
+        let flags = libc::fcntl(1, libc::F_GETFL);
+        libc::fcntl(1, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+    let console = ConsoleSink(Arc::new(|bytes: &[u8]| {
+        // SAFETY: a write to our stdout from a valid slice.
+        unsafe { libc::write(1, bytes.as_ptr().cast(), bytes.len()) };
+    }));
+    Ok(MachineConfig {
+        kvm: Some(Arc::new(kvm)),
+        kernel,
+        initrd,
+        console: Some(console),
+        cmdline: cfg.cmdline,
+        memory_mib: cfg.memory_mib,
+        vcpus: cfg.vcpus,
+        disks,
+        vsock_cid: cfg.vsock_cid,
+        net,
+    })
+}
+
+/// Connects to a guest port for the service, retrying while nothing listens yet.
+fn connect(machine: &Machine, w: &Writer, port: u32, within: Duration) {
+    let deadline = Instant::now() + within;
+    let mut last: Option<ConnectError> = None;
+    loop {
+        if let Some(e) = machine.exit() {
+            say(
+                w,
+                &Event::ConnectFailed(format!("the VM ended: {}", e.reason)),
+                None,
+            );
+            return;
+        }
+        let (tx, rx) = mpsc::channel();
+        machine.vsock().connect(
+            port,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Ok(stream)) => {
+                use std::os::fd::AsRawFd;
+                say(w, &Event::Connected, Some(stream.as_raw_fd()));
+                // Our copy closes here; the service holds the channel now.
+                return;
+            }
+            Ok(Err(e @ (ConnectError::Refused(_) | ConnectError::NotReady)))
+                if Instant::now() < deadline =>
+            {
+                last = Some(e);
+                std::thread::sleep(RETRY);
+            }
+            Ok(Err(e)) => {
+                say(w, &Event::ConnectFailed(e.to_string()), None);
+                return;
+            }
+            Err(_) => {
+                let why = match last {
+                    Some(e) => e.to_string(),
+                    None => "the guest's kernel never answered a connection request".into(),
+                };
+                say(w, &Event::ConnectFailed(why), None);
+                return;
+            }
+        }
+    }
+}
+
+fn exit_event(e: &MachineExit) -> Event {
+    Event::Exit {
+        reason: e.reason.clone(),
+        requested: e.requested,
+        console: e.console.clone(),
+    }
+}
+
+/// The VM process's `main`: returns its exit code.
+pub fn main() -> i32 {
+    // SAFETY: descriptor 3 is the control socket the service passed; taken once.
+    let ctl = unsafe { UnixStream::from_raw_fd(CONTROL_FD) };
+    let writer: Writer = match ctl.try_clone() {
+        Ok(w) => Arc::new(Mutex::new(w)),
+        Err(e) => {
+            eprintln!("sandbox-vm: the control socket: {e}");
+            return 2;
+        }
+    };
+    let mut reader = control::Reader::new(&ctl);
+    let cfg = match reader.read::<Request>() {
+        Ok(Some(Request::Start(cfg))) => cfg,
+        other => {
+            eprintln!("sandbox-vm: expected the VM's configuration first, got {other:?}");
+            return 2;
+        }
+    };
+    let mcfg = match machine_config(cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            say(&writer, &Event::Error(e), None);
+            return 1;
+        }
+    };
+    let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
+    let machine = match Machine::start(
+        &mcfg,
+        Some(Box::new(move |e| {
+            let _ = exit_tx.send(e.clone());
+        })),
+    ) {
+        Ok(m) => Arc::new(m),
+        Err(e) => {
+            say(&writer, &Event::Error(e.to_string()), None);
+            return 1;
+        }
+    };
+    drop(mcfg);
+    say(&writer, &Event::Started, None);
+
+    // The boot marker, once it comes.
+    {
+        let (m, w) = (machine.clone(), writer.clone());
+        let _ = std::thread::Builder::new()
+            .name("vm-marker".into())
+            .spawn(move || {
+                while m.exit().is_none() {
+                    if m.boot_marker().is_some() {
+                        say(&w, &Event::Marker, None);
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            });
+    }
+    // Requests, until the service closes the socket (it is gone: stop).
+    {
+        let (m, w) = (machine.clone(), writer.clone());
+        let _ = std::thread::Builder::new()
+            .name("vm-control".into())
+            .spawn(move || {
+                loop {
+                    match reader.read::<Request>() {
+                        Ok(Some(Request::Connect { port, timeout_ms })) => {
+                            connect(&m, &w, port, Duration::from_millis(timeout_ms))
+                        }
+                        Ok(Some(Request::Stop)) => {
+                            m.stop();
+                        }
+                        Ok(Some(Request::Fail { reason })) => {
+                            m.fail(reason);
+                        }
+                        Ok(Some(Request::Diagnostics)) => {
+                            say(&w, &Event::Diagnostics(m.vcpu_report()), None)
+                        }
+                        Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {
+                            m.stop();
+                            return;
+                        }
+                    }
+                }
+            });
+    }
+    let exit = exit_rx
+        .recv()
+        .unwrap_or_else(|_| machine.exit().unwrap_or_else(|| machine.stop()));
+    say(&writer, &exit_event(&exit), None);
+    let _ = std::io::stderr().flush();
+    0
+}

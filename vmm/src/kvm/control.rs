@@ -1,0 +1,296 @@
+//! The control channel between the service and a VM process: one JSON object per line over a
+//! Unix stream socket pair, and the agent channel's descriptor passed back with `SCM_RIGHTS`.
+//!
+//! Lines are bounded ([`MAX_LINE`]) on both sides: the VM process is as hostile as its guest
+//! once the guest may have taken it over, so the service reads it like guest data.
+
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use serde::{Deserialize, Serialize};
+
+/// The longest line either side accepts.
+pub const MAX_LINE: usize = 64 * 1024;
+/// The most descriptors one message carries.
+const MAX_FDS: usize = 4;
+
+/// What the VM process is to build. Every file is a descriptor number it inherited.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmConfig {
+    /// `/dev/kvm`.
+    pub kvm_fd: RawFd,
+    /// The kernel.
+    pub kernel_fd: RawFd,
+    /// The initramfs.
+    pub initrd_fd: Option<RawFd>,
+    /// The kernel command line (complete).
+    pub cmdline: String,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Disks in order.
+    pub disks: Vec<DiskFd>,
+    /// The guest's vsock context id.
+    pub vsock_cid: u64,
+    /// The network: frames on a stream socket as a 4-byte big-endian length and the frame.
+    pub net: Option<NetFd>,
+}
+
+/// One disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DiskFd {
+    /// Its descriptor (read-write unless `read_only`).
+    pub fd: RawFd,
+    /// Whether the guest may write it.
+    pub read_only: bool,
+}
+
+/// The network device.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NetFd {
+    /// The frames' socket.
+    pub fd: RawFd,
+    /// The guest's MAC address.
+    pub mac: [u8; 6],
+}
+
+/// From the service to the VM process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Request {
+    /// Build and start the machine (the first message, once).
+    Start(VmConfig),
+    /// Connect to a vsock port of the guest, retrying while nothing listens, for at most
+    /// `timeout_ms`; the answer is [`Event::Connected`] with the descriptor, or
+    /// [`Event::ConnectFailed`].
+    Connect {
+        /// The port.
+        port: u32,
+        /// The bound.
+        timeout_ms: u64,
+    },
+    /// Stop the machine; the process ends after [`Event::Exit`].
+    Stop,
+    /// End the machine as failed for `reason`.
+    Fail {
+        /// Why the host gave up on it.
+        reason: String,
+    },
+    /// Answer with [`Event::Diagnostics`].
+    Diagnostics,
+}
+
+/// From the VM process to the service.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    /// The machine is built and its vCPUs run.
+    Started,
+    /// The machine could not be built.
+    Error(String),
+    /// The guest wrote its boot marker.
+    Marker,
+    /// Connected; the agent channel's descriptor came with this message.
+    Connected,
+    /// Not connected, with why.
+    ConnectFailed(String),
+    /// vCPU activity, for an error message.
+    Diagnostics(String),
+    /// The machine ended.
+    Exit {
+        /// For a person.
+        reason: String,
+        /// The host asked for it.
+        requested: bool,
+        /// The last console lines.
+        console: Vec<String>,
+    },
+}
+
+/// Writes one message as a line, with `fd` attached when given.
+pub fn send<T: Serialize>(sock: &UnixStream, msg: &T, fd: Option<RawFd>) -> io::Result<()> {
+    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    line.push(b'\n');
+    match fd {
+        None => (&*sock).write_all(&line),
+        Some(fd) => {
+            // The descriptor travels with the first byte; the rest follows as plain bytes.
+            let n = send_with_fd(sock.as_raw_fd(), &line, fd)?;
+            (&*sock).write_all(&line[n..])
+        }
+    }
+}
+
+fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
+    // SAFETY: sendmsg with an iovec over `bytes` and a control buffer sized by CMSG_SPACE for
+    // one descriptor, both living across the call.
+    unsafe {
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        let space = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
+        let mut control = vec![0u8; space];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &raw mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        loop {
+            let n = libc::sendmsg(sock, &raw const msg, libc::MSG_NOSIGNAL);
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Reads lines (and the descriptors that come with them) from a control socket.
+pub struct Reader {
+    sock: RawFd,
+    buf: Vec<u8>,
+    fds: std::collections::VecDeque<OwnedFd>,
+}
+
+impl Reader {
+    /// Reads from `sock` (which the caller keeps open).
+    pub fn new(sock: &UnixStream) -> Reader {
+        Reader {
+            sock: sock.as_raw_fd(),
+            buf: Vec::new(),
+            fds: Default::default(),
+        }
+    }
+
+    /// The next line, parsed; `None` at end of file. A line longer than [`MAX_LINE`] or one
+    /// that does not parse is an error.
+    pub fn read<T: for<'de> Deserialize<'de>>(&mut self) -> io::Result<Option<T>> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=i).collect();
+                return serde_json::from_slice(&line[..i])
+                    .map(Some)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            if self.buf.len() > MAX_LINE {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("a control line longer than {MAX_LINE} bytes"),
+                ));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self.recv(&mut chunk)?;
+            if n == 0 {
+                return Ok(None);
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// A descriptor that came on the socket, oldest first.
+    pub fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.fds.pop_front()
+    }
+
+    fn recv(&mut self, chunk: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: recvmsg into our buffers; each descriptor the kernel wrote into the control
+        // buffer is new and taken into an OwnedFd exactly once.
+        unsafe {
+            let mut iov = libc::iovec {
+                iov_base: chunk.as_mut_ptr().cast(),
+                iov_len: chunk.len(),
+            };
+            let space = libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) as usize;
+            let mut control = vec![0u8; space];
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &raw mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let n = loop {
+                let n = libc::recvmsg(self.sock, &raw mut msg, libc::MSG_CMSG_CLOEXEC);
+                if n >= 0 {
+                    break n as usize;
+                }
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            };
+            let mut cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                    let len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    for i in 0..len / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.add(i));
+                        let owned = OwnedFd::from_raw_fd(fd);
+                        // More than a message may carry: closed, never kept.
+                        if self.fds.len() < MAX_FDS {
+                            self.fds.push_back(owned);
+                        }
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&raw const msg, cmsg);
+            }
+            Ok(n)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_and_a_descriptor_round_trip() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (x, _y) = UnixStream::pair().unwrap();
+        send(&a, &Event::Started, None).unwrap();
+        send(&a, &Event::Connected, Some(x.as_raw_fd())).unwrap();
+        send(
+            &a,
+            &Request::Connect {
+                port: 1024,
+                timeout_ms: 5,
+            },
+            None,
+        )
+        .unwrap();
+        let mut r = Reader::new(&b);
+        assert!(matches!(r.read::<Event>().unwrap(), Some(Event::Started)));
+        assert!(matches!(r.read::<Event>().unwrap(), Some(Event::Connected)));
+        assert!(r.take_fd().is_some());
+        assert!(matches!(
+            r.read::<Request>().unwrap(),
+            Some(Request::Connect {
+                port: 1024,
+                timeout_ms: 5
+            })
+        ));
+        drop(a);
+        assert!(r.read::<Event>().unwrap().is_none());
+    }
+
+    #[test]
+    fn an_endless_line_is_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let junk = vec![b'x'; MAX_LINE * 2];
+            let _ = (&a).write_all(&junk);
+        });
+        let mut r = Reader::new(&b);
+        assert!(r.read::<Event>().is_err());
+    }
+}
