@@ -185,11 +185,6 @@ fn e2e_suite_on_the_kvm_backend() {
             .is_ok_and(|s| s.success());
         assert!(ok, "bash {script:?} failed");
     }
-    // Each VM runs in a process of its own program, which goes down with the test binaries.
-    let vm_binary = match sandbox_vmm::kvm::process::vm_binary() {
-        Ok(p) => p,
-        Err(why) => panic!("{why}"),
-    };
     let queue = std::sync::Mutex::new(bins.clone());
     let results = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -209,8 +204,6 @@ fn e2e_suite_on_the_kvm_backend() {
                         limit.as_ref(),
                         "--with".as_ref(),
                         b.as_os_str(),
-                        "--with".as_ref(),
-                        vm_binary.as_os_str(),
                     ];
                     let (status, text, stderr) = sandbox_e2e::nested(&args, &cmd);
                     results

@@ -239,6 +239,12 @@ impl Config {
                 expected: "at least 2000 (a busy guest needs time to answer)",
             });
         }
+        let _: u64 = parse(
+            &get,
+            "SANDBOX_HOST_VMM_ALLOWANCE_MIB",
+            0,
+            "a whole number of MiB from 0 to 1048576",
+        )?;
         let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {
             None => Default::default(),
             Some(v) => sandbox_egress::resolve::ResolveOverrides::parse(&v).map_err(|e| {

@@ -85,17 +85,6 @@ pub async fn serve() -> ExitCode {
             None => jail_warning,
         });
     }
-    // /proc/self belongs to the effective uid.
-    let root = std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false);
-    if root {
-        tracing::warn!(
-            "The sandbox host runs as root: the process that parses every HTTP request and holds every key \
-             should run as an ordinary user (with access to /dev/kvm and subordinate ids for the jail); see \
-             \"The jail\" in the operator guide"
-        );
-    }
     let addr = SocketAddr::new(cfg.bind, cfg.port);
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
@@ -121,6 +110,18 @@ pub async fn serve() -> ExitCode {
     if let Some(w) = &availability.warning {
         tracing::warn!("{w}");
     }
+    // /proc/self belongs to the effective uid.
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if root {
+        tracing::warn!(
+            "The sandbox host runs as root: the process that parses every HTTP request and holds every key \
+             should run as an ordinary user (with access to /dev/kvm and subordinate ids for the jail); see \
+             \"The jail\" in the operator guide"
+        );
+    }
+
     if store.resolve(routes::sandboxes::DEFAULT_IMAGE).is_err() {
         tracing::warn!(
             image = routes::sandboxes::DEFAULT_IMAGE,

@@ -249,6 +249,15 @@ async fn restart_after_a_crash_cleans_up() {
         Duration::from_secs(5),
     );
     assert_eq!(line["removed"], 1);
+    // The crashed run's VM cgroup too (where this host can make cgroups).
+    let health = h2.json("GET", "/v1/health", None).await.1;
+    if !health["jail"]["cgroup"].is_null() {
+        let line = h2.wait_log(
+            "Removed the cgroups of VMs a previous run left",
+            Duration::from_secs(5),
+        );
+        assert_eq!(line["groups"], 1, "{line}");
+    }
     assert!(state_entries(&state).is_empty());
     let (s, v) = h2.json("GET", "/v1/sandboxes", None).await;
     assert_eq!((s, v["sandboxes"].as_array().map(Vec::len)), (200, Some(0)));
@@ -299,4 +308,79 @@ async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
         health["capacity"]["memory_mib"]["committed"], 512,
         "{health}"
     );
+}
+
+/// A guest that pushes its VM process past its cgroup's memory limit: that sandbox alone dies,
+/// with the reason, while another keeps answering execs during and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_past_its_memory_limit_dies_alone() {
+    if stock_image_missing() {
+        return;
+    }
+    // No allowance: the limit is the guest's own memory, which QEMU's own pages plus the guest's
+    // reach long before the guest runs out (QEMU under TCG holds some 200 MiB of its own).
+    let h = start(&[("SANDBOX_HOST_VMM_ALLOWANCE_MIB", "0")]);
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    if health["jail"]["cgroup"].is_null() {
+        assert!(
+            std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_none(),
+            "no cgroup on this host: {health}"
+        );
+        eprintln!("skipped: no cgroup on this host ({health})");
+        return;
+    }
+    let survivor = h.create(json!({"memory_mib": 512})).await;
+    let victim = h.create(json!({"memory_mib": 512})).await;
+    // tmpfs pages stay in guest memory: each one written is a page of the VM process.
+    let fill_path = format!("/v1/sandboxes/{victim}/exec");
+    let fill = h.json(
+        "POST",
+        &fill_path,
+        Some(json!({"command": "mkdir -p /mnt/fill && mount -t tmpfs -o size=2g fill /mnt/fill && dd if=/dev/zero of=/mnt/fill/f bs=1M count=480"})),
+    );
+    // The survivor answers while the victim fills and dies.
+    let watch = async {
+        let t = Instant::now();
+        let mut answered = 0;
+        loop {
+            let (out, _, end) = h.exec(&survivor, "echo alive").await;
+            assert_eq!(
+                (out.as_slice(), end["exit_code"].as_i64()),
+                (&b"alive\n"[..], Some(0))
+            );
+            answered += 1;
+            let (s, v) = h
+                .json("GET", &format!("/v1/sandboxes/{victim}"), None)
+                .await;
+            if s == 410 || v["state"] == "dead" {
+                return (answered, v);
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the victim never died: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let (_, (answered, reason)) = tokio::join!(fill, watch);
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{victim}/exec"),
+            Some(json!({"command": "true"})),
+        )
+        .await;
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (410, Some("vm_died")),
+        "{v} {reason}"
+    );
+    assert!(
+        v["error"].as_str().unwrap().contains("out of memory"),
+        "the reason must say out of memory: {v}"
+    );
+    // After: still answering.
+    let (out, _, _) = h.exec(&survivor, "echo still").await;
+    assert_eq!(out, b"still\n");
+    assert!(answered >= 1);
 }

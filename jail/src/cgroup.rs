@@ -166,9 +166,10 @@ impl Cgroups {
         }
     }
 
-    /// Removes the groups a previous run of this instance left (killing what is still in them).
+    /// Removes the groups a previous run of this instance left (killing what is still in them);
+    /// returns how many VMs' groups there were.
     pub fn remove_stale(&self) -> usize {
-        let mut removed = 0;
+        let mut removed = std::collections::BTreeSet::new();
         for dir in self.dirs() {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 continue;
@@ -178,17 +179,22 @@ impl Cgroups {
                 if p.is_dir() && e.file_name().to_string_lossy().starts_with("vm-") {
                     kill_all(&p);
                     if remove_dir(&p) {
-                        removed += 1;
+                        removed.insert(e.file_name());
                     }
                 }
             }
         }
-        removed
+        removed.len()
     }
 
-    /// Makes `vm-<name>` with `limits`. A group of the same name left by a crash is replaced.
+    /// Makes `vm-<name>.<n>` with `limits`, `n` counting this process's groups: two VMs given
+    /// the same name (a caller's mistake, or tests) never share a group, and making one never
+    /// touches another's. A group of the same full name (left by a crash of an earlier process
+    /// of this instance) is replaced.
     pub fn create(&self, name: &str, limits: &Limits) -> Result<Leaf, CgroupError> {
-        let leaf_name = format!("vm-{name}");
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let leaf_name = format!("vm-{name}.{n}");
         match &self.layout {
             Layout::V2(d) => {
                 let dir = d.join(&leaf_name);

@@ -221,7 +221,10 @@ impl Jailer {
     }
 
     fn probe(&self) -> Result<(), String> {
-        let dir = std::env::temp_dir().join(format!("sandbox-jail-probe-{}", std::process::id()));
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("sandbox-jail-probe-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let r = self

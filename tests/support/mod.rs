@@ -341,10 +341,15 @@ pub fn nested(args: &[&std::ffi::OsStr], command: &str) -> (Option<i32>, String,
         .parent()
         .unwrap()
         .to_path_buf();
+    // The KVM backend runs each VM in `sandbox-vm`, which goes down with every test binary.
+    let vm_binary = sandbox_vmm::kvm::process::vm_binary()
+        .unwrap_or_else(|why| panic!("the nested host needs the VM program: {why}"));
     let run = || {
         std::process::Command::new("bash")
             .arg(root.join("tests/nested/run.sh"))
             .args(args)
+            .arg("--with")
+            .arg(&vm_binary)
             .arg("--")
             .arg(command)
             .output()

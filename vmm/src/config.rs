@@ -59,6 +59,25 @@ pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
     }
 }
 
+/// `SANDBOX_HOST_VMM_ALLOWANCE_MIB`: memory a VM process may use beyond its guest's memory, in
+/// its cgroup. Unset: the backend's own figure (64 MiB for `sandbox-vm`; for QEMU 512 MiB under
+/// TCG, 256 MiB with an accelerator).
+pub fn vmm_allowance_mib() -> Result<Option<u64>, ConfigError> {
+    let Some(v) = non_empty_env("SANDBOX_HOST_VMM_ALLOWANCE_MIB") else {
+        return Ok(None);
+    };
+    v.trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&n| n <= 1 << 20)
+        .map(Some)
+        .ok_or(ConfigError {
+            var: "SANDBOX_HOST_VMM_ALLOWANCE_MIB",
+            value: v,
+            allowed: "a number of MiB from 0 to 1048576",
+        })
+}
+
 fn non_empty_env(var: &str) -> Option<String> {
     std::env::var(var).ok().filter(|v| !v.is_empty())
 }

@@ -187,8 +187,11 @@ pub async fn start(
     let staging = spec.state_dir.join("root");
     std::fs::create_dir(&staging)
         .map_err(|e| VmError::io(format!("creating {}", staging.display()), e))?;
+    let allowance = crate::config::vmm_allowance_mib()
+        .map_err(|e| VmError::InvalidSpec(e.to_string()))?
+        .unwrap_or(VMM_ALLOWANCE_MIB);
     let limits = sandbox_jail::Limits {
-        memory_bytes: (u64::from(spec.memory_mib) + VMM_ALLOWANCE_MIB) << 20,
+        memory_bytes: (u64::from(spec.memory_mib) + allowance) << 20,
         // Its threads: main, control, marker, supervisor, devices, the network's two, a vCPU
         // each; and room for the C library's.
         pids: 16 + u64::from(spec.vcpus),
@@ -456,7 +459,8 @@ async fn wait_exit(
         VmExit {
             reason: format!(
                 "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
-                 memory and {VMM_ALLOWANCE_MIB} MiB for the VMM) and the kernel killed it",
+                 memory and the VMM's allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and the kernel \
+                 killed it",
                 limits.memory_bytes >> 20
             ),
             requested: false,

@@ -175,11 +175,13 @@ pub async fn spawn(
     } else {
         (vec![], vec![])
     };
-    let allowance = if accel == super::Accel::Tcg {
-        QEMU_ALLOWANCE_TCG_MIB
-    } else {
-        QEMU_ALLOWANCE_MIB
-    };
+    let allowance = crate::config::vmm_allowance_mib()
+        .map_err(|e| VmError::InvalidSpec(e.to_string()))?
+        .unwrap_or(if accel == super::Accel::Tcg {
+            QEMU_ALLOWANCE_TCG_MIB
+        } else {
+            QEMU_ALLOWANCE_MIB
+        });
     let limits = sandbox_jail::Limits {
         memory_bytes: (u64::from(spec.memory_mib) + allowance) << 20,
         // QEMU's threads: the main loop, RCU, one per vCPU, and its block I/O pool (up to 64).
@@ -354,7 +356,8 @@ async fn wait_exit(
         if exit.oom_kills > 0 && !requested {
             return format!(
                 "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
-                 memory and QEMU's own allowance) and the kernel killed it",
+                 memory and QEMU's own allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and the kernel \
+                 killed it",
                 limits.memory_bytes >> 20
             );
         }
