@@ -53,6 +53,8 @@ async fn four_vms_at_once() {
 /// Boots four VMs at once, runs a command in each, stops them and checks that none of their
 /// threads or fds is left. False if the test cannot run here (skipped).
 async fn four_vms_round(round: usize) -> bool {
+    // The jail's spawner thread lives as long as the process: start it before counting.
+    sandbox_jail::global();
     let (threads0, fds0) = (count("/proc/self/task"), count("/proc/self/fd"));
     let boots = (0..4).map(|_| boot_stock(256, 1));
     let vms: Vec<_> = futures_join_all(boots).await;
@@ -89,10 +91,18 @@ async fn four_vms_round(round: usize) -> bool {
     assert!(fds.len() <= fds0, "round {round}: fds left behind: {fds:?}");
     // The runtime's blocking pool may keep a worker or two around; the VMs' own threads
     // (vCPUs, devices, supervisor: three or more per VM) must be gone.
+    let names: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                .map(|n| n.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
     assert!(
-        count("/proc/self/task") <= threads0 + 2,
-        "round {round}: threads left behind: {} > {}",
-        count("/proc/self/task"),
+        names.len() <= threads0 + 2,
+        "round {round}: threads left behind: {} > {}: {names:?}",
+        names.len(),
         threads0 + 2
     );
     true
