@@ -1,5 +1,8 @@
 //! The KVM backend against QEMU on KVM (`-M microvm`), interleaved in one run, same kernel, same
-//! stock image, same guest size (4096 MiB, 2 vCPUs), same host.
+//! stock image, same guest size (4096 MiB, 2 vCPUs), same host. A third series runs the same
+//! machine in this process, without the VM process and its jail: what the split and the jail
+//! cost (issue 12), from the backend's start to the guest's first instruction and to agent
+//! ready, and what the VM process itself holds in memory beyond guest RAM (from its smaps).
 //!
 //! Rows per backend: start → guest userspace (the boot marker: the agent's first write as PID 1
 //! to I/O port 0x440, decoded by our device or by QEMU's isa-debugcon), start → agent ready, exec of `true` round trip, and the host
@@ -52,8 +55,33 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The resident memory of a VM process that is not guest RAM: every mapping of its smaps but
+/// the guest memory regions (anonymous mappings of 128 MiB or more; a guest has at least
+/// 128 MiB and nothing else of a VMM is that large).
+fn rss_without_guest_kib(pid: u32) -> Option<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let mut total = 0;
+    let mut guest = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            // A mapping header: `start-end perms offset dev inode [path]`.
+            let path = words.nth(4);
+            guest = path.is_none() && b - a >= 128 << 20;
+        } else if first == "Rss:" && !guest {
+            total += words.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
 #[derive(Default)]
 struct Figures {
+    vmm_start: Vec<Duration>,
+    rss_without_guest_kib: Vec<u64>,
     marker: Vec<Duration>,
     ready: Vec<Duration>,
     exec: Vec<Duration>,
@@ -101,6 +129,12 @@ async fn measure(
         }
     };
     f.ready.push(sb.boot_time);
+    if let Some(v) = sb.vm.vmm_start() {
+        f.vmm_start.push(v);
+    }
+    if let Some(kib) = sb.vm.pid().and_then(rss_without_guest_kib) {
+        f.rss_without_guest_kib.push(kib);
+    }
     if let Some(m) = sb.vm.boot_marker() {
         f.marker.push(m);
     }
@@ -174,9 +208,17 @@ fn main() {
         let me = std::env::current_exe().expect("exe");
         let name = me.file_name().unwrap().to_string_lossy().into_owned();
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        // Each KVM VM runs in sandbox-vm, which goes down with the bench.
+        let vm = match sandbox_vmm::kvm::process::vm_binary() {
+            Ok(p) => p,
+            Err(why) => {
+                println!("skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`");
+                return;
+            }
+        };
         let st = std::process::Command::new("bash")
             .arg(root.join("tests/nested/run.sh"))
-            .args(["--with", me.to_str().unwrap(), "--"])
+            .args(["--with", me.to_str().unwrap(), "--with", vm.to_str().unwrap(), "--"])
             .arg(format!(
                 "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
             ))
@@ -185,6 +227,7 @@ fn main() {
         std::process::exit(st.code().unwrap_or(1));
     }
     let kvm = KvmBackend::new().expect("KVM backend");
+    let in_process = KvmBackend::in_process().expect("KVM backend, in this process");
     let program = sandbox_vmm::qemu::find_qemu(args::Arch::host()).expect("QEMU");
     let qemu = QemuBackend::with(args::Arch::host(), args::Accel::Kvm, program);
 
@@ -210,7 +253,11 @@ fn main() {
     host_read();
     let host_mbps = host_read();
 
-    let (mut k, mut q) = (Figures::default(), Figures::default());
+    let (mut k, mut q, mut p) = (
+        Figures::default(),
+        Figures::default(),
+        Figures::default(),
+    );
     // Exec round trips and the disk read happen in the first guest of each kind that boots.
     let first = |f: &Figures| {
         if f.exec.is_empty() {
@@ -224,6 +271,7 @@ fn main() {
         rt.block_on(measure(&qemu, &image, &format!("q{i}"), execs, d, &mut q));
         let (execs, d) = first(&k);
         rt.block_on(measure(&kvm, &image, &format!("k{i}"), execs, d, &mut k));
+        rt.block_on(measure(&in_process, &image, &format!("p{i}"), 0, None, &mut p));
     }
 
     let env = if in_nested() {
@@ -255,6 +303,28 @@ fn main() {
         &k.marker,
         Some(marker_ref),
     );
+    let in_process_ref = stats(&p.ready).0;
+    row(
+        "KVM, VM in this process (no jail): start -> ready (ref)",
+        &p.ready,
+        Some(in_process_ref),
+    );
+    row(
+        "KVM, jailed VM process: start -> agent ready",
+        &k.ready,
+        Some(in_process_ref),
+    );
+    let first_ref = stats(&p.vmm_start).0;
+    row(
+        "KVM, in this process: start -> first guest instruction",
+        &p.vmm_start,
+        Some(first_ref),
+    );
+    row(
+        "KVM, jailed VM process: start -> first guest instruction",
+        &k.vmm_start,
+        Some(first_ref),
+    );
     row("QEMU: exec `true` round trip", &q.exec, None);
     row("KVM backend: exec `true` round trip", &k.exec, None);
     let med = |v: &mut Vec<u64>| {
@@ -262,8 +332,14 @@ fn main() {
         v.get(v.len() / 2).copied().unwrap_or(0)
     };
     println!(
-        "\nboot failures: QEMU {} of {runs}, KVM backend {} of {runs}",
-        q.failures, k.failures
+        "\nboot failures: QEMU {} of {runs}, KVM backend {} of {runs}, KVM in this process {} of {runs}",
+        q.failures, k.failures, p.failures
+    );
+    println!(
+        "\nVM process memory beyond guest RAM (median smaps Rss without the guest's regions): \
+         sandbox-vm {} KiB, QEMU {} KiB (Firecracker's published bar: 5 MiB)",
+        med(&mut k.rss_without_guest_kib),
+        med(&mut q.rss_without_guest_kib)
     );
     println!(
         "\nvirtio-blk sequential read of a 256 MiB raw disk (dd bs=1M in the guest): QEMU {:.0} MB/s, KVM backend {:.0} MB/s; the same file read on the host: {host_mbps:.0} MB/s",

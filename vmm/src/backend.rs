@@ -164,6 +164,11 @@ pub trait Vm: Send + Sync {
     }
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
+    /// From the backend's `start` to the guest's first instruction (the machine built and its
+    /// vCPUs running): the VMM's own start-up cost, where the backend knows it (not QEMU).
+    fn vmm_start(&self) -> Option<Duration> {
+        None
+    }
     /// From the VM's start to the guest's boot marker (userspace up), where the backend
     /// records it: our marker device on KVM, QEMU's isa-debugcon on x86_64 (not on aarch64).
     fn boot_marker(&self) -> Option<Duration> {

@@ -140,6 +140,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
         vsock_cid: GUEST_CID,
         net: spec.net.clone(),
     };
+    let t0 = Instant::now();
     let (exit_tx, exit_rx) = watch::channel(None);
     let on_exit: super::machine::OnExit = Box::new(move |e| {
         let _ = exit_tx.send(Some(to_vm_exit(e)));
@@ -148,8 +149,10 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
         .await
         .map_err(|e| VmError::Start(format!("the VM start task failed: {e}")))?
         .map_err(|e| VmError::Start(e.to_string()))?;
+    let vmm_start = t0.elapsed();
     let machine = Arc::new(machine);
     let vm = KvmVm {
+        vmm_start,
         machine: machine.clone(),
         exit: exit_rx,
         state_dir: spec.state_dir.clone(),
@@ -240,6 +243,7 @@ async fn connect(
 
 /// A VM of the KVM backend.
 pub struct KvmVm {
+    vmm_start: Duration,
     machine: Arc<Machine>,
     exit: watch::Receiver<Option<VmExit>>,
     state_dir: std::path::PathBuf,
@@ -303,6 +307,10 @@ impl Vm for KvmVm {
 
     fn boot_marker(&self) -> Option<Duration> {
         self.machine.boot_marker()
+    }
+
+    fn vmm_start(&self) -> Option<Duration> {
+        Some(self.vmm_start)
     }
 }
 

@@ -70,6 +70,9 @@ struct Learned {
 }
 
 struct Control {
+    /// When `start` began, and how long until the machine ran its first instruction.
+    t0: Instant,
+    vmm_start: OnceLock<Duration>,
     learned: Mutex<Learned>,
     changed: tokio::sync::Notify,
     changed_sync: std::sync::Condvar,
@@ -122,6 +125,7 @@ pub async fn start(
     agent_port: u32,
     vsock_cid: u64,
 ) -> Result<StartedVm, VmError> {
+    let t0 = Instant::now();
     let program = vm_binary().map_err(VmError::MissingProgram)?;
     let kvm = std::fs::OpenOptions::new()
         .read(true)
@@ -233,6 +237,8 @@ pub async fn start(
         .try_clone()
         .map_err(|e| VmError::io("the control socket", e))?;
     let control = Arc::new(Control {
+        t0,
+        vmm_start: OnceLock::new(),
         learned: Mutex::new(Learned::default()),
         changed: tokio::sync::Notify::new(),
         changed_sync: std::sync::Condvar::new(),
@@ -366,7 +372,10 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
             }
         };
         match event {
-            Event::Started => control.update(|l| l.started = Some(Ok(()))),
+            Event::Started => {
+                let _ = control.vmm_start.set(control.t0.elapsed());
+                control.update(|l| l.started = Some(Ok(())))
+            }
             Event::Error(why) => control.update(|l| l.started = Some(Err(why))),
             Event::Marker => {
                 let _ = control.marker.set(spawned.elapsed());
@@ -610,6 +619,10 @@ impl Vm for ProcessVm {
 
     fn boot_marker(&self) -> Option<Duration> {
         self.control.marker.get().copied()
+    }
+
+    fn vmm_start(&self) -> Option<Duration> {
+        self.control.vmm_start.get().copied()
     }
 }
 
