@@ -25,7 +25,10 @@ fn main() {
     });
     let status = jailer.status().clone();
     if !status.namespaces {
-        println!("skipped: the jail cannot be applied here: {:?}", status.missing);
+        println!(
+            "skipped: the jail cannot be applied here: {:?}",
+            status.missing
+        );
         return;
     }
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -82,7 +85,11 @@ fn main() {
     );
     header();
     let reference = stats(&plain).0;
-    row("plain child: fork, exec, exit (reference)", &plain, Some(reference));
+    row(
+        "plain child: fork, exec, exit (reference)",
+        &plain,
+        Some(reference),
+    );
     row(
         "jailed: namespaces, ids, root, cgroup, seccomp, exec, exit",
         &jailed,

@@ -72,7 +72,10 @@ fn rss_without_guest_kib(pid: u32) -> Option<u64> {
             let path = words.nth(4);
             guest = path.is_none() && b - a >= 128 << 20;
         } else if first == "Rss:" && !guest {
-            total += words.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            total += words
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
         }
     }
     Some(total)
@@ -212,13 +215,21 @@ fn main() {
         let vm = match sandbox_vmm::kvm::process::vm_binary() {
             Ok(p) => p,
             Err(why) => {
-                println!("skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`");
+                println!(
+                    "skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`"
+                );
                 return;
             }
         };
         let st = std::process::Command::new("bash")
             .arg(root.join("tests/nested/run.sh"))
-            .args(["--with", me.to_str().unwrap(), "--with", vm.to_str().unwrap(), "--"])
+            .args([
+                "--with",
+                me.to_str().unwrap(),
+                "--with",
+                vm.to_str().unwrap(),
+                "--",
+            ])
             .arg(format!(
                 "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
             ))
@@ -253,11 +264,7 @@ fn main() {
     host_read();
     let host_mbps = host_read();
 
-    let (mut k, mut q, mut p) = (
-        Figures::default(),
-        Figures::default(),
-        Figures::default(),
-    );
+    let (mut k, mut q, mut p) = (Figures::default(), Figures::default(), Figures::default());
     // Exec round trips and the disk read happen in the first guest of each kind that boots.
     let first = |f: &Figures| {
         if f.exec.is_empty() {
@@ -271,7 +278,14 @@ fn main() {
         rt.block_on(measure(&qemu, &image, &format!("q{i}"), execs, d, &mut q));
         let (execs, d) = first(&k);
         rt.block_on(measure(&kvm, &image, &format!("k{i}"), execs, d, &mut k));
-        rt.block_on(measure(&in_process, &image, &format!("p{i}"), 0, None, &mut p));
+        rt.block_on(measure(
+            &in_process,
+            &image,
+            &format!("p{i}"),
+            0,
+            None,
+            &mut p,
+        ));
     }
 
     let env = if in_nested() {

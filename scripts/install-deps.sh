@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages sandbox-host needs to build its guest kernel and images and to run
-# its QEMU backend. Safe to run again: it installs only what is missing.
+# its QEMU backend, and the user `sandbox-host` that the service runs as in the documented setup
+# (with subordinate ids for its VMs' jails). Safe to run again: it adds only what is missing.
 set -euo pipefail
 
 need=()
@@ -8,21 +9,37 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok ins
 
 # Packages from the main suite.
 for p in qemu-system-x86 qemu-utils seabios busybox-static cpio flex bison bc make gcc libelf-dev libssl-dev \
-         xz-utils e2fsprogs python3 git debootstrap openssl; do
+         xz-utils e2fsprogs python3 git debootstrap openssl uidmap; do
   have "$p" || need+=("$p")
 done
 # The guest kernel source lives in bookworm-backports (linux-source-6.12).
 have linux-source-6.12 || need+=(linux-source-6.12)
 
-if [ ${#need[@]} -eq 0 ]; then
-  echo "install-deps: every Debian package is present"
-  exit 0
-fi
-
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
   command -v sudo >/dev/null || { echo "install-deps: run as root or install sudo; missing: ${need[*]}" >&2; exit 1; }
   sudo=sudo
+fi
+
+# The service's own user: an ordinary user whose subordinate ids give each VM a uid of its own
+# (newuidmap, package uidmap), in the kvm group where there is one. See "The jail" in the
+# operator guide.
+service_user() {
+  if ! id sandbox-host >/dev/null 2>&1; then
+    echo "install-deps: adding the user sandbox-host"
+    $sudo useradd --system --no-create-home --shell /usr/sbin/nologin sandbox-host
+  fi
+  grep -qs '^sandbox-host:' /etc/subuid || $sudo usermod --add-subuids 1600000000-1600065535 sandbox-host
+  grep -qs '^sandbox-host:' /etc/subgid || $sudo usermod --add-subgids 1600000000-1600065535 sandbox-host
+  if getent group kvm >/dev/null && ! id -nG sandbox-host | grep -qw kvm; then
+    $sudo usermod -aG kvm sandbox-host
+  fi
+}
+
+if [ ${#need[@]} -eq 0 ]; then
+  echo "install-deps: every Debian package is present"
+  service_user
+  exit 0
 fi
 
 . /etc/os-release
@@ -50,3 +67,4 @@ fi
 if [ ${#bpo[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${src[@]}" "${bpo[@]}"
 fi
+service_user

@@ -20,13 +20,22 @@ const MEMORY: u64 = 64 << 20;
 const PIDS: u64 = 16;
 const FSIZE: u64 = 1 << 20;
 
+/// Set in the run of this binary as the ordinary user `sandbox-host` (see
+/// `the_same_escapes_fail_when_the_service_is_an_ordinary_user`).
+const INNER: &str = "SANDBOX_HOST_JAIL_TEST_UNPRIVILEGED";
+
 fn jailer() -> Option<Jailer> {
     let j = Jailer::new(&Settings {
         mode: Mode::Required,
         ids: None,
-        cgroup_parent: "sandbox-host-test".into(),
+        cgroup_parent: std::env::var("SANDBOX_HOST_CGROUP")
+            .unwrap_or_else(|_| "sandbox-host-test".into()),
         instance: format!("pid-{}", std::process::id()),
     });
+    if std::env::var_os(INNER).is_some() {
+        // The documented setup: an ordinary user whose subordinate ids give each VM its own.
+        assert_eq!(j.status().ids, "per-vm", "{:?}", j.status());
+    }
     if let Some(r) = &j.status().refusal {
         if std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_some() {
             panic!("the jail cannot be applied here, and CI requires it: {r}");
@@ -245,6 +254,116 @@ fn no_two_jails_share_a_uid() {
         ua != me && ub != me,
         "a jail runs as the service's uid {me}"
     );
+}
+
+/// The same jail, applied by a service that runs as the ordinary user `sandbox-host` (with the
+/// subordinate ids and the delegated cgroup of the operator guide's "The jail"): this binary runs
+/// its escape, uid and memory tests again as that user.
+#[test]
+fn the_same_escapes_fail_when_the_service_is_an_ordinary_user() {
+    if std::env::var_os(INNER).is_some() {
+        return;
+    }
+    let require = std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_some();
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: becoming the user sandbox-host needs root");
+        return;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let Some((uid, gid)) = passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.first() == Some(&"sandbox-host") && f.len() > 3)
+            .then(|| (f[2].to_string(), f[3].to_string()))
+    }) else {
+        assert!(
+            !require,
+            "no user sandbox-host: scripts/install-deps.sh adds it"
+        );
+        eprintln!("skipped: no user sandbox-host (scripts/install-deps.sh adds it)");
+        return;
+    };
+    // The binary where that user can run it.
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let copy = dir.path().join("escape");
+    std::fs::copy(std::env::current_exe().unwrap(), &copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The cgroup the operator gives the service's user.
+    let parent = format!("sandbox-host-unprivileged-{}", std::process::id());
+    let mut made = vec![];
+    if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        let d = Path::new("/sys/fs/cgroup").join(&parent);
+        std::fs::create_dir_all(&d).unwrap();
+        let _ = std::fs::write(
+            "/sys/fs/cgroup/cgroup.subtree_control",
+            "+memory +pids +cpu",
+        );
+        let _ = std::fs::write(d.join("cgroup.subtree_control"), "+memory +pids +cpu");
+        for f in ["", "cgroup.procs", "cgroup.subtree_control"] {
+            chown(&d.join(f), &uid, &gid);
+        }
+        made.push(d);
+    } else {
+        for c in ["memory", "pids", "cpu"] {
+            let d = Path::new("/sys/fs/cgroup").join(c).join(&parent);
+            if std::fs::create_dir_all(&d).is_ok() {
+                chown(&d, &uid, &gid);
+                made.push(d);
+            }
+        }
+    }
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid", &uid, "--regid", &gid, "--clear-groups", "--"])
+        .arg(&copy)
+        .args([
+            "--exact",
+            "every_escape_fails",
+            "no_two_jails_share_a_uid",
+            "memory_past_the_limit_is_killed_by_the_oom_killer",
+            "a_syscall_outside_the_filter_kills",
+            "--test-threads",
+            "1",
+        ])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("HOME", "/tmp")
+        .env(INNER, "1")
+        .env("SANDBOX_HOST_CGROUP", &parent)
+        .env("SANDBOX_HOST_REQUIRE_E2E", "1")
+        .output()
+        .unwrap();
+    // Nested groups first, then the parents.
+    for d in &made {
+        if let Ok(entries) = std::fs::read_dir(d) {
+            for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                if let Ok(leaves) = std::fs::read_dir(e.path()) {
+                    for l in leaves.flatten().filter(|l| l.path().is_dir()) {
+                        let _ = std::fs::remove_dir(l.path());
+                    }
+                }
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(d);
+    }
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "as the user sandbox-host: {text}");
+    assert!(text.contains("test result: ok. 4 passed"), "{text}");
+}
+
+fn chown(p: &Path, uid: &str, gid: &str) {
+    let st = std::process::Command::new("chown")
+        .arg(format!("{uid}:{gid}"))
+        .arg(p)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chown {}", p.display());
 }
 
 fn abstract_listener(name: &str) -> OwnedFd {
