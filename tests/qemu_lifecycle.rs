@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use sandbox_e2e::{boot_stock, boot_stock_watched, bounded, freeze_binary};
+use sandbox_e2e::{boot_stock, boot_stock_watched, bounded, freeze_binary, sh};
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
 
@@ -217,4 +217,59 @@ async fn a_guest_that_never_becomes_ready_is_stopped_and_reported() {
         "the error carries the console: {e}"
     );
     assert!(!state_dir.exists(), "the VM's files are gone");
+}
+
+/// `kill -9` of one VM's process (QEMU, or `sandbox-vm` on the KVM backend): that VM is reported
+/// dead with the signal, its caller's next exec fails instead of hanging, and another VM keeps
+/// answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_vm_process_ends_that_vm_alone() {
+    let (Some(a), Some(b)) = (boot_stock(256, 1).await, boot_stock(256, 1).await) else {
+        return;
+    };
+    let pid = a
+        .sandbox
+        .vm
+        .pid()
+        .expect("every VM runs in a process of its own");
+    assert_ne!(Some(pid), b.sandbox.vm.pid());
+    assert_ne!(pid, std::process::id());
+    let st = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let exit = bounded("the killed VM's end", a.sandbox.vm.wait()).await;
+    assert!(!exit.requested, "{exit:?}");
+    assert!(
+        exit.reason.contains("killed by signal 9"),
+        "the reason names the signal: {exit:?}"
+    );
+    let req = ExecRequest {
+        command: Some("true".into()),
+        cwd: Some("/".into()),
+        ..Default::default()
+    };
+    let exited = bounded("an exec on the killed VM", async {
+        match a.sandbox.client.exec(&req).await {
+            Err(_) => false,
+            Ok(mut e) => {
+                while let Some(ev) = e.output.next().await {
+                    match ev {
+                        Ok(ExecEvent::Exit(_)) => return true,
+                        Err(_) => return false,
+                        Ok(_) => {}
+                    }
+                }
+                false
+            }
+        }
+    })
+    .await;
+    assert!(!exited, "an exec on a dead VM ran");
+    let out = sh(&b.sandbox.client, "echo still-here").await;
+    assert_eq!(out.stdout_str(), "still-here\n");
+    a.sandbox.stop().await;
+    b.sandbox.stop().await;
+    assert!(!a.state_dir.exists() && !b.state_dir.exists());
 }
