@@ -120,6 +120,16 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
     let (s, v) = h.json("GET", "/v1/health", None).await;
     assert_eq!(s, 200);
     assert_eq!(v["available"], true);
+    // The jail, in the start-up line and in health alike; CI's host applies all of it.
+    let jail: serde_json::Value = serde_json::from_str(line["jail"].as_str().unwrap_or("null"))
+        .unwrap_or(serde_json::Value::Null);
+    assert_eq!(jail, v["jail"], "{first}");
+    if std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_some() {
+        assert_eq!(v["jail"]["namespaces"], true, "{v}");
+        assert_eq!(v["jail"]["ids"], "per-vm", "{v}");
+        assert!(!v["jail"]["cgroup"].is_null(), "{v}");
+        assert_eq!(v["jail"]["missing"], serde_json::json!([]), "{v}");
+    }
     assert_eq!(
         v["image"],
         serde_json::json!({"name": "stock", "stock": true})

@@ -2,7 +2,7 @@
 //! QEMU backend, the image store, and booting a sandbox (VM + agent channel) on any backend.
 //!
 //! The API and the `run` command only see [`Backend`] and [`Vm`]; the QEMU backend spawns
-//! `qemu-system-*`, the KVM backend (issue 3) runs the VMM in-process. Both hand back the same
+//! `qemu-system-*`, the KVM backend runs our VMM in a `sandbox-vm` process; both in the jail of `sandbox-jail`. Both hand back the same
 //! agent channel, so everything above the trait works on either.
 
 pub mod backend;
@@ -16,6 +16,7 @@ pub mod qemu;
 pub mod sandbox;
 pub mod scratch;
 pub mod select;
+mod vm_process;
 
 pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
 pub use image::{Image, ImageError, ImageStore};

@@ -1,7 +1,6 @@
 //! The KVM backend as a [`Backend`]: each VM is a [`Machine`] in this process, its agent
 //! channel a vsock connection the device opens to the agent's port.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,6 +9,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::machine::{DiskConfig, Machine, MachineConfig, MachineExit};
 use crate::backend::{Backend, Channel, StartedVm, Vm, VmError, VmExit, VmSpec, validate_spec};
+use crate::vm_process::{remove_state_dir, unknown_exit};
 use sandbox_devices::virtio::vsock::ConnectError;
 
 /// The vsock port the agent listens on.
@@ -213,7 +213,7 @@ async fn connect(
                 }
             },
             e = exit.wait_for(|e| e.is_some()) => {
-                let e = e.ok().and_then(|e| e.clone()).unwrap_or_else(unreachable_exit);
+                let e = e.ok().and_then(|e| e.clone()).unwrap_or_else(unknown_exit);
                 return Err(VmError::DiedEarly(e));
             }
         };
@@ -249,10 +249,6 @@ pub struct KvmVm {
     state_dir: std::path::PathBuf,
 }
 
-fn remove_state_dir(dir: &Path) {
-    let _ = std::fs::remove_dir_all(dir);
-}
-
 #[async_trait]
 impl Vm for KvmVm {
     fn exit(&self) -> Option<VmExit> {
@@ -262,12 +258,12 @@ impl Vm for KvmVm {
     async fn wait(&self) -> VmExit {
         let mut rx = self.exit.clone();
         match rx.wait_for(|e| e.is_some()).await {
-            Ok(e) => e.clone().unwrap_or_else(unreachable_exit),
+            Ok(e) => e.clone().unwrap_or_else(unknown_exit),
             Err(_) => self
                 .machine
                 .exit()
                 .map(|e| to_vm_exit(&e))
-                .unwrap_or_else(unreachable_exit),
+                .unwrap_or_else(unknown_exit),
         }
     }
 
@@ -278,7 +274,7 @@ impl Vm for KvmVm {
         let exit = tokio::task::spawn_blocking(move || m.stop())
             .await
             .map(|e| to_vm_exit(&e))
-            .unwrap_or_else(|_| unreachable_exit());
+            .unwrap_or_else(|_| unknown_exit());
         remove_state_dir(&self.state_dir);
         exit
     }
@@ -288,7 +284,7 @@ impl Vm for KvmVm {
         let exit = tokio::task::spawn_blocking(move || m.fail(reason))
             .await
             .map(|e| to_vm_exit(&e))
-            .unwrap_or_else(|_| unreachable_exit());
+            .unwrap_or_else(|_| unknown_exit());
         remove_state_dir(&self.state_dir);
         exit
     }
@@ -317,13 +313,5 @@ impl Vm for KvmVm {
 impl Drop for KvmVm {
     fn drop(&mut self) {
         remove_state_dir(&self.state_dir);
-    }
-}
-
-fn unreachable_exit() -> VmExit {
-    VmExit {
-        reason: "the VM ended without a recorded reason".into(),
-        requested: false,
-        console: Vec::new(),
     }
 }

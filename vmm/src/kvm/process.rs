@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_devices::ConsoleLog;
-use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use super::control::{self, DiskFd, Event, NetFd, Request, VmConfig};
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::vm_process::{pipe, pump_console, remove_state_dir, unknown_exit};
 
 /// Memory the VM process itself may use beyond the guest's, in its cgroup: its threads'
 /// stacks, the device queues' buffers (a few MiB), the binary's pages.
@@ -44,20 +44,6 @@ pub fn vm_binary() -> Result<PathBuf, String> {
                 exe.display()
             )
         })
-}
-
-fn pipe() -> Result<(OwnedFd, OwnedFd), VmError> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into our array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(VmError::io(
-            "making a pipe",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    // SAFETY: two new descriptors nothing else owns.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// What the control reader learned.
@@ -134,8 +120,8 @@ pub async fn start(
         .map_err(|e| VmError::io("opening /dev/kvm", e))?;
     let (ctl_host, ctl_vm) =
         UnixStream::pair().map_err(|e| VmError::io("making the control socket", e))?;
-    let (console_r, console_w) = pipe()?;
-    let (log_r, log_w) = pipe()?;
+    let (console_r, console_w) = pipe("console")?;
+    let (log_r, log_w) = pipe("VM log")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
     let mut fds: Vec<OwnedFd> = vec![null.into(), console_w, log_w, ctl_vm.into(), kvm.into()];
     let mut push = |f: OwnedFd| {
@@ -230,7 +216,7 @@ pub async fn start(
     let console = Arc::new(Mutex::new(ConsoleLog::default()));
     for (fd, prefix) in [(console_r, ""), (log_r, "sandbox-vm: ")] {
         if let Ok(r) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-            tokio::spawn(pump(r, console.clone(), prefix));
+            tokio::spawn(pump_console(r, console.clone(), prefix));
         }
     }
     let writer = ctl_host
@@ -400,30 +386,6 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
                     console: console.into_iter().take(EXIT_CONSOLE_LINES).collect(),
                 })
             }),
-        }
-    }
-}
-
-async fn pump(
-    mut r: tokio::net::unix::pipe::Receiver,
-    console: Arc<Mutex<ConsoleLog>>,
-    prefix: &'static str,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut line_start = true;
-    loop {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                let mut log = console.lock().unwrap_or_else(|e| e.into_inner());
-                for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
-                    if line_start {
-                        log.write(prefix.as_bytes());
-                    }
-                    log.write(piece);
-                    line_start = piece.ends_with(b"\n");
-                }
-            }
         }
     }
 }
@@ -632,22 +594,5 @@ impl Drop for ProcessVm {
             self.jailed.signal(libc::SIGKILL);
         }
         remove_state_dir(&self.state_dir);
-    }
-}
-
-fn remove_state_dir(dir: &Path) {
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            tracing::warn!(dir = %dir.display(), error = %e, "could not remove the VM's state directory");
-        }
-        _ => {}
-    }
-}
-
-fn unknown_exit() -> VmExit {
-    VmExit {
-        reason: "the VM ended without a recorded reason".into(),
-        requested: false,
-        console: Vec::new(),
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sandbox_devices::ConsoleLog;
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
@@ -51,25 +51,6 @@ fn socket_pair(
     Ok((host, vm.into()))
 }
 
-fn pipe(what: &str) -> Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd), VmError> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into our array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(VmError::io(
-            format!("making QEMU's {what} pipe"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    // SAFETY: two new descriptors that nothing else owns.
-    Ok(unsafe {
-        (
-            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
-            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-        )
-    })
-}
-
 /// Spawns QEMU in its jail, with every socket and disk as an inherited descriptor.
 pub async fn spawn(
     program: &Path,
@@ -90,8 +71,8 @@ pub async fn spawn(
         Some(n) => Some((socket_pair("network")?, n.link.clone())),
         None => None,
     };
-    let (out_r, out_w) = pipe("output")?;
-    let (err_r, err_w) = pipe("error")?;
+    let (out_r, out_w) = crate::vm_process::pipe("QEMU output")?;
+    let (err_r, err_w) = crate::vm_process::pipe("QEMU error")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
 
     let mut fds: Vec<OwnedFd> = vec![null.into(), out_w, err_w, agent_vm];
@@ -220,7 +201,7 @@ pub async fn spawn(
     for (fd, prefix) in [(out_r, ""), (err_r, "qemu: ")] {
         match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
             Ok(r) => {
-                tokio::spawn(pump(r, console.clone(), prefix));
+                tokio::spawn(crate::vm_process::pump_console(r, console.clone(), prefix));
             }
             Err(e) => tracing::warn!("cannot read QEMU's console: {e}"),
         }
@@ -305,30 +286,6 @@ async fn time_marker(
     tokio::select! {
         _ = timed => {}
         _ = exit.wait_for(Option::is_some) => {}
-    }
-}
-
-async fn pump(
-    mut r: impl AsyncRead + Unpin,
-    console: Arc<Mutex<ConsoleLog>>,
-    prefix: &'static str,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut line_start = true;
-    loop {
-        match r.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                let mut log = console.lock().unwrap_or_else(|e| e.into_inner());
-                for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
-                    if line_start {
-                        log.write(prefix.as_bytes());
-                    }
-                    log.write(piece);
-                    line_start = piece.ends_with(b"\n");
-                }
-            }
-        }
     }
 }
 
@@ -438,7 +395,7 @@ impl Vm for QemuVm {
             }
         }
         let exit = self.reaped().await;
-        remove_state_dir(&self.state_dir);
+        crate::vm_process::remove_state_dir(&self.state_dir);
         exit
     }
 
@@ -448,7 +405,7 @@ impl Vm for QemuVm {
             self.signal(libc::SIGKILL);
         }
         let exit = self.reaped().await;
-        remove_state_dir(&self.state_dir);
+        crate::vm_process::remove_state_dir(&self.state_dir);
         exit
     }
 
@@ -473,7 +430,7 @@ impl Drop for QemuVm {
                 .store(true, std::sync::atomic::Ordering::SeqCst);
             self.signal(libc::SIGKILL);
         }
-        remove_state_dir(&self.state_dir);
+        crate::vm_process::remove_state_dir(&self.state_dir);
     }
 }
 
@@ -515,14 +472,5 @@ impl QemuVm {
 
     fn signal(&self, sig: i32) {
         self.jailed.signal(sig);
-    }
-}
-
-fn remove_state_dir(dir: &Path) {
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            tracing::warn!(dir = %dir.display(), error = %e, "could not remove the VM's state directory");
-        }
-        _ => {}
     }
 }
