@@ -233,6 +233,8 @@ fn main() {
             .arg(format!(
                 "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
             ))
+            // The nested console streams to stderr; stdout would print it all once more.
+            .stdout(std::process::Stdio::null())
             .status()
             .expect("nested run");
         std::process::exit(st.code().unwrap_or(1));

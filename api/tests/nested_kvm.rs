@@ -91,7 +91,7 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         ])
         .arg(
             // Through a pipe, so the logs are plain text; pipefail keeps the run's status. First
-            // QEMU on KVM, then the default (auto), which must pick the in-process KVM backend.
+            // QEMU on KVM, then the default (auto), which must pick the KVM backend.
             "set -o pipefail; SANDBOX_HOST_VMM=qemu SANDBOX_HOST_LOG=info ./sandbox-host run --memory-mib 512 --vcpus 1 -- sh -c \
              'grep -c ^processor /proc/cpuinfo; echo nested-ok' 2>&1 | cat && echo ==auto && \
              SANDBOX_HOST_LOG=info ./sandbox-host run --memory-mib 512 --vcpus 2 -- sh -c \

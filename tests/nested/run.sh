@@ -3,14 +3,14 @@
 # AMD SVM (`-cpu max`), so that /dev/kvm in there is real KVM, whatever this machine's own /dev/kvm
 # can do. The guest gets the nested-host kernel (guest kernel + built-in KVM), busybox, QEMU, the
 # stock image at /images/stock, and the files named with --with (binaries get their shared
-# libraries), and the images named with --image. The command's output streams through; this script
-# exits with the command's status.
+# libraries), and the images named with --image. The command's output streams to stderr as it runs
+# and to stdout once it ended; this script exits with the command's status.
 #
 #   tests/nested/run.sh [--with FILE]... [--image NAME[:TAG]]... [--mem MIB] [--timeout S] -- 'shell command'
 #
 # Files given with --with land in /work/<name>; binaries are stripped of debug info first.
-# Exits 125 if the command did not run to completion, 126 if the nested host printed nothing
-# for SANDBOX_HOST_NESTED_SILENCE_S (420) seconds (wedged).
+# Exits 125 if the command did not run to completion, 126 if the nested host wedged in every boot
+# (see the heartbeat below).
 # SANDBOX_HOST_NESTED_CPUS sets its processor count (1: see README.md, "One processor"). SANDBOX_HOST_NESTED_ACCEL replaces the outer QEMU's `-accel tcg`; SANDBOX_HOST_NESTED_QEMU_ARGS adds options to the outer QEMU (for debugging, e.g.
 # `-d int,cpu_reset -D /tmp/l0.log` logs every exception of both guest levels).
 set -euo pipefail
@@ -97,39 +97,66 @@ tsc_mhz=$(awk -F: '/^cpu MHz/ {print $2; exit}' /proc/cpuinfo | tr -d ' ')
 tsc_arg=""
 [ -n "$tsc_mhz" ] && tsc_arg="tsc_early_khz=$(awk -v m="$tsc_mhz" 'BEGIN {printf "%d", m * 1000}')"
 
-out="$work/console.log"
-: > "$out"
-set +e
-timeout "$timeout" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
-  -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
-  -kernel "$kernel" -initrd "$work/initramfs.cpio" \
-  -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
-  -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
-qemu_pid=$!
-tail -n +1 -f --pid="$qemu_pid" "$out" &
-# A wedged nested host prints nothing: every test in there has its own deadline (5 minutes) and
-# prints why it gave up, so silence for longer than that means the nested host itself stopped
-# (its emulated processor or its kernel), not a test. End it then instead of at the timeout.
+# A wedged nested host (tests/nested/README.md, "Wedged") prints nothing any more. Its init writes
+# a heartbeat to a second serial port every 10 s, so a stopped heartbeat ends the boot within
+# SANDBOX_HOST_NESTED_HEARTBEAT_S (90) seconds; a console silent for SANDBOX_HOST_NESTED_SILENCE_S
+# (420, longer than any test's own 300 s deadline) does too, where the heartbeat never started.
+# A wedged boot is booted once more, up to SANDBOX_HOST_NESTED_ATTEMPTS (3) boots in all. Every
+# boot's console streams to stderr as it runs; stdout gets the console of the last boot alone, so
+# callers that read stdout never mix two boots.
 silence=${SANDBOX_HOST_NESTED_SILENCE_S:-420}
-wedged=""
-while kill -0 "$qemu_pid" 2>/dev/null; do
-  sleep 5
-  age=$(( $(date +%s) - $(stat -c %Y "$out") ))
-  if [ "$age" -ge "$silence" ]; then
-    wedged=$age
-    kill "$qemu_pid" 2>/dev/null; sleep 1; pkill -KILL -P "$qemu_pid" 2>/dev/null; kill -KILL "$qemu_pid" 2>/dev/null
-    break
+hb_silence=${SANDBOX_HOST_NESTED_HEARTBEAT_S:-90}
+attempts=${SANDBOX_HOST_NESTED_ATTEMPTS:-3}
+deadline=$(( $(date +%s) + timeout ))
+out="$work/console.log"
+hb="$work/heartbeat"
+attempt=0
+while :; do
+  attempt=$((attempt + 1))
+  : > "$out"; : > "$hb"
+  left=$(( deadline - $(date +%s) ))
+  [ "$left" -gt 0 ] || { log "no time left for boot $attempt (--timeout $timeout)"; exit 125; }
+  set +e
+  timeout "$left" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
+    -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
+    -chardev "file,id=heartbeat,path=$hb" -device isa-serial,chardev=heartbeat,iobase=0x2f8,irq=3 \
+    -kernel "$kernel" -initrd "$work/initramfs.cpio" \
+    -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
+    -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
+  qemu_pid=$!
+  tail -n +1 -f --pid="$qemu_pid" "$out" >&2 &
+  wedged=""
+  while kill -0 "$qemu_pid" 2>/dev/null; do
+    sleep 5
+    now=$(date +%s)
+    age=$(( now - $(stat -c %Y "$out") ))
+    why=""
+    if [ -s "$hb" ] && [ $(( now - $(stat -c %Y "$hb") )) -ge "$hb_silence" ]; then
+      why="its heartbeat stopped $(( now - $(stat -c %Y "$hb") )) s ago"
+    elif [ "$age" -ge "$silence" ]; then
+      why="it printed nothing for $age s"
+    fi
+    if [ -n "$why" ]; then
+      wedged=$why
+      kill "$qemu_pid" 2>/dev/null; sleep 1; pkill -KILL -P "$qemu_pid" 2>/dev/null; kill -KILL "$qemu_pid" 2>/dev/null
+      break
+    fi
+  done
+  wait "$qemu_pid"
+  qemu_status=$?
+  wait
+  set -e
+  if [ -z "$wedged" ]; then break; fi
+  log "WEDGED: the nested host stopped ($wedged): its emulated processor halted for good (see tests/nested/README.md, \"Wedged\"), not a test's hang (each test prints its own deadline first); last lines above"
+  if [ "$attempt" -ge "$attempts" ]; then
+    cat "$out"
+    log "the nested host wedged in all $attempts boots; giving up"
+    exit 126
   fi
+  log "booting it once more (boot $((attempt + 1)) of at most $attempts)"
 done
-wait "$qemu_pid"
-qemu_status=$?
-wait
-set -e
+cat "$out"
 status=$(sed -n 's/^NESTED-EXIT \([0-9]*\).*/\1/p' "$out" | tail -n 1)
-if [ -n "$wedged" ]; then
-  log "the nested host printed nothing for ${wedged} s and was stopped: it is wedged (its emulated processor or kernel stopped; see tests/nested/README.md, \"Wedged\"); last lines above"
-  exit 126
-fi
 if [ -z "$status" ]; then
   log "the nested host ended without running the command to completion (QEMU status $qemu_status)"
   exit 125
