@@ -342,6 +342,7 @@ fn interception(n: usize) -> (Vec<Duration>, Vec<Duration>) {
         &intercepted,
         vec![],
         intercepted.clone(),
+        Default::default(),
         upstream_client(Some(server_ca.as_bytes())).unwrap(),
     )
     .unwrap();

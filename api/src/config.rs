@@ -100,6 +100,9 @@ pub struct Config {
     pub egress_resolve: std::sync::Arc<sandbox_egress::resolve::ResolveOverrides>,
     /// `SANDBOX_HOST_EGRESS_CA_FILE`: extra PEM roots for upstream TLS of intercepted hosts.
     pub egress_ca_file: Option<PathBuf>,
+    /// `SANDBOX_HOST_METER_BODY_MAX_MIB` in bytes: the largest model request body the meter
+    /// holds to ask for usage (a sandbox holds at most twice this at once).
+    pub meter_body_max: usize,
 }
 
 impl std::fmt::Debug for Config {
@@ -118,6 +121,7 @@ impl std::fmt::Debug for Config {
             .field("state_dir", &self.state_dir)
             .field("egress_resolve", &self.egress_resolve)
             .field("egress_ca_file", &self.egress_ca_file)
+            .field("meter_body_max", &self.meter_body_max)
             .finish()
     }
 }
@@ -239,12 +243,38 @@ impl Config {
                 expected: "at least 2000 (a busy guest needs time to answer)",
             });
         }
+        let probe_s: u64 = parse(
+            &get,
+            "SANDBOX_HOST_PROBE_TIMEOUT_S",
+            20,
+            "a whole number of seconds from 1 to 600",
+        )?;
+        if !(1..=600).contains(&probe_s) {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_PROBE_TIMEOUT_S",
+                value: probe_s.to_string(),
+                expected: "a whole number of seconds from 1 to 600",
+            });
+        }
         let _: u64 = parse(
             &get,
             "SANDBOX_HOST_VMM_ALLOWANCE_MIB",
             0,
             "a whole number of MiB from 0 to 1048576",
         )?;
+        let meter_body_max_mib: usize = parse(
+            &get,
+            "SANDBOX_HOST_METER_BODY_MAX_MIB",
+            sandbox_egress::intercept::DEFAULT_BODY_MAX >> 20,
+            "a whole number of MiB from 1 to 1024",
+        )?;
+        if !(1..=1024).contains(&meter_body_max_mib) {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_METER_BODY_MAX_MIB",
+                value: meter_body_max_mib.to_string(),
+                expected: "a whole number of MiB from 1 to 1024",
+            });
+        }
         let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {
             None => Default::default(),
             Some(v) => sandbox_egress::resolve::ResolveOverrides::parse(&v).map_err(|e| {
@@ -289,6 +319,7 @@ impl Config {
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),
             egress_ca_file,
+            meter_body_max: meter_body_max_mib << 20,
         })
     }
 }
@@ -364,5 +395,22 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("SANDBOX_HOST_PORT is `http`"), "{e}");
         assert!(!format!("{c:?}").contains("tttt"));
+        assert_eq!(c.meter_body_max, 32 << 20);
+        for (var, value) in [
+            ("SANDBOX_HOST_METER_BODY_MAX_MIB", "0"),
+            ("SANDBOX_HOST_METER_BODY_MAX_MIB", "4096"),
+            ("SANDBOX_HOST_PROBE_TIMEOUT_S", "0"),
+            ("SANDBOX_HOST_PROBE_TIMEOUT_S", "a minute"),
+        ] {
+            let e = cfg(&[
+                ("SANDBOX_HOST_TOKEN", "t".repeat(30).as_str()),
+                (var, value),
+            ])
+            .unwrap_err();
+            assert!(
+                e.to_string().contains(&format!("{var} is `{value}`")),
+                "{e}"
+            );
+        }
     }
 }

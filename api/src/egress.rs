@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use sandbox_egress::intercept::Interception;
+use sandbox_egress::intercept::{Interception, MeterPolicy};
+use sandbox_egress::meter::Unmetered;
 
 use crate::registry::InterceptMode;
 use sandbox_egress::link::GuestEnd;
@@ -106,7 +107,11 @@ pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, St
             .map_err(|e| StartError::Bad(e.to_string()))?;
         let client =
             upstream_client(config.egress_ca_file.as_deref()).map_err(StartError::Internal)?;
-        let icp = Interception::new(id, &intercept, secrets, meter, client)
+        let policy = MeterPolicy {
+            strict: spec.meter_strict,
+            body_max: config.meter_body_max,
+        };
+        let icp = Interception::new(id, &intercept, secrets, meter, policy, client)
             .map_err(|e| StartError::Internal(e.to_string()))?;
         ca_pem = Some(icp.ca_pem().to_string());
         env = icp.placeholders();
@@ -217,6 +222,15 @@ pub fn refusal_counts(egress: &Egress) -> Vec<(&'static str, u64)> {
         .collect()
 }
 
+/// Unmetered model calls of one sandbox by reason label, for `/metrics`.
+pub fn unmetered_counts(egress: &Egress) -> Vec<(&'static str, u64)> {
+    let t = egress.stats().usage().totals;
+    Unmetered::ALL
+        .iter()
+        .map(|x| (x.as_str(), t.unmetered(*x)))
+        .collect()
+}
+
 /// `GET /v1/sandboxes/{id}/usage`: the metered calls and their totals.
 pub fn usage_json(egress: &Egress) -> Value {
     let u = egress.stats().usage();
@@ -231,6 +245,7 @@ pub fn usage_json(egress: &Egress) -> Value {
                 "status": c.status,
                 "complete": c.complete,
                 "usage_missing": r.is_none(),
+                "unmetered": c.unmetered.map(Unmetered::as_str),
                 "provider": r.map(|r| r.provider),
                 "response_id": r.and_then(|r| r.response_id.clone()),
                 "model": r.and_then(|r| r.model.clone()),
@@ -253,6 +268,12 @@ pub fn usage_json(egress: &Egress) -> Value {
             "cache_read_tokens": t.cache_read_tokens,
             "cache_write_tokens": t.cache_write_tokens,
             "billed_cost_usd": t.billed_cost_usd,
+            "unmetered_calls": t.unmetered_calls(),
+            "unmetered_by_reason": Unmetered::ALL
+                .iter()
+                .filter(|x| t.unmetered(**x) > 0)
+                .map(|x| (x.as_str().to_string(), json!(t.unmetered(*x))))
+                .collect::<serde_json::Map<_, _>>(),
         }
     })
 }

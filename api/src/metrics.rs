@@ -60,7 +60,31 @@ pub struct Metrics {
     disposals: [AtomicU64; 5],
     /// Egress refusals of sandboxes already disposed of, by reason label: `/metrics` adds the
     /// live sandboxes' counts, so the total never goes down when a sandbox goes.
-    retired_refusals: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    retired_refusals: Retired,
+    /// Unmetered model calls of sandboxes already disposed of, by reason, likewise.
+    retired_unmetered: Retired,
+}
+
+/// Per-reason counts of sandboxes that are gone.
+#[derive(Debug, Default)]
+struct Retired(std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>);
+
+impl Retired {
+    fn add(&self, counts: &[(&'static str, u64)]) {
+        let mut r = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, n) in counts {
+            *r.entry(k).or_default() += n;
+        }
+    }
+
+    /// These plus `live`.
+    fn totals(&self, live: &[(&'static str, u64)]) -> Vec<(String, u64)> {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for (k, n) in live {
+            *all.entry(k).or_default() += n;
+        }
+        all.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
+    }
 }
 
 impl Metrics {
@@ -92,33 +116,35 @@ impl Metrics {
         self.disposals[i].fetch_add(1, Relaxed);
     }
 
-    /// Keeps a disposed sandbox's refusal counts in the service's totals.
-    pub fn retire_refusals(&self, counts: &[(&'static str, u64)]) {
-        let mut r = self
-            .retired_refusals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        for (k, n) in counts {
-            *r.entry(k).or_default() += n;
-        }
+    /// Keeps a disposed sandbox's refusal and unmetered-call counts in the service's totals.
+    pub fn retire_egress(
+        &self,
+        refusals: &[(&'static str, u64)],
+        unmetered: &[(&'static str, u64)],
+    ) {
+        self.retired_refusals.add(refusals);
+        self.retired_unmetered.add(unmetered);
     }
 
     /// Refusal totals by reason: the retired ones plus `live` (the live sandboxes' counts).
     pub fn refusal_totals(&self, live: &[(&'static str, u64)]) -> Vec<(String, u64)> {
-        let mut all = self
-            .retired_refusals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        for (k, n) in live {
-            *all.entry(k).or_default() += n;
-        }
-        all.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
+        self.retired_refusals.totals(live)
+    }
+
+    /// Unmetered-call totals by reason: the retired ones plus `live`.
+    pub fn unmetered_totals(&self, live: &[(&'static str, u64)]) -> Vec<(String, u64)> {
+        self.retired_unmetered.totals(live)
     }
 
     /// The Prometheus text. `states` are (state, count) pairs of the live sandboxes; `refusals`
-    /// are (reason, count) pairs of egress refusals summed over sandboxes.
-    pub fn render(&self, states: &[(&str, u64)], refusals: &[(String, u64)]) -> String {
+    /// and `unmetered` are (reason, count) pairs of egress refusals and of model calls the meter
+    /// could not read, summed over sandboxes.
+    pub fn render(
+        &self,
+        states: &[(&str, u64)],
+        refusals: &[(String, u64)],
+        unmetered: &[(String, u64)],
+    ) -> String {
         let mut o = String::new();
         let _ = writeln!(
             o,
@@ -214,6 +240,16 @@ impl Metrics {
                 "sandbox_host_egress_refusals_total{{reason=\"{reason}\"}} {n}"
             );
         }
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_unmetered_calls_total Model calls to meter or secret hosts whose usage could not be read, by reason.\n# TYPE sandbox_host_unmetered_calls_total counter"
+        );
+        for (reason, n) in unmetered {
+            let _ = writeln!(
+                o,
+                "sandbox_host_unmetered_calls_total{{reason=\"{reason}\"}} {n}"
+            );
+        }
         o
     }
 }
@@ -225,14 +261,18 @@ mod tests {
     #[test]
     fn every_counter_moves_in_the_text() {
         let m = Metrics::default();
-        let before = m.render(&[("ready", 0)], &[]);
+        let before = m.render(&[("ready", 0)], &[], &[]);
         m.boot(Duration::from_millis(700));
         m.boot_failed();
         m.execs.fetch_add(2, Relaxed);
         m.bytes_in.fetch_add(10, Relaxed);
         m.bytes_out.fetch_add(20, Relaxed);
         m.disposed(Disposal::Idle);
-        let after = m.render(&[("ready", 1)], &[("name_not_allowed".into(), 3)]);
+        let after = m.render(
+            &[("ready", 1)],
+            &[("name_not_allowed".into(), 3)],
+            &[("no_usage".into(), 2)],
+        );
         for line in [
             "sandbox_host_sandboxes{state=\"ready\"} 1",
             "sandbox_host_boots_total 1",
@@ -244,10 +284,27 @@ mod tests {
             "sandbox_host_bytes_out_total 20",
             "sandbox_host_disposals_total{reason=\"idle\"} 1",
             "sandbox_host_egress_refusals_total{reason=\"name_not_allowed\"} 3",
+            "sandbox_host_unmetered_calls_total{reason=\"no_usage\"} 2",
         ] {
             assert!(after.contains(line), "missing {line}\n{after}");
             assert!(!before.contains(line), "{line} did not move");
         }
         assert!(after.contains("sandbox_host_boot_duration_seconds_bucket{le=\"0.5\"} 0"));
+    }
+
+    #[test]
+    fn retired_counts_stay_in_the_totals() {
+        let m = Metrics::default();
+        m.retire_egress(&[("udp", 2)], &[("no_usage", 1), ("unknown_request", 4)]);
+        m.retire_egress(&[("udp", 1)], &[("no_usage", 1)]);
+        assert_eq!(m.refusal_totals(&[("udp", 5)]), [("udp".to_string(), 8)]);
+        assert_eq!(
+            m.unmetered_totals(&[("body_too_large", 1)]),
+            [
+                ("body_too_large".to_string(), 1),
+                ("no_usage".to_string(), 2),
+                ("unknown_request".to_string(), 4)
+            ]
+        );
     }
 }

@@ -56,6 +56,9 @@ pub struct EgressSpec {
     /// `"all"`: every allowed TLS connection is intercepted, not only secret and meter hosts.
     #[serde(default)]
     pub intercept: Option<InterceptMode>,
+    /// Refuse a model call to a meter or secret host whose usage the meter could not read.
+    #[serde(default)]
+    pub meter_strict: bool,
 }
 
 /// Which TLS connections the egress reads.
@@ -249,9 +252,10 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
     let exit = entry.sandbox.stop().await;
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
-        state
-            .metrics()
-            .retire_refusals(&crate::egress::refusal_counts(net));
+        state.metrics().retire_egress(
+            &crate::egress::refusal_counts(net),
+            &crate::egress::unmetered_counts(net),
+        );
     }
     tracing::info!(
         id = %entry.id,

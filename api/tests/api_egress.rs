@@ -522,14 +522,30 @@ const OPENAI_SSE: &[&str] = &[
     "data: [DONE]\n\n",
 ];
 
+/// OpenAI's Responses API, streaming: usage in `response.completed`, whatever was asked.
+const RESPONSES_SSE: &[&str] = &[
+    "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_5\",\"object\":\"response\",\"model\":\"gpt-test\",\"usage\":null}}\n\n",
+    "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n",
+    "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_5\",\"object\":\"response\",\"model\":\"gpt-test\",\"usage\":{\"input_tokens\":70,\"input_tokens_details\":{\"cached_tokens\":20},\"output_tokens\":5,\"total_tokens\":75}}}\n\n",
+];
+
+/// OpenAI's answer to a chat completion that does not stream: usage always.
+const OPENAI_JSON: &str = r#"{"id":"chatcmpl-7","object":"chat.completion","model":"gpt-test","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}"#;
+
+/// A call whose usage comes later, elsewhere (a batch): no usage in its answer.
+const BATCH_JSON: &str = r#"{"id":"batch_6","object":"batch","status":"validating"}"#;
+
 const OPENROUTER_JSON: &str = r#"{"id":"gen-4","object":"chat.completion","model":"router/model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":50,"completion_tokens":7,"total_tokens":57,"cost":0.00123}}"#;
 
 /// What the fake provider received: the request head and body.
 type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
 /// A fake model provider on loopback (HTTPS, HTTP/1.1, keep-alive): Anthropic JSON or SSE on
-/// `/v1/messages` (SSE when the body asks for a stream), OpenAI SSE on `/v1/chat/completions`,
-/// OpenRouter JSON with a billed cost on `/api/v1/chat/completions`. Streams are sent in pieces.
+/// `/v1/messages` (SSE when the body asks for a stream), OpenAI SSE on `/v1/chat/completions`
+/// (JSON when the body does not ask for a stream; the stream's usage chunk only when the body
+/// asks for it, as OpenAI does), Responses API SSE on
+/// `/v1/responses`, a batch on `/v1/batches`, OpenRouter JSON with a billed cost on
+/// `/api/v1/chat/completions`; anything under `/hang/` after 5 s. Streams are sent in pieces.
 /// TLS with the certificate `make_certs` put in `dir`.
 fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
     use rustls::pki_types::pem::PemObject;
@@ -588,6 +604,7 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
                     let body: Vec<u8> = buf.drain(..len).collect();
                     let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
                     let stream = String::from_utf8_lossy(&body).contains("\"stream\":true");
+                    let v = serde_json::from_slice::<Value>(&body).unwrap_or_default();
                     log.lock().unwrap().push((head, body));
                     let (ctype, pieces): (&str, Vec<&str>) = if path.starts_with("/v1/messages") {
                         if stream {
@@ -596,7 +613,19 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
                             ("application/json", vec![ANTHROPIC_JSON])
                         }
                     } else if path.starts_with("/v1/chat/completions") {
-                        ("text/event-stream", OPENAI_SSE.to_vec())
+                        let mut pieces = OPENAI_SSE.to_vec();
+                        if v["stream_options"]["include_usage"] != true {
+                            pieces.remove(1);
+                        }
+                        if v["stream"] == true {
+                            ("text/event-stream", pieces)
+                        } else {
+                            ("application/json", vec![OPENAI_JSON])
+                        }
+                    } else if path.starts_with("/v1/responses") {
+                        ("text/event-stream", RESPONSES_SSE.to_vec())
+                    } else if path.starts_with("/v1/batches") {
+                        ("application/json", vec![BATCH_JSON])
                     } else {
                         ("application/json", vec![OPENROUTER_JSON])
                     };
@@ -606,6 +635,11 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
                     if s.write_all(h.as_bytes()).await.is_err() {
                         return;
                     }
+                    if path.starts_with("/hang/") {
+                        // A provider still thinking before it answers at all.
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                    }
+
                     let pause = if path.starts_with("/v1/messages/slow") {
                         Duration::from_secs(2) // between events: a model thinking
                     } else {
@@ -1404,4 +1438,324 @@ async fn one_guest_connection_cannot_open_unbounded_upstream_connections() {
     assert_eq!(last["exit_code"], 0, "{}", text(&err));
     assert!(text(&out).contains("\"headers\""));
     assert_eq!(other_seen.lock().unwrap().len(), 1);
+}
+
+/// Issue 18: a guest cannot make model calls that escape the meter. Streaming chat completions
+/// from curl, Python (reading the stream as the OpenAI SDK does) and Node (the OpenAI SDK itself,
+/// from the Pi harness's packages) that do not ask for usage get it asked for, and their clients
+/// read the extra usage chunk without error; what the meter cannot read is recorded and counted,
+/// and refused under `meter_strict`; what needed nothing reaches the provider byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_meter_cannot_be_evaded() {
+    if stock_image_missing() || guest_image_missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path(), &["openai.provider.test", "api.provider.test"]);
+    let (port, seen) = fake_provider(dir.path()).await;
+    let resolve =
+        format!("openai.provider.test:{port}:127.0.0.1,api.provider.test:{port}:127.0.0.1");
+    let ca = dir.path().join("ca.pem");
+    let store = sandbox_vmm::config::image_dir();
+    let h = start(&[
+        ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.to_str().unwrap()),
+        // Small, so that an oversized body is quick to send from a guest under TCG.
+        ("SANDBOX_HOST_METER_BODY_MAX_MIB", "1"),
+    ]);
+    let sandbox = |strict: bool| {
+        json!({"image": "vantik-guest:latest", "egress": {"meter_strict": strict,
+            "meter": ["openai.provider.test", "api.provider.test"], "secrets": [
+            {"env": "OPENAI_API_KEY", "value": "sk-proj-REALKEY-fedcba9876543210", "hosts": ["openai.provider.test"]},
+            {"env": "ANTHROPIC_API_KEY", "value": "sk-ant-api03-REALKEY-0123456789", "hosts": ["api.provider.test"]}]}})
+    };
+    let id = h.create(sandbox(false)).await;
+    let base = format!("https://openai.provider.test:{port}/v1");
+    let stream_req =
+        r#"{"model":"gpt-test","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let auth = "-H \"authorization: Bearer $OPENAI_API_KEY\" -H 'content-type: application/json'";
+
+    // Three clients stream without asking for usage.
+    let (out, err, last) = h
+        .exec(
+            &id,
+            &format!("curl -sS -N {auth} -d '{stream_req}' {base}/chat/completions"),
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "curl: {}", text(&err));
+    assert_eq!(
+        text(&out),
+        OPENAI_SSE.concat(),
+        "curl got the provider's stream, usage chunk included"
+    );
+    // A Python script with its indentation: one line per element (a `\` line continuation
+    // would strip the leading spaces).
+    let python = [
+        "python3 - <<'EOF'",
+        "import json, os, urllib.request as u",
+        &format!("r = u.Request('{base}/chat/completions', data=b'{stream_req}', headers={{'authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], 'content-type': 'application/json'}})"),
+        "text, usage = '', None",
+        "for line in u.urlopen(r, timeout=60):",
+        "    line = line.decode().rstrip('\\n')",
+        "    if not line.startswith('data: '):",
+        "        continue",
+        "    if line[6:].startswith('[DONE]'):",
+        "        break",
+        "    chunk = json.loads(line[6:])",
+        "    for c in chunk['choices']:",
+        "        text += c['delta'].get('content') or ''",
+        "    if chunk.get('usage'):",
+        "        usage = chunk['usage']['completion_tokens']",
+        "print(text, usage)",
+        "EOF",
+    ]
+    .join("\n");
+    let (out, err, last) = h.exec(&id, &python).await;
+    assert_eq!(last["exit_code"], 0, "python: {}", text(&err));
+    assert_eq!(text(&out).trim(), "Hi 12", "python: {}", text(&err));
+    let node = format!(
+        "cat > /tmp/sdk.mjs <<'EOF'\n\
+import {{ createRequire }} from 'node:module';\n\
+import {{ execSync }} from 'node:child_process';\n\
+const pkg = execSync(\"find \\\"$(npm root -g)\\\" -path '*/node_modules/openai/package.json' | head -n 1\").toString().trim();\n\
+if (!pkg) {{ console.error('the OpenAI SDK is not in the image'); process.exit(3); }}\n\
+const sdk = createRequire(pkg)('openai');\n\
+const OpenAI = sdk.OpenAI ?? sdk.default ?? sdk;\n\
+const client = new OpenAI({{ apiKey: process.env.OPENAI_API_KEY, baseURL: '{base}', maxRetries: 0 }});\n\
+const stream = await client.chat.completions.create({{ model: 'gpt-test', messages: [{{ role: 'user', content: 'hi' }}], stream: true }});\n\
+let text = '', usage = null;\n\
+for await (const c of stream) {{ text += c.choices[0]?.delta?.content ?? ''; if (c.usage) usage = c.usage.completion_tokens; }}\n\
+console.log(text, usage);\n\
+EOF\n\
+node /tmp/sdk.mjs"
+    );
+    let (out, err, last) = h.exec(&id, &node).await;
+    assert_eq!(last["exit_code"], 0, "node: {}", text(&err));
+    assert_eq!(text(&out).trim(), "Hi 12", "node: {}", text(&err));
+    // The provider was asked for usage each time; nothing else in the bodies changed.
+    {
+        let got = seen.lock().unwrap();
+        assert_eq!(got.len(), 3);
+        let want: Value = serde_json::from_str(stream_req).unwrap();
+        for (i, (_, body)) in got.iter().enumerate() {
+            let mut v: Value = serde_json::from_slice(body).unwrap();
+            assert_eq!(
+                v["stream_options"],
+                json!({"include_usage": true}),
+                "call {i}"
+            );
+            v.as_object_mut().unwrap().remove("stream_options");
+            if i == 0 {
+                assert_eq!(v, want, "curl's body, but for stream_options");
+            }
+        }
+    }
+
+    // What needed nothing is sent byte for byte: Anthropic's streams, a non-streaming
+    // completion, a Responses API stream (its usage always comes).
+    let unchanged = [
+        (
+            format!("https://api.provider.test:{port}/v1/messages"),
+            r#"{"model":"m", "stream": true,"messages":[]}"#,
+            "-H \"x-api-key: $ANTHROPIC_API_KEY\"",
+        ),
+        (
+            format!("{base}/chat/completions"),
+            r#"{ "model":"m","messages":[] }"#,
+            auth,
+        ),
+        (
+            format!("{base}/responses"),
+            r#"{"model":"gpt-test","stream":true,"input":"hi"}"#,
+            auth,
+        ),
+    ];
+    for (url, body, hdr) in &unchanged {
+        let (_, err, last) = h
+            .exec(
+                &id,
+                &format!("curl -sS -o /dev/null {hdr} -d '{body}' {url}"),
+            )
+            .await;
+        assert_eq!(last["exit_code"], 0, "{url}: {}", text(&err));
+        let got = seen.lock().unwrap().last().unwrap().1.clone();
+        assert_eq!(text(&got), *body, "{url}: the body changed on its way");
+    }
+
+    // What the meter cannot read: recorded, counted, and let through.
+    let big = "python3 -c 'import json; print(json.dumps({\"model\":\"m\",\"stream\":True,\"messages\":[{\"role\":\"user\",\"content\":\"x\"*1200000}]}))' > /tmp/big.json";
+    let (_, err, last) = h.exec(&id, big).await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    let unmeterable = [
+        (
+            "unreadable_body",
+            format!("-d '{{\"stream\":true,\"stream_options\":\"yes\"}}' {base}/chat/completions"),
+        ),
+        (
+            "unknown_request",
+            format!("-d '{{\"input_file_id\":\"f\"}}' {base}/batches"),
+        ),
+        (
+            "body_too_large",
+            format!("-d @/tmp/big.json {base}/chat/completions"),
+        ),
+    ];
+    let before = seen.lock().unwrap().len();
+    for (why, args) in &unmeterable {
+        let (_, err, last) = h
+            .exec(&id, &format!("curl -sS -o /dev/null {auth} {args}"))
+            .await;
+        assert_eq!(last["exit_code"], 0, "{why}: {}", text(&err));
+    }
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        before + 3,
+        "all three went upstream"
+    );
+    let big_sent = seen.lock().unwrap().last().unwrap().1.len();
+    assert!(
+        big_sent > 1 << 20,
+        "the oversized body went whole: {big_sent}"
+    );
+    // A guest that gives up before the provider answers still leaves the call on record.
+    let (_, _, last) = h
+        .exec(
+            &id,
+            &format!("curl -sS --http2 --max-time 2 {auth} -d '{{}}' https://openai.provider.test:{port}/hang/v1/chat/completions"),
+        )
+        .await;
+    assert_ne!(last["exit_code"], 0, "curl gave up");
+
+    let mut u = Value::Null;
+    for _ in 0..30 {
+        let (s, v) = h
+            .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+            .await;
+        assert_eq!(s, 200, "{v}");
+        u = v;
+        if u["calls"].as_array().is_some_and(|c| c.len() == 10) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let calls = u["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 10, "{u}");
+    for c in &calls[..3] {
+        assert_eq!(
+            (
+                &c["response_id"],
+                &c["input_tokens"],
+                &c["output_tokens"],
+                &c["cache_read_tokens"],
+                &c["unmetered"]
+            ),
+            (
+                &json!("chatcmpl-3"),
+                &json!(310),
+                &json!(12),
+                &json!(100),
+                &Value::Null
+            ),
+            "{c}"
+        );
+    }
+    let responses = &calls[5];
+    assert_eq!(
+        (
+            &responses["response_id"],
+            &responses["provider"],
+            &responses["input_tokens"],
+            &responses["output_tokens"],
+            &responses["cache_read_tokens"]
+        ),
+        (
+            &json!("resp_5"),
+            &json!("openai"),
+            &json!(70),
+            &json!(5),
+            &json!(20)
+        ),
+        "{responses}"
+    );
+    for (c, (why, _)) in calls[6..9].iter().zip(&unmeterable) {
+        assert_eq!(c["unmetered"], *why, "{c}");
+        assert_eq!(c["usage_missing"], true, "{c}");
+    }
+    // The given-up call: abandoned, or, where the provider's answer came before the guest's
+    // going away was noticed, cut before its usage went by.
+    let gave_up = (&calls[9]["unmetered"], &calls[9]["status"]);
+    assert!(
+        gave_up == (&json!("abandoned"), &json!(0))
+            || gave_up == (&json!("cut_before_usage"), &json!(200)),
+        "{u}"
+    );
+    assert_eq!(u["totals"]["unmetered_calls"], 4, "{u}");
+    let by = &u["totals"]["unmetered_by_reason"];
+    assert_eq!(
+        (
+            &by["unreadable_body"],
+            &by["unknown_request"],
+            &by["body_too_large"]
+        ),
+        (&json!(1), &json!(1), &json!(1)),
+        "{u}"
+    );
+    // The three streams, Anthropic's answer (JSON: the fake reads `"stream":true` without a
+    // space), the JSON completion, the Responses stream.
+    assert_eq!(u["totals"]["output_tokens"], 3 * 12 + 85 + 2 + 5, "{u}");
+
+    // Under meter_strict the same calls are refused before they go upstream, and counted.
+    let strict = h.create(sandbox(true)).await;
+    let (_, err, last) = h.exec(&strict, big).await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    let before = seen.lock().unwrap().len();
+    for (why, args) in &unmeterable {
+        let (out, _, _) = h.exec(&strict, &format!("curl -sS -i {auth} {args}")).await;
+        let out = text(&out);
+        assert!(
+            out.lines()
+                .next()
+                .is_some_and(|l| l.starts_with("HTTP/") && l.contains(" 403")),
+            "{why}: {out}"
+        );
+        assert!(
+            out.contains("x-sandbox-egress-refused: unmeterable"),
+            "{why}: {out}"
+        );
+    }
+    assert_eq!(seen.lock().unwrap().len(), before, "nothing went upstream");
+    // A call the meter can read still goes, with usage asked for.
+    let (out, err, last) = h
+        .exec(
+            &strict,
+            &format!("curl -sS -N {auth} -d '{stream_req}' {base}/chat/completions"),
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", text(&err));
+    assert_eq!(text(&out), OPENAI_SSE.concat());
+    let v = egress(&h, &strict).await;
+    assert_eq!(v["by_reason"]["unmeterable"], 3, "{v}");
+    let (_, u) = h
+        .json("GET", &format!("/v1/sandboxes/{strict}/usage"), None)
+        .await;
+    assert_eq!(
+        (
+            &u["totals"]["calls"],
+            &u["totals"]["unmetered_calls"],
+            &u["totals"]["output_tokens"]
+        ),
+        (&json!(1), &json!(0), &json!(12)),
+        "{u}"
+    );
+
+    let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;
+    let metrics = text(&m);
+    for line in [
+        "sandbox_host_unmetered_calls_total{reason=\"body_too_large\"} 1",
+        "sandbox_host_unmetered_calls_total{reason=\"no_usage\"} 0",
+        "sandbox_host_egress_refusals_total{reason=\"unmeterable\"} 3",
+    ] {
+        assert!(metrics.contains(line), "missing {line}:\n{metrics}");
+    }
 }

@@ -32,8 +32,10 @@ use crate::conn::Context;
 use crate::echo::{EchoForms, EchoScanner};
 use crate::guest_io::GuestStream;
 use crate::meter::record::Meter;
+use crate::meter::request::{self as meter_request, Api, Unmetered};
 use crate::policy::{HostPattern, normalize};
 use crate::refusal::Reason;
+use crate::request_body::{self, Budget, Hold, Read, Replay};
 use crate::secrets::{LeakScanner, Secret};
 use crate::sniff::http::split_authority;
 use crate::stats::{Call, Stats};
@@ -85,8 +87,34 @@ pub struct Interception {
     /// Every form of every secret's value, looked for in every response.
     echo: Option<Arc<EchoForms>>,
     meter: Vec<HostPattern>,
+    policy: MeterPolicy,
+    /// Request bodies held while the meter reads them.
+    held: Arc<Budget>,
     client: Arc<rustls::ClientConfig>,
 }
+
+/// How strictly a sandbox's model calls are metered.
+#[derive(Debug, Clone, Copy)]
+pub struct MeterPolicy {
+    /// Refuse, before it goes upstream, a POST to a meter or secret host whose usage the meter
+    /// could not read (the run's `egress.meter_strict`).
+    pub strict: bool,
+    /// The largest request body held to ask for usage; the sandbox holds at most twice this at
+    /// once (`SANDBOX_HOST_METER_BODY_MAX_MIB`).
+    pub body_max: usize,
+}
+
+impl Default for MeterPolicy {
+    fn default() -> Self {
+        MeterPolicy {
+            strict: false,
+            body_max: DEFAULT_BODY_MAX,
+        }
+    }
+}
+
+/// The default largest request body the meter holds: Anthropic's own request size limit.
+pub const DEFAULT_BODY_MAX: usize = 32 << 20;
 
 impl Interception {
     /// The interception of sandbox `id`. `intercepted` are the names its CA may sign for (the
@@ -96,6 +124,7 @@ impl Interception {
         intercepted: &[HostPattern],
         secrets: Vec<Secret>,
         meter: Vec<HostPattern>,
+        policy: MeterPolicy,
         client: Arc<rustls::ClientConfig>,
     ) -> Result<Self, CaError> {
         Ok(Interception {
@@ -103,6 +132,8 @@ impl Interception {
             echo: EchoForms::new(secrets.iter().map(Secret::value)),
             secrets,
             meter,
+            policy,
+            held: Budget::new(policy.body_max.saturating_mul(2)),
             client,
         })
     }
@@ -131,6 +162,7 @@ impl std::fmt::Debug for Interception {
         f.debug_struct("Interception")
             .field("secrets", &self.secrets)
             .field("meter", &self.meter)
+            .field("policy", &self.policy)
             .finish_non_exhaustive()
     }
 }
@@ -432,17 +464,57 @@ impl Proxy {
             stats.refuse(Reason::PlaceholderLeak, &target);
             return refuse(Reason::PlaceholderLeak);
         }
-        let metered = self.tls
-            && self.icp.as_ref().is_some_and(|i| {
-                i.meter.iter().any(|p| p.matches(&self.name))
-                    || i.secrets.iter().any(|s| s.applies_to(&self.name))
-            });
+        let meter_host = self
+            .icp
+            .as_ref()
+            .is_some_and(|i| i.meter.iter().any(|p| p.matches(&self.name)));
+        let metered = meter_host
+            || self
+                .icp
+                .as_ref()
+                .is_some_and(|i| i.secrets.iter().any(|s| s.applies_to(&self.name)));
         if metered {
             // Responses the meter can read.
             headers.insert(
                 header::ACCEPT_ENCODING,
                 HeaderValue::from_static("identity"),
             );
+        }
+        // A model call is any request to a meter or secret host that may do something (not
+        // GET, HEAD or OPTIONS, which bill nothing: a GET of a stored response would count its
+        // tokens twice; unless it asks the server to take it for another method). Token
+        // counting bills nothing. On a host that is only a secret's, a request to no known
+        // model API (a git push to a token's host) is recorded only if its answer reports
+        // usage: it is neither unmeterable nor refused.
+        let api = Api::of(&path);
+        let overridden = METHOD_OVERRIDES.iter().any(|h| headers.contains_key(*h));
+        let acts = overridden
+            || !matches!(
+                parts.method,
+                hyper::Method::GET | hyper::Method::HEAD | hyper::Method::OPTIONS
+            );
+        let call = metered && acts && api != Some(Api::Count);
+        let quiet = !meter_host && api.is_none();
+        let (body, asked) = if call && !quiet {
+            match self
+                .ask_for_usage(api, overridden, &mut headers, body)
+                .await
+            {
+                Ok(b) => b,
+                Err(e) => return bad_gateway(&format!("reading the request to {target}: {e}")),
+            }
+        } else {
+            (Replay::unread(body), Asked::default())
+        };
+        if let Some(why) = asked.unmetered
+            && self.icp.as_ref().is_some_and(|i| i.policy.strict)
+        {
+            tracing::info!(
+                "egress: {target}{path}: refused under meter_strict: {}",
+                why.as_str()
+            );
+            stats.refuse(Reason::Unmeterable, &target);
+            return refuse(Reason::Unmeterable);
         }
         let default_port = if self.tls { 443 } else { 80 };
         let host = if self.port == default_port {
@@ -478,6 +550,17 @@ impl Proxy {
                 return bad_gateway(&e);
             }
         };
+        // From here the provider may bill: the call is recorded even if the guest goes away (this
+        // future dropped) or the connection fails before an answer.
+        let mut pending = call.then(|| Pending {
+            stats: self.cx.stats.clone(),
+            host: self.name.clone(),
+            status: 0,
+            missing: asked.unmetered,
+            meter: None,
+            quiet,
+            done: false,
+        });
         let resp = match sender.send.send_request(up).await {
             Ok(r) => r,
             Err(e) => {
@@ -492,6 +575,10 @@ impl Proxy {
                     .is_some_and(|ev| ev.reason == Reason::PlaceholderLeak && ev.target == target)
                     && e.to_string().contains("placeholder")
                 {
+                    // Cut before its body ended: not a call the provider runs.
+                    if let Some(p) = pending.as_mut() {
+                        p.done = true;
+                    }
                     return refuse(Reason::PlaceholderLeak);
                 }
                 return bad_gateway(&format!("the request to {target} failed: {e}"));
@@ -499,6 +586,7 @@ impl Proxy {
         };
         self.pool.lock().await.push(sender);
         self.returned.notify_one();
+        drop(asked.hold);
         let (mut parts, body) = resp.into_parts();
         for h in HOP {
             parts.headers.remove(h);
@@ -509,14 +597,18 @@ impl Proxy {
         let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
         // Asked for identity (`metered` covers secret hosts), a provider that compresses anyway
         // sends bytes the scan cannot read: it does not reach the guest.
-        let encoded = parts
-            .headers
-            .get(header::CONTENT_ENCODING)
-            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        let encoded = content_encoded(&parts.headers);
+        if let Some(p) = pending.as_mut() {
+            p.status = parts.status.as_u16();
+        }
         if metered && echo.is_some() && encoded {
             tracing::warn!(
                 "egress: {target} answered with a Content-Encoding although asked for identity"
             );
+            // It was billed all the same: `pending` records it as it goes.
+            if let Some(p) = pending.as_mut() {
+                p.missing.get_or_insert(Unmetered::EncodedResponse);
+            }
             return bad_gateway(&format!(
                 "{target} sent a compressed response although asked not to; it cannot be checked for secrets"
             ));
@@ -527,23 +619,31 @@ impl Proxy {
                 stats.refuse(Reason::SecretEcho, &target);
             }
         }
-        let meter = if metered {
-            parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .and_then(Meter::for_content_type)
-        } else {
-            None
-        };
+        if let Some(p) = pending.as_mut() {
+            p.meter = if encoded {
+                None
+            } else {
+                parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(Meter::for_content_type)
+            };
+            // What to say if the response reports no usage.
+            p.missing.get_or_insert(if encoded {
+                Unmetered::EncodedResponse
+            } else if p.meter.is_none() {
+                Unmetered::UnknownResponse
+            } else {
+                Unmetered::NoUsage
+            });
+        }
         let body = MeteredBody {
             inner: body,
-            meter,
+            call: pending,
             echo: echo.map(EchoScanner::new),
             trailers: None,
-            host: self.name.clone(),
             target,
-            status: parts.status.as_u16(),
             stats: self.cx.stats.clone(),
         }
         .boxed();
@@ -552,6 +652,59 @@ impl Proxy {
 
     fn secrets(&self) -> &[Secret] {
         self.icp.as_ref().map_or(&[], |i| i.secrets.as_slice())
+    }
+
+    /// Prepares a model call's request: its body read where the meter must see it, and
+    /// `stream_options.include_usage` set where the provider would not report usage otherwise.
+    async fn ask_for_usage(
+        &self,
+        api: Option<Api>,
+        overridden: bool,
+        headers: &mut HeaderMap,
+        body: Incoming,
+    ) -> Result<(Replay, Asked), hyper::Error> {
+        let unread = |body, why| {
+            Ok((
+                Replay::unread(body),
+                Asked {
+                    unmetered: why,
+                    hold: None,
+                },
+            ))
+        };
+        let (Some(icp), Some(api), false) = (self.icp.as_ref(), api, overridden) else {
+            return unread(body, Some(Unmetered::UnknownRequest));
+        };
+        if !api.reads_body() {
+            return unread(body, None);
+        }
+        if content_encoded(headers) {
+            return unread(body, Some(Unmetered::UnreadableBody));
+        }
+        let hold = Hold::new(&icp.held);
+        let (body, hold, unmetered) =
+            match request_body::read(body, icp.policy.body_max, hold).await? {
+                (Read::TooLarge(replay), hold) => (replay, hold, Some(Unmetered::BodyTooLarge)),
+                (Read::Whole(data, trailers), hold) => {
+                    let (data, hold, prepared) = prepare_off_loop(api, data, hold).await;
+                    match prepared {
+                        Ok(None) => (Replay::new(data, trailers, None), hold, None),
+                        Ok(Some(new)) => {
+                            // hyper gives the new length from the body, which it knows exactly.
+                            headers.remove(header::CONTENT_LENGTH);
+                            (Replay::new(new, trailers, None), hold, None)
+                        }
+                        Err(why) => (Replay::new(data, trailers, None), hold, Some(why)),
+                    }
+                }
+            };
+        Ok((
+            body,
+            Asked {
+                unmetered,
+                hold: Some(hold),
+            },
+        ))
     }
 
     /// The value of header `name` with each placeholder replaced by its secret's value, where
@@ -698,11 +851,75 @@ where
     Ok(sender)
 }
 
+/// [`meter_request::prepare`], on a blocking thread for a body large enough to keep the
+/// runtime's thread from every other connection for long (a 32 MiB body takes tens of ms).
+/// The body and its share of the budget go along, so that a guest that goes away meanwhile does
+/// not free the budget while the bytes are still held.
+async fn prepare_off_loop(
+    api: Api,
+    data: Vec<u8>,
+    hold: Hold,
+) -> (Vec<u8>, Hold, Result<Option<Vec<u8>>, Unmetered>) {
+    const INLINE: usize = 256 << 10;
+    if data.len() <= INLINE {
+        let r = meter_request::prepare(api, &data);
+        return (data, hold, r);
+    }
+    let budget = hold.budget();
+    tokio::task::spawn_blocking(move || {
+        let r = meter_request::prepare(api, &data);
+        (data, hold, r)
+    })
+    .await
+    .unwrap_or_else(|_| {
+        (
+            Vec::new(),
+            Hold::new(&budget),
+            Err(Unmetered::UnreadableBody),
+        )
+    })
+}
+
+/// Headers that ask a server to take a request for another method than its own.
+const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Whether any `Content-Encoding` (every header, every item of a list) is other than identity.
+fn content_encoded(headers: &HeaderMap) -> bool {
+    headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        v.as_bytes().split(|&b| b == b',').any(|t| {
+            !t.trim_ascii().is_empty() && !t.trim_ascii().eq_ignore_ascii_case(b"identity")
+        })
+    })
+}
+
+/// What the meter did to a model call's request.
+#[derive(Debug, Default)]
+struct Asked {
+    /// Why its usage cannot be read, known before it goes upstream.
+    unmetered: Option<Unmetered>,
+    /// Its body's share of the sandbox's budget, while it is held.
+    hold: Option<Hold>,
+}
+
+/// Why a call with this status and usage is unmetered, given why its usage would be missing:
+/// `None` when it reported usage, and for statuses providers do not bill.
+fn unmetered(
+    status: u16,
+    usage: Option<&crate::meter::UsageRecord>,
+    why: Unmetered,
+) -> Option<Unmetered> {
+    (usage.is_none() && (200..300).contains(&status)).then_some(why)
+}
+
 /// A request body on its way upstream, scanned for placeholders that do not belong to its host:
 /// one found ends the body with an error, so the upstream request is aborted before the
 /// placeholder's last byte leaves.
 struct ScannedBody {
-    inner: Incoming,
+    inner: Replay,
     scanner: LeakScanner,
     /// Every placeholder: none may be in a trailer, whatever the host.
     placeholders: Vec<String>,
@@ -755,7 +972,7 @@ impl Body for ScannedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        Body::is_end_stream(&self.inner)
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
@@ -768,28 +985,72 @@ impl Body for ScannedBody {
 /// stream reports what it saw).
 struct MeteredBody {
     inner: Incoming,
-    meter: Option<Meter>,
+    /// The model call this answers, read by its meter as it passes.
+    call: Option<Pending>,
     /// Masks secret values on their way to the guest (intercepted hosts with secrets).
     echo: Option<EchoScanner>,
     /// Trailers that wait until the bytes the echo scan held back have gone.
     trailers: Option<HeaderMap>,
-    host: String,
     target: String,
-    status: u16,
     stats: Arc<Stats>,
 }
 
 impl MeteredBody {
     fn finish(&mut self, complete: bool) {
-        if let Some(m) = self.meter.take() {
-            self.stats.record_call(Call {
-                at: SystemTime::now(),
-                host: self.host.clone(),
-                status: self.status,
-                complete,
-                usage: m.finish(),
-            });
+        if let Some(c) = self.call.as_mut() {
+            c.finish(complete);
         }
+    }
+}
+
+/// A model call from the moment its request goes upstream: recorded exactly once, when its
+/// response ends, or when it is dropped before (the guest went away, or the connection failed,
+/// before the provider answered or while it did).
+struct Pending {
+    stats: Arc<Stats>,
+    host: String,
+    /// The response's status; 0 while there is none.
+    status: u16,
+    /// Why its usage would be missing, once known.
+    missing: Option<Unmetered>,
+    meter: Option<Meter>,
+    /// Recorded only if it reports usage (a request to no known API on a secret's host).
+    quiet: bool,
+    done: bool,
+}
+
+impl Pending {
+    fn finish(&mut self, complete: bool) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let usage = self.meter.take().and_then(Meter::finish);
+        if self.quiet && usage.is_none() {
+            return;
+        }
+        let unmetered = if self.status == 0 {
+            Some(self.missing.unwrap_or(Unmetered::Abandoned))
+        } else {
+            let missing = match self.missing.unwrap_or(Unmetered::NoUsage) {
+                Unmetered::NoUsage if !complete => Unmetered::CutBeforeUsage,
+                m => m,
+            };
+            unmetered(self.status, usage.as_ref(), missing)
+        };
+        self.stats.record_call(Call {
+            at: SystemTime::now(),
+            host: self.host.clone(),
+            status: self.status,
+            complete,
+            unmetered,
+            usage,
+        });
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.finish(false);
     }
 }
 
@@ -819,7 +1080,7 @@ impl Body for MeteredBody {
                     let frame = match frame.into_data() {
                         Ok(data) => {
                             Stats::add(&this.stats.to_guest, data.len() as u64);
-                            if let Some(m) = this.meter.as_mut() {
+                            if let Some(m) = this.call.as_mut().and_then(|c| c.meter.as_mut()) {
                                 m.feed(&data);
                             }
                             let Some(echo) = this.echo.as_mut() else {
@@ -923,12 +1184,6 @@ fn mask_headers(forms: &EchoForms, headers: &mut HeaderMap) -> usize {
     found
 }
 
-impl Drop for MeteredBody {
-    fn drop(&mut self) {
-        self.finish(false);
-    }
-}
-
 /// Whether a header value holding `placeholder` has the shape of a credential: the placeholder
 /// alone, after one short scheme word (`Bearer <placeholder>`), or as the password of a short
 /// user name (`user:<placeholder>`, inside Basic). Padding around it would let a guest choose
@@ -949,7 +1204,45 @@ fn credential_shape(value: &[u8], placeholder: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::credential_shape;
+    use super::{Arc, Pending, Stats, Unmetered, credential_shape};
+
+    #[test]
+    fn a_call_is_recorded_once_whatever_ends_it() {
+        let stats = Arc::new(Stats::default());
+        let pending = |status, missing, quiet| Pending {
+            stats: stats.clone(),
+            host: "api.test".into(),
+            status,
+            missing,
+            meter: None,
+            quiet,
+            done: false,
+        };
+        // Dropped before any answer (the guest went away, the provider hung up).
+        drop(pending(0, None, false));
+        // Dropped before any answer, with a reason known from the request.
+        drop(pending(0, Some(Unmetered::BodyTooLarge), false));
+        // Answered 200, its body cut before usage; finished twice, recorded once.
+        let mut p = pending(200, Some(Unmetered::NoUsage), false);
+        p.finish(false);
+        drop(p);
+        // An error status is not unmetered; a quiet call without usage is not recorded.
+        drop(pending(429, Some(Unmetered::NoUsage), false));
+        drop(pending(200, Some(Unmetered::NoUsage), true));
+        let u = stats.usage();
+        let got: Vec<(u16, Option<Unmetered>)> =
+            u.calls.iter().map(|c| (c.status, c.unmetered)).collect();
+        assert_eq!(
+            got,
+            [
+                (0, Some(Unmetered::Abandoned)),
+                (0, Some(Unmetered::BodyTooLarge)),
+                (200, Some(Unmetered::CutBeforeUsage)),
+                (429, None),
+            ]
+        );
+        assert_eq!(u.totals.unmetered_calls(), 3);
+    }
 
     #[test]
     fn only_credential_shapes_get_the_key() {

@@ -20,6 +20,7 @@ pub mod net;
 mod phy;
 pub mod policy;
 pub mod refusal;
+pub mod request_body;
 pub mod resolve;
 pub mod secrets;
 pub mod sim;

@@ -48,11 +48,13 @@ pub enum Reason {
     /// A TLS ClientHello with Encrypted Client Hello on a connection that is not intercepted:
     /// its inner server name cannot be checked.
     Ech,
+    /// A model call whose usage the meter could not read, under the run's `meter_strict`.
+    Unmeterable,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 20] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -72,6 +74,7 @@ impl Reason {
         Reason::SecretEcho,
         Reason::PortNotAllowed,
         Reason::Ech,
+        Reason::Unmeterable,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -96,6 +99,7 @@ impl Reason {
             Reason::SecretEcho => "secret_echo",
             Reason::PortNotAllowed => "port_not_allowed",
             Reason::Ech => "ech",
+            Reason::Unmeterable => "unmeterable",
         }
     }
 }

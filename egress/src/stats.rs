@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::time::SystemTime;
 
 use crate::meter::record::UsageRecord;
+use crate::meter::request::Unmetered;
 use crate::refusal::{Reason, Refusals};
 
 /// Metered calls kept per sandbox (the totals keep counting past it).
@@ -23,9 +24,12 @@ pub struct Call {
     pub status: u16,
     /// Whether the body ended normally (false: cut before its end).
     pub complete: bool,
-    /// The usage it reported; `None` when it reported none (an OpenAI stream without
-    /// `stream_options.include_usage`, an error body).
+    /// The usage it reported; `None` when it reported none (an error body, or one of the
+    /// `unmetered` cases).
     pub usage: Option<UsageRecord>,
+    /// Why a successful call's usage could not be read; `None` when it was, and for errors
+    /// (which providers do not bill).
+    pub unmetered: Option<Unmetered>,
 }
 
 /// The metered calls of a sandbox.
@@ -54,6 +58,20 @@ pub struct Totals {
     pub cache_write_tokens: u64,
     /// Billed cost in USD, when any call reported one.
     pub billed_cost_usd: Option<f64>,
+    /// Calls whose usage could not be read, by reason (in the order of [`Unmetered::ALL`]).
+    pub unmetered: [u64; Unmetered::ALL.len()],
+}
+
+impl Totals {
+    /// Calls whose usage could not be read.
+    pub fn unmetered_calls(&self) -> u64 {
+        self.unmetered.iter().sum()
+    }
+
+    /// Unmetered calls of one reason.
+    pub fn unmetered(&self, why: Unmetered) -> u64 {
+        self.unmetered[why as usize]
+    }
 }
 
 /// Counters of one sandbox's egress. Monotonic except `open`.
@@ -104,6 +122,9 @@ impl Stats {
     pub fn record_call(&self, call: Call) {
         let mut u = self.usage();
         u.totals.calls += 1;
+        if let Some(why) = call.unmetered {
+            u.totals.unmetered[why as usize] += 1;
+        }
         if let Some(r) = &call.usage {
             u.totals.input_tokens += r.input_tokens;
             u.totals.output_tokens += r.output_tokens;

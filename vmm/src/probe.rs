@@ -12,8 +12,21 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{Backend, VmSpec};
 use crate::image::{ImageStore, STOCK};
 
-/// How long a probe boot may take; a real KVM host needs well under a second.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a probe boot may take by default; a real KVM host needs well under a second, QEMU
+/// under TCG a few seconds.
+const DEFAULT_PROBE_TIMEOUT_S: u64 = 20;
+
+/// `SANDBOX_HOST_PROBE_TIMEOUT_S` (1 to 600, checked with the service's configuration): an
+/// emulated host (KVM nested under TCG, as in `tests/nested/`) boots a guest in 10 to 20 s
+/// when idle and slower under load.
+pub fn probe_timeout() -> Duration {
+    let s = std::env::var("SANDBOX_HOST_PROBE_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| (1..=600).contains(s))
+        .unwrap_or(DEFAULT_PROBE_TIMEOUT_S);
+    Duration::from_secs(s)
+}
 
 /// Held while a probe runs (see [`boots_cached`]).
 static PROBING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -116,8 +129,9 @@ pub async fn probe(
         net: None,
         start_timeout: None,
     };
+    let limit = probe_timeout();
     let started = Instant::now();
-    let vm = match tokio::time::timeout(PROBE_TIMEOUT, backend.start(spec)).await {
+    let vm = match tokio::time::timeout(limit, backend.start(spec)).await {
         Ok(Ok(vm)) => vm,
         Ok(Err(e)) => {
             let text = e.to_string();
@@ -129,7 +143,7 @@ pub async fn probe(
         }
         Err(_) => {
             return Err(format!(
-                "{what} did not boot a guest within {PROBE_TIMEOUT:?}"
+                "{what} did not boot a guest within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)"
             ));
         }
     };
@@ -150,18 +164,18 @@ pub async fn probe(
         if emulation_failed(&vm.console_tail(50)) {
             break Err(EMULATION_FAILURE.into());
         }
-        if started.elapsed() > PROBE_TIMEOUT {
+        if started.elapsed() > limit {
             break Err(format!(
-                "a {what} guest did not boot within {PROBE_TIMEOUT:?}"
+                "a {what} guest did not boot within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)"
             ));
         }
     };
     let outcome = match outcome {
-        Ok(()) => tokio::time::timeout(PROBE_TIMEOUT, run_true(&client, what))
+        Ok(()) => tokio::time::timeout(limit, run_true(&client, what))
             .await
             .unwrap_or_else(|_| {
                 Err(format!(
-                    "`true` did not finish within {PROBE_TIMEOUT:?} in the {what} probe guest"
+                    "`true` did not finish within {limit:?} in the {what} probe guest"
                 ))
             }),
         Err(e) => Err(e),

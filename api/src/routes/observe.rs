@@ -61,14 +61,16 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let all = state.registry().all();
     let dead = all.iter().filter(|e| e.state() == "dead").count() as u64;
     let states = [("ready", all.len() as u64 - dead), ("dead", dead)];
-    let mut live: Vec<(&'static str, u64)> = Vec::new();
+    let (mut live, mut live_unmetered): (Vec<(&'static str, u64)>, Vec<_>) = Default::default();
     for e in all.iter() {
         if let Some(net) = &e.net {
             live.extend(crate::egress::refusal_counts(net));
+            live_unmetered.extend(crate::egress::unmetered_counts(net));
         }
     }
     let refusals = state.metrics().refusal_totals(&live);
-    let mut text = state.metrics().render(&states, &refusals);
+    let unmetered = state.metrics().unmetered_totals(&live_unmetered);
+    let mut text = state.metrics().render(&states, &refusals, &unmetered);
     text.push_str(&capacity_gauges(&state.capacity().report()));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

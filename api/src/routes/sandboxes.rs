@@ -324,6 +324,7 @@ fn summary(e: &SandboxEntry) -> Value {
                 }),
             })).collect::<Vec<_>>(),
             "intercept": if e.egress.intercept.is_some() { "all" } else { "secret_and_meter_hosts" },
+            "meter_strict": e.egress.meter_strict,
         },
     })
 }

@@ -1,42 +1,62 @@
-//! The values of chosen top-level keys of a JSON object, captured from bytes in any chunking
-//! without holding the document: a response body of any size passes through, and only the
-//! captured values (each at most [`MAX_VALUE`] bytes) are kept.
+//! The values of chosen members of a JSON object (top-level ones, or along a short path such as
+//! `response.usage`), captured from bytes in any chunking without holding the document: a body of
+//! any size passes through, and only the captured values (each at most [`MAX_VALUE`] bytes) are
+//! kept.
 
 /// Largest value captured; a longer one is dropped.
 pub const MAX_VALUE: usize = 64 * 1024;
 /// Longest key looked at (keys we want are short).
 const MAX_KEY: usize = 64;
+/// Nesting followed; deeper levels are only counted (nothing we capture lies deeper).
+const MAX_TRACK: usize = 8;
+
+/// One open object or array.
+#[derive(Debug)]
+struct Level {
+    object: bool,
+    /// The name of the member being read (objects).
+    key: Option<String>,
+    /// The next string is a member name.
+    expect_key: bool,
+}
 
 /// Scans one JSON document.
 #[derive(Debug)]
 pub struct KeyScanner {
-    wanted: &'static [&'static str],
-    depth: u32,
+    wanted: Vec<Vec<&'static str>>,
+    levels: Vec<Level>,
+    /// Levels below the tracked ones.
+    deep: u64,
     in_string: bool,
     escape: bool,
-    /// At depth 1, the next string is a key.
-    expect_key: bool,
+    /// A member name being read.
     key: Option<Vec<u8>>,
-    /// A key was read and its ':' is awaited.
-    pending_key: Option<String>,
-    capture: Option<(String, Vec<u8>)>,
+    /// The wanted path being captured, the level its value belongs to, and its bytes.
+    capture: Option<(usize, usize, Vec<u8>)>,
     done: Vec<(String, Vec<u8>)>,
+    started: bool,
     not_an_object: bool,
 }
 
 impl KeyScanner {
     /// A scanner capturing the values of `wanted` top-level keys.
     pub fn new(wanted: &'static [&'static str]) -> Self {
+        Self::paths(wanted.iter().map(|k| vec![*k]).collect())
+    }
+
+    /// A scanner capturing the values at `wanted` paths of member names (`["response", "usage"]`);
+    /// each is reported under its names joined with `.`.
+    pub fn paths(wanted: Vec<Vec<&'static str>>) -> Self {
         KeyScanner {
             wanted,
-            depth: 0,
+            levels: Vec::new(),
+            deep: 0,
             in_string: false,
             escape: false,
-            expect_key: false,
             key: None,
-            pending_key: None,
             capture: None,
             done: Vec::new(),
+            started: false,
             not_an_object: false,
         }
     }
@@ -51,15 +71,22 @@ impl KeyScanner {
         }
     }
 
-    /// The values captured so far (raw JSON text), by key; each key at most once.
+    /// The values captured so far (raw JSON text), by path; each path at most once.
     pub fn take(&mut self) -> Vec<(String, Vec<u8>)> {
         std::mem::take(&mut self.done)
     }
 
+    fn depth(&self) -> usize {
+        self.levels.len()
+    }
+
     fn byte(&mut self, b: u8) {
         // The capture of a value runs alongside the structural scan.
-        if let Some((_, v)) = &mut self.capture {
-            let ends = !self.in_string && self.depth == 1 && (b == b',' || b == b'}');
+        if let Some((_, level, v)) = &mut self.capture {
+            let ends = !self.in_string
+                && self.deep == 0
+                && self.levels.len() == *level
+                && (b == b',' || b == b'}');
             if !ends {
                 if v.len() < MAX_VALUE {
                     v.push(b);
@@ -75,8 +102,8 @@ impl KeyScanner {
                 self.escape = true;
             } else if b == b'"' {
                 self.in_string = false;
-                if let Some(k) = self.key.take() {
-                    self.pending_key = String::from_utf8(k).ok();
+                if let (Some(k), Some(top)) = (self.key.take(), self.levels.last_mut()) {
+                    top.key = String::from_utf8(k).ok();
                 }
                 return;
             }
@@ -93,51 +120,88 @@ impl KeyScanner {
             b' ' | b'\t' | b'\r' | b'\n' => {}
             b'"' => {
                 self.in_string = true;
-                if self.depth == 1 && self.expect_key {
-                    self.key = Some(Vec::new());
-                    self.expect_key = false;
-                }
-            }
-            b':' if self.depth == 1 => {
-                if let Some(k) = self.pending_key.take()
-                    && self.wanted.contains(&k.as_str())
-                    && !self.done.iter().any(|(d, _)| *d == k)
+                if self.deep == 0
+                    && let Some(top) = self.levels.last_mut()
+                    && top.object
+                    && top.expect_key
                 {
-                    self.capture = Some((k, Vec::new()));
+                    top.expect_key = false;
+                    self.key = Some(Vec::new());
                 }
             }
+            b':' if self.deep == 0 => self.value_starts(),
             b'{' | b'[' => {
-                if self.depth == 0 && b != b'{' {
-                    self.not_an_object = true;
+                if !self.started {
+                    self.started = true;
+                    if b != b'{' {
+                        self.not_an_object = true;
+                        return;
+                    }
                 }
-                self.depth = self.depth.saturating_add(1);
-                if self.depth == 1 {
-                    self.expect_key = true;
+                if self.deep > 0 || self.depth() == MAX_TRACK {
+                    self.deep = self.deep.saturating_add(1);
+                } else {
+                    self.levels.push(Level {
+                        object: b == b'{',
+                        key: None,
+                        expect_key: b == b'{',
+                    });
                 }
             }
             b'}' | b']' => {
-                if self.depth == 1 {
-                    self.finish_capture();
+                if self.deep > 0 {
+                    self.deep -= 1;
+                    return;
                 }
-                self.depth = self.depth.saturating_sub(1);
-            }
-            b',' if self.depth == 1 => {
                 self.finish_capture();
-                self.expect_key = true;
+                self.levels.pop();
+            }
+            b',' if self.deep == 0 => {
+                self.finish_capture();
+                if let Some(top) = self.levels.last_mut()
+                    && top.object
+                {
+                    top.expect_key = true;
+                    top.key = None;
+                }
             }
             _ => {
-                if self.depth == 0 {
+                if !self.started {
                     self.not_an_object = true;
                 }
             }
         }
     }
 
-    fn finish_capture(&mut self) {
-        if let Some((k, v)) = self.capture.take() {
-            self.done.push((k, v));
+    /// A member's value begins: capture it if its path is wanted (and not captured yet).
+    fn value_starts(&mut self) {
+        if self.capture.is_some() {
+            return;
         }
-        self.pending_key = None;
+        let mut path = Vec::with_capacity(self.levels.len());
+        for l in &self.levels {
+            match (&l.key, l.object) {
+                (Some(k), true) => path.push(k.as_str()),
+                _ => return,
+            }
+        }
+        let Some(i) = self.wanted.iter().position(|w| *w == path) else {
+            return;
+        };
+        let name = path.join(".");
+        if !self.done.iter().any(|(d, _)| *d == name) {
+            self.capture = Some((i, self.levels.len(), Vec::new()));
+        }
+    }
+
+    fn finish_capture(&mut self) {
+        if let Some((i, level, v)) = self.capture.take() {
+            if level != self.levels.len() {
+                self.capture = Some((i, level, v));
+                return;
+            }
+            self.done.push((self.wanted[i].join("."), v));
+        }
     }
 }
 
@@ -174,6 +238,46 @@ mod tests {
                 ]
             );
         }
+    }
+
+    #[test]
+    fn captures_values_along_paths() {
+        let doc = br#"{"type":"response.completed","response":{"id":"resp_1","instructions":"a \"usage\": 1","output":[{"usage":{"x":1}}],"nested":{"usage":2},"usage":{"input_tokens":5}},"usage":{"top":1}}"#;
+        for chunk in [doc.len(), 7, 1] {
+            let mut s = KeyScanner::paths(vec![
+                vec!["type"],
+                vec!["response", "usage"],
+                vec!["response", "id"],
+            ]);
+            for c in doc.chunks(chunk) {
+                s.feed(c);
+            }
+            let got: Vec<(String, String)> = s
+                .take()
+                .into_iter()
+                .map(|(k, v)| (k, String::from_utf8(v).unwrap()))
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    ("type".to_string(), r#""response.completed""#.to_string()),
+                    ("response.id".to_string(), r#""resp_1""#.to_string()),
+                    (
+                        "response.usage".to_string(),
+                        r#"{"input_tokens":5}"#.to_string()
+                    ),
+                ]
+            );
+        }
+        // Nesting past what is tracked is counted, not kept, and the scan comes back out of it.
+        let mut deep = br#"{"a":"#.to_vec();
+        deep.extend(std::iter::repeat_n(b'[', 1_000_000));
+        deep.extend(std::iter::repeat_n(b']', 1_000_000));
+        deep.extend(br#","usage":{"k":1}}"#);
+        let mut s = KeyScanner::new(&["usage"]);
+        s.feed(&deep);
+        assert_eq!(s.take(), [("usage".to_string(), br#"{"k":1}"#.to_vec())]);
+        assert!(s.levels.capacity() <= 16);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! One metered response: the shapes of Anthropic (Messages API), OpenAI (Chat Completions) and
-//! OpenRouter (OpenAI's shape plus the billed `usage.cost`), as JSON bodies or SSE streams. The
-//! provider is told by what the response says, so any host named in `meter` is read.
+//! One metered response: the shapes of Anthropic (Messages API), OpenAI (Chat Completions, the
+//! Responses API, embeddings) and OpenRouter (OpenAI's shape plus the billed `usage.cost`), as
+//! JSON bodies or SSE streams. The provider is told by what the response says, so any host named
+//! in `meter` is read.
 
 use serde_json::Value;
 
@@ -33,11 +34,27 @@ pub struct UsageRecord {
 pub enum Meter {
     /// `application/json`.
     Json(KeyScanner),
-    /// `text/event-stream`.
-    Sse(Splitter, Option<UsageRecord>),
+    /// `text/event-stream`: the record so far, and whether any event carried usage.
+    Sse(Box<Splitter>, Option<UsageRecord>, bool),
 }
 
-const KEYS: &[&str] = &["id", "model", "usage", "type"];
+const KEYS: &[&str] = &["id", "model", "usage", "type", "object"];
+
+/// What [`sse_event`] reads, kept from events too long to hold whole (a Responses API event
+/// repeats the response's instructions and output).
+const SSE_PATHS: &[&[&str]] = &[
+    &["type"],
+    &["object"],
+    &["id"],
+    &["model"],
+    &["usage"],
+    &["message", "id"],
+    &["message", "model"],
+    &["message", "usage"],
+    &["response", "id"],
+    &["response", "model"],
+    &["response", "usage"],
+];
 
 impl Meter {
     /// A meter for a body of this content type; `None` for bodies that carry no usage.
@@ -45,7 +62,13 @@ impl Meter {
         let ct = content_type.split(';').next()?.trim().to_ascii_lowercase();
         match ct.as_str() {
             "application/json" => Some(Meter::Json(KeyScanner::new(KEYS))),
-            "text/event-stream" => Some(Meter::Sse(Splitter::default(), None)),
+            "text/event-stream" => Some(Meter::Sse(
+                Box::new(Splitter::with_paths(
+                    SSE_PATHS.iter().map(|p| p.to_vec()).collect(),
+                )),
+                None,
+                false,
+            )),
             _ => None,
         }
     }
@@ -54,17 +77,18 @@ impl Meter {
     pub fn feed(&mut self, bytes: &[u8]) {
         match self {
             Meter::Json(s) => s.feed(bytes),
-            Meter::Sse(split, rec) => {
+            Meter::Sse(split, rec, seen) => {
                 for event in split.feed(bytes) {
                     if let Ok(v) = serde_json::from_str::<Value>(&event.data) {
-                        sse_event(rec, &v);
+                        *seen |= sse_event(rec, &v);
                     }
                 }
             }
         }
     }
 
-    /// The usage the body reported, once it has ended (or was cut: what came so far counts).
+    /// The usage the body reported, once it has ended (or was cut: what came so far counts);
+    /// `None` when it reported none.
     pub fn finish(self) -> Option<UsageRecord> {
         match self {
             Meter::Json(mut s) => {
@@ -75,7 +99,7 @@ impl Meter {
                     }
                 }
                 let v = Value::Object(doc);
-                let usage = v.get("usage")?;
+                let usage = v.get("usage").filter(|u| u.is_object())?;
                 let mut r = UsageRecord {
                     response_id: str_of(&v, "id"),
                     model: str_of(&v, "model"),
@@ -86,10 +110,11 @@ impl Meter {
                     &r,
                     usage,
                     v.get("type").and_then(Value::as_str) == Some("message"),
+                    v.get("object").and_then(Value::as_str) == Some("response"),
                 );
                 Some(r)
             }
-            Meter::Sse(_, rec) => rec,
+            Meter::Sse(_, rec, seen) => rec.filter(|_| seen),
         }
     }
 }
@@ -114,6 +139,7 @@ fn apply_usage(r: &mut UsageRecord, u: &Value) {
     }
     if let Some(n) = num(u, "cache_read_input_tokens").or_else(|| {
         u.get("prompt_tokens_details")
+            .or_else(|| u.get("input_tokens_details"))
             .and_then(|d| num(d, "cached_tokens"))
     }) {
         r.cache_read_tokens = n;
@@ -130,8 +156,8 @@ fn apply_usage(r: &mut UsageRecord, u: &Value) {
     }
 }
 
-fn provider(r: &UsageRecord, usage: &Value, anthropic: bool) -> &'static str {
-    if anthropic || usage.get("input_tokens").is_some() {
+fn provider(r: &UsageRecord, usage: &Value, anthropic: bool, response: bool) -> &'static str {
+    if !response && (anthropic || usage.get("input_tokens").is_some()) {
         "anthropic"
     } else if r.cost.is_some() {
         "openrouter"
@@ -140,8 +166,9 @@ fn provider(r: &UsageRecord, usage: &Value, anthropic: bool) -> &'static str {
     }
 }
 
-/// One SSE event of either provider.
-fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) {
+/// One SSE event of either provider; whether it carried usage.
+fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) -> bool {
+    let usage = |v: &Value| v.get("usage").filter(|u| u.is_object()).cloned();
     match v.get("type").and_then(Value::as_str) {
         // Anthropic: the message's id, model and input usage first; then cumulative deltas.
         Some("message_start") => {
@@ -152,30 +179,63 @@ fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) {
                 provider: "anthropic",
                 ..Default::default()
             };
-            if let Some(u) = m.get("usage") {
+            let u = usage(m);
+            if let Some(u) = &u {
                 apply_usage(&mut r, u);
             }
             *rec = Some(r);
+            u.is_some()
         }
-        Some("message_delta") => {
-            if let (Some(r), Some(u)) = (rec.as_mut(), v.get("usage")) {
-                apply_usage(r, u);
+        Some("message_delta") => match (rec.as_mut(), usage(v)) {
+            (Some(r), Some(u)) => {
+                apply_usage(r, &u);
+                true
+            }
+            _ => false,
+        },
+        // OpenAI's Responses API: the response object on its first and its last event.
+        Some(
+            t @ ("response.created"
+            | "response.in_progress"
+            | "response.completed"
+            | "response.incomplete"
+            | "response.failed"),
+        ) => {
+            let resp = v.get("response").unwrap_or(&Value::Null);
+            let r = rec.get_or_insert_with(|| UsageRecord {
+                response_id: str_of(resp, "id"),
+                model: str_of(resp, "model"),
+                provider: "openai",
+                ..Default::default()
+            });
+            match usage(resp) {
+                Some(u) if !matches!(t, "response.created" | "response.in_progress") => {
+                    apply_usage(r, &u);
+                    true
+                }
+                _ => false,
             }
         }
         _ => {
-            // OpenAI / OpenRouter chunks: id and model on every chunk, usage on the last.
-            if v.get("object").and_then(Value::as_str) == Some("chat.completion.chunk") {
+            // OpenAI / OpenRouter chunks (and legacy completions'): id and model on every
+            // chunk, usage on the last.
+            if matches!(
+                v.get("object").and_then(Value::as_str),
+                Some("chat.completion.chunk" | "text_completion")
+            ) {
                 let r = rec.get_or_insert_with(|| UsageRecord {
                     response_id: str_of(v, "id"),
                     model: str_of(v, "model"),
                     provider: "openai",
                     ..Default::default()
                 });
-                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                    apply_usage(r, u);
-                    r.provider = provider(r, u, false);
+                if let Some(u) = usage(v) {
+                    apply_usage(r, &u);
+                    r.provider = provider(r, &u, false, false);
+                    return true;
                 }
             }
+            false
         }
     }
 }
@@ -245,6 +305,53 @@ data: [DONE]\n\n";
             ("openrouter", 30, 4, Some(0.00123))
         );
         assert_eq!(r.response_id.as_deref(), Some("gen-9"));
+    }
+
+    #[test]
+    fn responses_api_and_streams_without_usage() {
+        let json = br#"{"id":"resp_1","object":"response","model":"gpt-5","output":[],"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":8},"output_tokens":9,"total_tokens":49}}"#;
+        let r = run("application/json", json, 5).unwrap();
+        assert_eq!(
+            (
+                r.provider,
+                r.input_tokens,
+                r.output_tokens,
+                r.cache_read_tokens
+            ),
+            ("openai", 40, 9, 8)
+        );
+        let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\",\"model\":\"gpt-5\",\"usage\":null}}\n\n\
+event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"usage\"}\n\n\
+event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_2\",\"model\":\"gpt-5\",\"usage\":{\"input_tokens\":11,\"output_tokens\":3}}}\n\n";
+        let r = run("text/event-stream", sse, 3).unwrap();
+        assert_eq!(
+            (
+                r.provider,
+                r.response_id.as_deref(),
+                r.input_tokens,
+                r.output_tokens
+            ),
+            ("openai", Some("resp_2"), 11, 3)
+        );
+        // A last event too long to hold (the response repeats its instructions and output)
+        // still gives its usage.
+        let mut long = b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_3\",\"instructions\":\"".to_vec();
+        long.resize(long.len() + 1_000_000, b'i');
+        long.extend(b"\",\"usage\":{\"input_tokens\":250000,\"output_tokens\":9}}}\n\n");
+        let r = run("text/event-stream", &long, 8192).unwrap();
+        assert_eq!(
+            (r.response_id.as_deref(), r.input_tokens, r.output_tokens),
+            (Some("resp_3"), 250000, 9)
+        );
+        // Cut before its last event, a Responses stream reported nothing.
+        assert_eq!(run("text/event-stream", &sse[..sse.len() - 120], 3), None);
+        // An OpenAI stream that never sent its usage chunk reported nothing either.
+        let bare = b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":null}\n\ndata: [DONE]\n\n";
+        assert_eq!(run("text/event-stream", bare, 4), None);
+        assert_eq!(
+            run("application/json", br#"{"id":"x","usage":null}"#, 4),
+            None
+        );
     }
 
     #[test]
