@@ -116,6 +116,7 @@ pub async fn probe(
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&state_dir);
+    let limit = probe_timeout();
     let spec = VmSpec {
         id: "probe".into(),
         memory_mib: 256,
@@ -127,9 +128,8 @@ pub async fn probe(
         cmdline: vec![],
         state_dir,
         net: None,
-        start_timeout: None,
+        start_timeout: Some(limit),
     };
-    let limit = probe_timeout();
     let started = Instant::now();
     let vm = match tokio::time::timeout(limit, backend.start(spec)).await {
         Ok(Ok(vm)) => vm,

@@ -10,6 +10,7 @@
 //! cannot be brought down in time (stuck in a host syscall) is reported and left to end on its
 //! own, never waited for without bound.
 
+use super::seal::ThreadKind;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -399,6 +400,10 @@ impl Machine {
                 .name("vm-devices".into())
                 .spawn(move || {
                     guarded(&shared, "the VM's device thread", || {
+                        if let Err(e) = super::seal::enter(ThreadKind::Device) {
+                            shared.end(e.to_string(), false, false);
+                            return;
+                        }
                         while !shared.stopping.load(Ordering::SeqCst) {
                             if em.run_with_timeout(1000).is_err() {
                                 shared.end("the device event loop failed".into(), false, false);
@@ -419,7 +424,11 @@ impl Machine {
                     // message; the thread is counted out either way, so the supervisor never
                     // waits for a thread that is gone.
                     guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
-                        vcpu_loop(vcpu, id, &thread_shared, &bus, &console)
+                        // Filtered before its first KVM_RUN: no guest instruction runs unsealed.
+                        match super::seal::enter(ThreadKind::Vcpu) {
+                            Ok(()) => vcpu_loop(vcpu, id, &thread_shared, &bus, &console),
+                            Err(e) => thread_shared.end(e.to_string(), false, false),
+                        }
                     });
                     thread_shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
                     thread_shared.ended.notify_all();
@@ -441,6 +450,9 @@ impl Machine {
                 .name("vm-supervisor".into())
                 .spawn(move || {
                     guarded(&shared, "the VM's supervisor", || {
+                        if let Err(e) = super::seal::enter(ThreadKind::Main) {
+                            shared.end(e.to_string(), false, false);
+                        }
                         supervise(
                             &shared,
                             vcpu_threads,

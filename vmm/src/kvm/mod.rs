@@ -14,6 +14,7 @@ pub mod machine;
 pub mod mptable;
 pub mod net;
 pub mod process;
+pub mod seal;
 pub mod serial;
 mod stream_link;
 

@@ -297,9 +297,8 @@ pub async fn start(
             )));
         }
     }
-    let within = spec
-        .start_timeout
-        .map_or(Duration::from_secs(60), |t| t.min(Duration::from_secs(60)));
+    // The caller's bound, as on QEMU: a nested host under load needs more than the default.
+    let within = spec.start_timeout.unwrap_or(Duration::from_secs(60));
     control.ask(&Request::Connect {
         port: agent_port,
         timeout_ms: within.as_millis() as u64,
@@ -447,6 +446,12 @@ async fn wait_exit(
             reason: match (status.signal(), status.code()) {
                 (Some(_), _) if requested => "stopped by the host".into(),
                 (Some(sig), _) => format!("the VM process was killed by signal {sig}"),
+                (None, Some(super::seal::SIGSYS_EXIT)) => {
+                    "a thread of the VM process made a system call outside its seccomp filter \
+                     (the console's last lines name the call): a bug of sandbox-vm, or a guest \
+                     that took over a VMM thread"
+                        .into()
+                }
                 (None, Some(code)) => format!("the VM process exited with status {code}"),
                 _ => "the VM process ended".into(),
             },

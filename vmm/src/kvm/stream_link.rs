@@ -46,6 +46,7 @@ impl StreamLink {
         std::thread::Builder::new()
             .name("vm-net-in".into())
             .spawn(move || {
+                super::seal::enter_or_abort(super::seal::ThreadKind::Device);
                 let mut len = [0u8; 4];
                 let mut buf = vec![0u8; 65_535 + 18];
                 loop {
@@ -79,6 +80,7 @@ impl StreamLink {
         std::thread::Builder::new()
             .name("vm-net-out".into())
             .spawn(move || {
+                super::seal::enter_or_abort(super::seal::ThreadKind::Device);
                 loop {
                     let frame = {
                         let mut q = w.to_host.lock().unwrap_or_else(|e| e.into_inner());
