@@ -97,12 +97,10 @@ tsc_mhz=$(awk -F: '/^cpu MHz/ {print $2; exit}' /proc/cpuinfo | tr -d ' ')
 tsc_arg=""
 [ -n "$tsc_mhz" ] && tsc_arg="tsc_early_khz=$(awk -v m="$tsc_mhz" 'BEGIN {printf "%d", m * 1000}')"
 
-# A wedged nested host (tests/nested/README.md, "Wedged") prints nothing any more: a console
-# silent for SANDBOX_HOST_NESTED_SILENCE_S (420, longer than any test's own 300 s deadline) ends
-# the boot. With SANDBOX_HOST_NESTED_HEARTBEAT=1 its init also writes a heartbeat to a second
-# serial port every 10 s, and a heartbeat stopped for SANDBOX_HOST_NESTED_HEARTBEAT_S (90) seconds
-# ends it sooner (off by default: with the second port, one of four concurrent guests stayed
-# stuck before its vsock driver in six CI boots out of six; see README.md).
+# A wedged nested host (tests/nested/README.md, "Wedged") prints nothing any more. Its init writes
+# a heartbeat to a second serial port every 10 s, so a stopped heartbeat ends the boot within
+# SANDBOX_HOST_NESTED_HEARTBEAT_S (90) seconds; a console silent for SANDBOX_HOST_NESTED_SILENCE_S
+# (420, longer than any test's own 300 s deadline) does too, where the heartbeat never started.
 # A wedged boot is booted once more, up to SANDBOX_HOST_NESTED_ATTEMPTS (3) boots in all. Every
 # boot's console streams to stderr as it runs; stdout gets the console of the last boot alone, so
 # callers that read stdout never mix two boots.
@@ -121,7 +119,7 @@ while :; do
   set +e
   timeout "$left" qemu-system-x86_64 -M microvm,acpi=off,isa-serial=on,rtc=off -accel "${SANDBOX_HOST_NESTED_ACCEL:-tcg}" -cpu max \
     -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
-    ${SANDBOX_HOST_NESTED_HEARTBEAT:+-chardev "file,id=heartbeat,path=$hb" -device isa-serial,chardev=heartbeat,iobase=0x2f8,irq=3} \
+    -chardev "file,id=heartbeat,path=$hb" -device isa-serial,chardev=heartbeat,iobase=0x2f8,irq=3 \
     -kernel "$kernel" -initrd "$work/initramfs.cpio" \
     -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
     -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
