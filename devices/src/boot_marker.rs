@@ -28,11 +28,10 @@ impl BootMarker {
         }
     }
 
-    /// A guest write of `value`; only the first [`VALUE`](Self::VALUE) counts.
-    pub fn write(&self, value: u8) {
-        if value == Self::VALUE {
-            let _ = self.at.set(self.start.elapsed());
-        }
+    /// A guest write of `value`; only the first [`VALUE`](Self::VALUE) counts. True when this
+    /// write set the mark, so whoever waits for it is woken once, however often a guest writes.
+    pub fn write(&self, value: u8) -> bool {
+        value == Self::VALUE && self.at.set(self.start.elapsed()).is_ok()
     }
 
     /// From VM start to the guest's mark, once it came.
@@ -48,12 +47,12 @@ mod tests {
     #[test]
     fn only_the_first_right_value_counts() {
         let m = BootMarker::new(Instant::now());
-        m.write(1);
+        assert!(!m.write(1));
         assert!(m.elapsed().is_none());
-        m.write(BootMarker::VALUE);
+        assert!(m.write(BootMarker::VALUE));
         let first = m.elapsed().unwrap();
         std::thread::sleep(Duration::from_millis(5));
-        m.write(BootMarker::VALUE);
+        assert!(!m.write(BootMarker::VALUE));
         assert_eq!(m.elapsed(), Some(first));
     }
 }

@@ -17,7 +17,7 @@ use crate::image::{ImageStore, STOCK};
 const DEFAULT_PROBE_TIMEOUT_S: u64 = 20;
 
 /// `SANDBOX_HOST_PROBE_TIMEOUT_S` (1 to 600, checked with the service's configuration): an
-/// emulated host (KVM nested under TCG, as in `tests/nested/`) boots a guest in 10 to 20 s
+/// emulated host (KVM nested under TCG, as in `tests/nested/`) boots a guest in about 10 s
 /// when idle and slower under load.
 pub fn probe_timeout() -> Duration {
     let s = std::env::var("SANDBOX_HOST_PROBE_TIMEOUT_S")

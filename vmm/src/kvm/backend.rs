@@ -18,8 +18,6 @@ pub const AGENT_PORT: u32 = 1024;
 const GUEST_CID: u64 = 3;
 /// How long a guest gets from start to listening on the agent port.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
-/// Pause between connection attempts while the agent is not listening yet.
-const RETRY: Duration = Duration::from_millis(5);
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
 
@@ -187,6 +185,7 @@ async fn connect(
     let mut exit = exit.clone();
     // What the last finished attempt got, to say why the deadline passed.
     let mut last: Option<ConnectError> = None;
+    let mut refusals = 0;
     loop {
         let (tx, rx) = oneshot::channel();
         machine.vsock().connect(
@@ -203,7 +202,7 @@ async fn connect(
                 Err(_) => {
                     let why = match &last {
                         Some(e) => e.to_string(),
-                        None => "the guest's kernel never answered a connection request".into(),
+                        None => "the guest's vsock driver never came up, or its kernel never answered".into(),
                     };
                     return Err(VmError::Start(format!(
                         "the guest agent did not accept the host's connection within {within:?}: {why}{}",
@@ -224,11 +223,10 @@ async fn connect(
                 return tokio::net::UnixStream::from_std(stream)
                     .map_err(|e| VmError::io("the agent channel", e));
             }
-            Err(e @ (ConnectError::Refused(_) | ConnectError::NotReady))
-                if Instant::now() < deadline =>
-            {
+            Err(e @ ConnectError::Refused(_)) if Instant::now() < deadline => {
                 last = Some(e);
-                tokio::time::sleep(RETRY).await;
+                tokio::time::sleep(super::connect_pause(refusals)).await;
+                refusals += 1;
             }
             Err(e) => {
                 return Err(VmError::Start(format!(

@@ -18,8 +18,6 @@ use super::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, M
 
 /// The control socket's descriptor.
 pub const CONTROL_FD: RawFd = 3;
-/// Pause between connection attempts while the agent is not listening yet.
-const RETRY: Duration = Duration::from_millis(5);
 
 type Writer = Arc<Mutex<UnixStream>>;
 
@@ -105,6 +103,7 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
 fn connect(machine: &Machine, w: &Writer, port: u32, within: Duration) {
     let deadline = Instant::now() + within;
     let mut last: Option<ConnectError> = None;
+    let mut refusals = 0;
     loop {
         if let Some(e) = machine.exit() {
             say(
@@ -129,11 +128,10 @@ fn connect(machine: &Machine, w: &Writer, port: u32, within: Duration) {
                 // Our copy closes here; the service holds the channel now.
                 return;
             }
-            Ok(Err(e @ (ConnectError::Refused(_) | ConnectError::NotReady)))
-                if Instant::now() < deadline =>
-            {
+            Ok(Err(e @ ConnectError::Refused(_))) if Instant::now() < deadline => {
                 last = Some(e);
-                std::thread::sleep(RETRY);
+                std::thread::sleep(super::connect_pause(refusals));
+                refusals += 1;
             }
             Ok(Err(e)) => {
                 say(w, &Event::ConnectFailed(e.to_string()), None);
@@ -142,7 +140,8 @@ fn connect(machine: &Machine, w: &Writer, port: u32, within: Duration) {
             Err(_) => {
                 let why = match last {
                     Some(e) => e.to_string(),
-                    None => "the guest's kernel never answered a connection request".into(),
+                    None => "the guest's vsock driver never came up, or its kernel never answered"
+                        .into(),
                 };
                 say(w, &Event::ConnectFailed(why), None);
                 return;
@@ -207,12 +206,8 @@ pub fn main() -> i32 {
         let _ = std::thread::Builder::new()
             .name("vm-marker".into())
             .spawn(move || {
-                while m.exit().is_none() {
-                    if m.boot_marker().is_some() {
-                        say(&w, &Event::Marker, None);
-                        return;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
+                if m.wait_boot_marker().is_some() {
+                    say(&w, &Event::Marker, None);
                 }
             });
     }

@@ -603,6 +603,19 @@ impl Machine {
         self.shared.marker.elapsed()
     }
 
+    /// Blocks until the guest's boot marker comes (its time) or the machine ends (`None`).
+    pub fn wait_boot_marker(&self) -> Option<Duration> {
+        let exit = self.shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+        let _exit = self
+            .shared
+            .ended
+            .wait_while(exit, |e| {
+                e.is_none() && self.shared.marker.elapsed().is_none()
+            })
+            .unwrap_or_else(|e| e.into_inner());
+        self.shared.marker.elapsed()
+    }
+
     /// Drops the exit callback (the caller lost interest).
     pub fn forget_on_exit(&self) {
         self.on_exit
@@ -736,8 +749,12 @@ fn vcpu_loop(
                     );
                 }
                 BootMarker::PORT => {
-                    if let Some(&b) = data.first() {
-                        shared.marker.write(b);
+                    if let Some(&b) = data.first()
+                        && shared.marker.write(b)
+                    {
+                        // Under the lock its waiters check the mark with: none misses it.
+                        let _held = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+                        shared.ended.notify_all();
                     }
                 }
                 _ => {}

@@ -53,9 +53,6 @@ pub enum ConnectError {
     /// Nothing listens on the port in the guest (yet).
     #[error("the guest refused the connection to vsock port {0} (nothing listening there yet)")]
     Refused(u32),
-    /// The guest's driver has not set the device up (yet).
-    #[error("the guest's vsock driver is not ready")]
-    NotReady,
     /// Too many connections are open.
     #[error("too many vsock connections (the limit is {MAX_CONNECTIONS})")]
     TooMany,
@@ -224,6 +221,11 @@ impl Vsock {
     fn take_requests(&mut self, ops: &mut EventOps) {
         self.unregister_retired(ops);
         let _ = self.evt.read();
+        // Before the driver is up, requests wait for it (activation takes them): a caller
+        // does not poll through the seconds an emulated guest's boot takes.
+        if !self.active {
+            return;
+        }
         let reqs: Vec<ConnectRequest> = self
             .requests
             .lock()
@@ -231,10 +233,6 @@ impl Vsock {
             .drain(..)
             .collect();
         for r in reqs {
-            if !self.active {
-                (r.done)(Err(ConnectError::NotReady));
-                continue;
-            }
             if self.conns.len() >= MAX_CONNECTIONS {
                 (r.done)(Err(ConnectError::TooMany));
                 continue;
@@ -572,6 +570,8 @@ impl VirtioDevice for Vsock {
 
     fn activate(&mut self, _features: u64, _q: &mut Queues) -> Result<(), DeviceError> {
         self.active = true;
+        // Requests that came before the driver: the event loop takes them now.
+        let _ = self.evt.write(1);
         Ok(())
     }
 
@@ -761,13 +761,28 @@ mod tests {
     }
 
     #[test]
-    fn connecting_before_the_driver_is_ready_says_so() {
+    fn a_request_before_the_driver_is_ready_waits_for_it() {
         let (v, h) = Vsock::new(GUEST_CID).unwrap();
         let mut d = Driver::new(v);
         let (tx, rx) = mpsc::channel();
         h.connect(52, Box::new(move |r| tx.send(r).unwrap()));
         d.run();
-        assert_eq!(rx.try_recv().unwrap().unwrap_err(), ConnectError::NotReady);
+        assert!(rx.try_recv().is_err(), "answered before the driver was up");
+        d.setup(VIRTIO_F_VERSION_1);
+        for _ in 0..4 {
+            add_rx_buffer(&mut d);
+        }
+        d.kick(RX);
+        d.run();
+        let req = received(&mut d);
+        assert_eq!(req.len(), 1, "{req:?}");
+        assert_eq!((req[0].0.op, req[0].0.dst_port), (op::REQUEST, 52));
+        send(
+            &mut d,
+            guest_header(op::RESPONSE, req[0].0.src_port, 0),
+            &[],
+        );
+        assert!(rx.try_recv().unwrap().is_ok());
     }
 
     #[test]
