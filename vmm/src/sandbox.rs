@@ -232,21 +232,27 @@ async fn watch(id: String, vm: Arc<dyn Vm>, client: Client, liveness: Liveness) 
     client.close(exit.reason);
 }
 
-/// The console lines that explain a failed boot: any kernel panic, BUG, oops or OOM line from the
-/// recent console (these scroll away behind a call trace), then the last lines.
+/// The console lines that explain a failed boot: the first kernel panic, BUG, oops, warning, fault,
+/// stall or OOM lines of the recent console (they scroll away behind a call trace), then the last.
 pub fn diagnostic_lines(vm: &dyn Vm) -> Vec<String> {
-    const MARKERS: [&str; 5] = [
+    const MARKERS: [&str; 11] = [
         "Kernel panic",
         "BUG:",
         "Oops",
         "Out of memory",
         "general protection fault",
+        "WARNING:",
+        "RIP:",
+        "Unable to handle",
+        "invalid opcode",
+        "segfault",
+        "stall",
     ];
     let recent = vm.console_tail(400);
     let mut lines: Vec<String> = recent
         .iter()
         .filter(|l| MARKERS.iter().any(|m| l.contains(m)))
-        .take(3)
+        .take(4)
         .cloned()
         .collect();
     lines.extend(recent.iter().rev().take(8).rev().cloned());

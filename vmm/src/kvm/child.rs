@@ -15,6 +15,7 @@ use sandbox_devices::virtio::vsock::ConnectError;
 
 use super::control::{self, Event, Request, VmConfig};
 use super::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineExit};
+use super::seal::{self, ThreadKind};
 
 /// The control socket's descriptor.
 pub const CONTROL_FD: RawFd = 3;
@@ -177,6 +178,12 @@ pub fn main() -> i32 {
             return 2;
         }
     };
+    // From here on each thread the machine starts applies its kind's filter before it runs
+    // (seal.rs): the network link's threads, started by `machine_config`, are the first.
+    if let Err(e) = seal::install() {
+        say(&writer, &Event::Error(e.to_string()), None);
+        return 1;
+    }
     let mcfg = match machine_config(cfg) {
         Ok(c) => c,
         Err(e) => {
@@ -198,6 +205,10 @@ pub fn main() -> i32 {
         }
     };
     drop(mcfg);
+    // This thread, and the control and marker threads it starts below, are of the main kind.
+    if let Err(e) = seal::enter(ThreadKind::Main) {
+        machine.fail(e.to_string());
+    }
     say(&writer, &Event::Started, None);
 
     // The boot marker, once it comes.
@@ -206,6 +217,7 @@ pub fn main() -> i32 {
         let _ = std::thread::Builder::new()
             .name("vm-marker".into())
             .spawn(move || {
+                seal::inherited(ThreadKind::Main);
                 if m.wait_boot_marker().is_some() {
                     say(&w, &Event::Marker, None);
                 }
@@ -217,6 +229,7 @@ pub fn main() -> i32 {
         let _ = std::thread::Builder::new()
             .name("vm-control".into())
             .spawn(move || {
+                seal::inherited(ThreadKind::Main);
                 loop {
                     match reader.read::<Request>() {
                         Ok(Some(Request::Connect { port, timeout_ms })) => {
