@@ -284,6 +284,8 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
 /// A CA made for the test and a server certificate for `names` signed by it (openssl), in `dir`:
 /// `ca.pem`, `srv.pem`, `srv.key`.
 fn make_certs(dir: &std::path::Path, names: &[&str]) {
+    // The service reads ca.pem (SANDBOX_HOST_EGRESS_CA_FILE) as its own user.
+    common::let_service_pass(dir);
     let run = |args: &[&str]| {
         let st = Command::new("openssl")
             .args(args)
@@ -395,7 +397,7 @@ async fn the_guest_images_clients_go_through_the_stack() {
     if guest_image_missing() {
         return;
     }
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let dir = tempfile::tempdir().unwrap();
     let (mut tls, tls_port, ca) = tls_server(dir.path(), "tls.test");
     let (port, seen) = http_server("hello from allowed.test\n").await;
@@ -712,7 +714,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         "api.provider.test:{port}:127.0.0.1,openai.provider.test:{port}:127.0.0.1,router.provider.test:{port}:127.0.0.1,allowed.test:{http_port}:127.0.0.1"
     );
     let ca = dir.path().join("ca.pem");
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let h = start(&[
         ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
         ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
@@ -1114,7 +1116,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     let resolve =
         format!("api.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1");
     let ca = dir.path().join("ca.pem");
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let h = start(&[
         ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
         ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),
@@ -1297,7 +1299,7 @@ async fn intercepting_all_hosts_closes_domain_fronting() {
     make_certs(dir.path(), &["cdn.test"]);
     let (port, seen) = echo_provider(dir.path()).await;
     let ca = dir.path().join("ca.pem");
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let h = start(&[
         (
             "SANDBOX_HOST_EGRESS_RESOLVE",
@@ -1389,7 +1391,7 @@ async fn one_guest_connection_cannot_open_unbounded_upstream_connections() {
     let (port, open, most) = holding_provider(dir.path()).await;
     let (other_port, other_seen) = echo_provider(dir.path()).await;
     let ca = dir.path().join("ca.pem");
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let h = start(&[
         (
             "SANDBOX_HOST_EGRESS_RESOLVE",
@@ -1456,7 +1458,7 @@ async fn the_meter_cannot_be_evaded() {
     let resolve =
         format!("openai.provider.test:{port}:127.0.0.1,api.provider.test:{port}:127.0.0.1");
     let ca = dir.path().join("ca.pem");
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let h = start(&[
         ("SANDBOX_HOST_EGRESS_RESOLVE", &resolve),
         ("SANDBOX_HOST_EGRESS_CA_FILE", ca.to_str().unwrap()),

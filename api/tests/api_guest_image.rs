@@ -17,7 +17,7 @@ async fn a_create_naming_the_guest_image_gets_its_disk_and_version_check() {
     if guest_image_missing() {
         return;
     }
-    let store = sandbox_vmm::config::image_dir();
+    let store = common::image_store();
     let image = sandbox_vmm::ImageStore::new(&store)
         .resolve("vantik-guest:latest")
         .expect("the guest image resolves");

@@ -64,7 +64,8 @@ async fn dotenv_applies_and_the_environment_wins() {
     let (file_port, env_port) = (free_port(), free_port());
     let dotenv = dir.path().join(".env");
     std::fs::write(&dotenv, format!("SANDBOX_HOST_TOKEN={TOKEN}\nSANDBOX_HOST_PORT={file_port}\nSANDBOX_HOST_MAX_BODY_MB=7\n")).unwrap();
-    let mut child = bin()
+    common::give_to_service(&dir.path().join("state"));
+    let mut child = common::service()
         .arg("serve")
         .env("SANDBOX_HOST_DOTENV", &dotenv)
         .env("SANDBOX_HOST_PORT", env_port.to_string())
@@ -134,6 +135,35 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
         v["image"],
         serde_json::json!({"name": "stock", "stock": true})
     );
+    // The documented setup: the process that parses every request runs as the user
+    // sandbox-host, and so says nothing of root.
+    let logs = h.logs.lock().unwrap().join("\n");
+    if common::service_user().is_some() {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", h.child.id())).unwrap();
+        let uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .unwrap()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect::<Vec<_>>();
+        let id = std::process::Command::new("id")
+            .args(["-u", common::SERVICE_USER])
+            .output()
+            .unwrap();
+        let want = String::from_utf8_lossy(&id.stdout).trim().to_string();
+        assert_eq!(
+            uid,
+            vec![want.clone(); 4],
+            "real, effective, saved and fs uid"
+        );
+        assert!(!logs.contains("runs as root"), "{logs}");
+    } else if std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_some() {
+        assert!(
+            !logs.contains("runs as root"),
+            "CI runs the service as an ordinary user: {logs}"
+        );
+    }
 }
 
 #[tokio::test]

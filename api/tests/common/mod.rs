@@ -63,20 +63,168 @@ pub fn stock_only_store(state: &Path) -> PathBuf {
     let link = store.join("stock");
     if let (false, Ok(real)) = (
         link.exists(),
-        std::fs::canonicalize(sandbox_vmm::config::image_dir().join("stock")),
+        std::fs::canonicalize(image_store().join("stock")),
     ) {
         let _ = std::os::unix::fs::symlink(real, &link);
     }
     store
 }
 
+/// The binary as whoever runs the tests, for the operator commands and `run`.
 pub fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-host"));
+    test_env(&mut c);
+    c
+}
+
+fn test_env(c: &mut Command) {
     // Never read the developer's .env in tests.
     c.env("SANDBOX_HOST_DOTENV", "/nonexistent/.env")
         .env_remove("SANDBOX_HOST_TOKEN")
         .env_remove("SANDBOX_HOST_PORT");
+}
+
+/// The user the documented setup runs the service as.
+pub const SERVICE_USER: &str = "sandbox-host";
+
+/// What `scripts/service-user.sh` prepared for the service's user.
+pub struct ServiceUser {
+    /// `SANDBOX_HOST_CACHE`, `SANDBOX_HOST_CGROUP`, `SANDBOX_HOST_VM_BINARY`, ...
+    env: Vec<(String, String)>,
+    binary: PathBuf,
+    images: PathBuf,
+}
+
+fn running_as_root() -> bool {
+    // /proc/self belongs to the effective uid.
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+/// The service's user when these tests run as root (CI): then every `serve` runs as the user
+/// `sandbox-host`, set up the way `bin/up` does it (`scripts/service-user.sh`, then `setpriv`).
+/// `None` when the tests run as an ordinary user, who is then the service's user.
+pub fn service_user() -> Option<&'static ServiceUser> {
+    static USER: std::sync::OnceLock<Option<ServiceUser>> = std::sync::OnceLock::new();
+    USER.get_or_init(|| {
+        if !running_as_root() {
+            return None;
+        }
+        let require = std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1");
+        let known = Command::new("id")
+            .arg(SERVICE_USER)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !known {
+            let why = "no user sandbox-host (scripts/install-deps.sh adds it)";
+            assert!(!require, "{why}: CI runs the service as that user");
+            eprintln!("skipped: running the service as an ordinary user: {why}; it runs as root");
+            return None;
+        }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let out = Command::new("bash")
+            .arg(root.join("scripts/service-user.sh"))
+            .args([
+                "--cgroup",
+                "sandbox-host-tests",
+                "/var/tmp/sandbox-host-tests",
+            ])
+            .arg(env!("CARGO_BIN_EXE_sandbox-host"))
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "scripts/service-user.sh failed");
+        let mut env = vec![];
+        let (mut binary, mut images) = (None, None);
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some((k, v)) = line.split_once('=') else {
+                continue;
+            };
+            match k {
+                "SERVICE_BINARY" => binary = Some(PathBuf::from(v)),
+                "SANDBOX_HOST_IMAGE_DIR" => images = Some(PathBuf::from(v)),
+                // Each test gives its host a state directory of its own.
+                "SANDBOX_HOST_STATE_DIR" | "SERVICE_CGROUP_PROCS" => {}
+                _ => env.push((k.to_string(), v.to_string())),
+            }
+        }
+        Some(ServiceUser {
+            env,
+            binary: binary.expect("SERVICE_BINARY from scripts/service-user.sh"),
+            images: images.expect("SANDBOX_HOST_IMAGE_DIR from scripts/service-user.sh"),
+        })
+    })
+    .as_ref()
+}
+
+/// The image store the service can read: the published copy when it runs as its own user.
+pub fn image_store() -> PathBuf {
+    match service_user() {
+        Some(u) => u.images.clone(),
+        None => sandbox_vmm::config::image_dir(),
+    }
+}
+
+/// `sandbox-host` for `serve`: as the user `sandbox-host` when the tests run as root.
+pub fn service() -> Command {
+    let Some(u) = service_user() else {
+        return bin();
+    };
+    // By its path: a test's own PATH (`/nonexistent`) applies to the lookup too.
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("setpriv (util-linux) to start the service as its user");
+    let mut c = Command::new(setpriv);
+    c.args([
+        "--reuid",
+        SERVICE_USER,
+        "--regid",
+        SERVICE_USER,
+        "--init-groups",
+        "--",
+    ])
+    .arg(&u.binary);
+    test_env(&mut c);
+    for (k, v) in &u.env {
+        c.env(k, v);
+    }
     c
+}
+
+/// Lets the service's user pass through `dir` (a temporary directory is its creator's alone) to
+/// the files a test names to it, such as a CA certificate.
+pub fn let_service_pass(dir: &Path) {
+    if service_user().is_none() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir).unwrap().permissions().mode();
+    if mode & 0o001 == 0 {
+        std::fs::set_permissions(
+            dir,
+            std::fs::Permissions::from_mode((mode | 0o711) & 0o7777),
+        )
+        .unwrap();
+    }
+}
+
+/// Makes `dir` (a host's state directory) the service user's, and its parent passable.
+pub fn give_to_service(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    if service_user().is_none() {
+        return;
+    }
+    if let Some(parent) = dir.parent() {
+        let_service_pass(parent);
+    }
+    let st = Command::new("chown")
+        .args(["-R", &format!("{SERVICE_USER}:{SERVICE_USER}")])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chown -R {}", dir.display());
 }
 
 pub fn free_port() -> u16 {
@@ -111,7 +259,8 @@ pub fn start(env: &[(&str, &str)]) -> Host {
 /// Starts a host on a given state directory.
 pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
     let port = free_port();
-    let mut cmd = bin();
+    give_to_service(state);
+    let mut cmd = service();
     cmd.env("SANDBOX_HOST_TOKEN", TOKEN)
         .env("SANDBOX_HOST_PORT", port.to_string())
         .env("SANDBOX_HOST_STATE_DIR", state)

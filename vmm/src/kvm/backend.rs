@@ -46,12 +46,29 @@ impl KvmBackend {
     }
 }
 
+/// Why this user may not open /dev/kvm, and the fix that applies here: a device left to root
+/// alone needs a group first (Debian's udev rule makes it `root:kvm`, 0660).
+fn kvm_access_hint() -> String {
+    use std::os::unix::fs::MetadataExt;
+    let group_only_root = std::fs::metadata("/dev/kvm")
+        .map(|m| m.gid() == 0 && m.mode() & 0o060 == 0)
+        .unwrap_or(false);
+    if group_only_root {
+        "/dev/kvm exists but only root may open it: give it to the kvm group (chgrp kvm /dev/kvm; \
+         chmod 0660 /dev/kvm, or the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0660\") and add \
+         this user to that group"
+            .to_string()
+    } else {
+        "/dev/kvm exists but this user may not open it (add the user to the kvm group)".to_string()
+    }
+}
+
 /// Checks that /dev/kvm can be opened and has what the machine uses.
 fn check_kvm() -> Result<(), String> {
     {
         let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
             libc::ENOENT => "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host with hardware virtualisation)".to_string(),
-            libc::EACCES | libc::EPERM => "/dev/kvm exists but this user may not open it (add the user to the kvm group)".to_string(),
+            libc::EACCES | libc::EPERM => kvm_access_hint(),
             _ => format!("/dev/kvm cannot be opened: {e}"),
         })?;
         for (cap, name) in [

@@ -166,7 +166,7 @@ pub fn main() -> i32 {
     let writer: Writer = match ctl.try_clone() {
         Ok(w) => Arc::new(Mutex::new(w)),
         Err(e) => {
-            eprintln!("sandbox-vm: the control socket: {e}");
+            eprintln!("the control socket: {e}");
             return 2;
         }
     };
@@ -174,7 +174,7 @@ pub fn main() -> i32 {
     let cfg = match reader.read::<Request>() {
         Ok(Some(Request::Start(cfg))) => cfg,
         other => {
-            eprintln!("sandbox-vm: expected the VM's configuration first, got {other:?}");
+            eprintln!("expected the VM's configuration first, got {other:?}");
             return 2;
         }
     };
@@ -206,8 +206,11 @@ pub fn main() -> i32 {
     };
     drop(mcfg);
     // This thread, and the control and marker threads it starts below, are of the main kind.
+    // Fail closed: a VM whose main thread cannot be sealed never reports itself started.
     if let Err(e) = seal::enter(ThreadKind::Main) {
         machine.fail(e.to_string());
+        say(&writer, &Event::Error(e.to_string()), None);
+        return 1;
     }
     say(&writer, &Event::Started, None);
 

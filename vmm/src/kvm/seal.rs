@@ -102,7 +102,7 @@ pub fn inherited(kind: ThreadKind) {
 /// ends the process (the sandbox is reported dead), with the reason in the VM's log.
 pub fn enter_or_abort(kind: ThreadKind) {
     if let Err(e) = enter(kind) {
-        eprintln!("sandbox-vm: {e}");
+        eprintln!("{e}");
         std::process::abort();
     }
 }
@@ -329,7 +329,7 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
             }
         }
     };
-    put(b"sandbox-vm: the ");
+    put(b"the ");
     put(kind.map_or("unsealed", ThreadKind::name).as_bytes());
     put(b" thread made system call ");
     let mut digits = [0u8; 12];
