@@ -30,11 +30,12 @@ vm=$(dirname "$binary")/sandbox-vm
 . "$(dirname "$0")/cache-dir.sh"
 store=${SANDBOX_HOST_IMAGE_DIR:-$(sandbox_cache_dir)/images}
 
-# A runtime directory somebody else could have made (it may sit in /var/tmp) is refused.
-if [ -L "$rt" ] || { [ -e "$rt" ] && [ "$(stat -c %u "$rt")" != 0 ]; }; then
-  say "$rt exists and is not root's own directory: remove it, or pick another"; exit 1
+# Made first, then checked: a directory somebody else made (or a link) is refused, never adopted.
+mkdir -m 0755 "$rt" 2>/dev/null || true
+if [ -L "$rt" ] || [ ! -d "$rt" ] || [ "$(stat -c %u "$rt")" != 0 ] || [ -n "$(find "$rt" -maxdepth 0 -perm /022)" ]; then
+  say "$rt is not a directory of root's that only root can write: remove it, or pick another"; exit 1
 fi
-install -d -m 0755 -o root -g root "$rt" "$rt/bin"
+install -d -m 0755 -o root -g root "$rt/bin"
 install -d -m 0700 -o "$user" -g "$user" "$rt/cache" "$rt/state"
 
 # Links replace the old ones by rename: a running service keeps the files it has open.
@@ -47,17 +48,27 @@ link() {
 link "$binary" "$rt/bin/sandbox-host"
 link "$vm" "$rt/bin/sandbox-vm"
 
-# The image store: a fresh tree of links swapped in whole. Directories become 0755; files keep
-# their modes (the build makes them world-readable), and one that is not is named.
+# The image store: a fresh tree of links swapped in whole, without the temporary trees and locks
+# of a build that may be running (one file system: no mount inside is followed). Directories
+# become 0755; a file the user could not read, or could change (it is root's own cache file too),
+# stops the hand-over.
 if [ -d "$store" ]; then
-  rm -rf "$rt/images.new.$$"
-  cp -al "$store" "$rt/images.new.$$" 2>/dev/null || { rm -rf "$rt/images.new.$$"; cp -a "$store" "$rt/images.new.$$"; }
-  find "$rt/images.new.$$" -type d -exec chmod 0755 {} +
-  find "$rt/images.new.$$" -type f ! -perm -o=r -printf '%P\n' | while read -r f; do
-    say "the image file $store/$f is not readable by $user; make it world-readable (chmod a+r) or rebuild it"
-  done
+  new=$rt/images.new.$$
+  rm -rf "$new"
+  mkdir -m 0755 "$new"
+  find -H "$store" -mindepth 1 -maxdepth 1 ! -name '.tmp-*' ! -name '.build-*.lock' ! -name '.base-*' -print0 |
+    while IFS= read -r -d '' e; do
+      cp -alx "$e" "$new/" 2>/dev/null || cp -ax "$e" "$new/"
+    done
+  find "$new" -type d -exec chmod 0755 {} +
+  bad=$(find "$new" -type f \( ! -perm -o=r -o -perm /022 \) -printf '%P\n' | head -5)
+  if [ -n "$bad" ]; then
+    rm -rf "$new"
+    say "image files in $store that $user could not read, or that others could change: $(echo $bad); make them root's, mode 0644 (or rebuild the image)"
+    exit 1
+  fi
   [ -e "$rt/images" ] && mv "$rt/images" "$rt/images.old.$$"
-  mv "$rt/images.new.$$" "$rt/images"
+  mv "$new" "$rt/images"
   rm -rf "$rt/images.old.$$"
 else
   install -d -m 0755 "$rt/images"

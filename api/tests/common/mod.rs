@@ -93,6 +93,9 @@ pub struct ServiceUser {
     env: Vec<(String, String)>,
     binary: PathBuf,
     images: PathBuf,
+    /// On cgroup v2, the leaf the service is moved into before it drops to its user.
+    procs: Option<PathBuf>,
+    runtime: PathBuf,
 }
 
 fn running_as_root() -> bool {
@@ -128,7 +131,7 @@ pub fn service_user() -> Option<&'static ServiceUser> {
             .args([
                 "--cgroup",
                 "sandbox-host-tests",
-                "/var/tmp/sandbox-host-tests",
+                "/var/lib/sandbox-host-tests",
             ])
             .arg(env!("CARGO_BIN_EXE_sandbox-host"))
             .stderr(Stdio::inherit())
@@ -136,16 +139,17 @@ pub fn service_user() -> Option<&'static ServiceUser> {
             .unwrap();
         assert!(out.status.success(), "scripts/service-user.sh failed");
         let mut env = vec![];
-        let (mut binary, mut images) = (None, None);
+        let (mut binary, mut images, mut procs) = (None, None, None);
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let Some((k, v)) = line.split_once('=') else {
                 continue;
             };
             match k {
                 "SERVICE_BINARY" => binary = Some(PathBuf::from(v)),
+                "SERVICE_CGROUP_PROCS" => procs = Some(PathBuf::from(v)),
                 "SANDBOX_HOST_IMAGE_DIR" => images = Some(PathBuf::from(v)),
                 // Each test gives its host a state directory of its own.
-                "SANDBOX_HOST_STATE_DIR" | "SERVICE_CGROUP_PROCS" => {}
+                "SANDBOX_HOST_STATE_DIR" => {}
                 _ => env.push((k.to_string(), v.to_string())),
             }
         }
@@ -153,6 +157,8 @@ pub fn service_user() -> Option<&'static ServiceUser> {
             env,
             binary: binary.expect("SERVICE_BINARY from scripts/service-user.sh"),
             images: images.expect("SANDBOX_HOST_IMAGE_DIR from scripts/service-user.sh"),
+            procs,
+            runtime: PathBuf::from("/var/lib/sandbox-host-tests"),
         })
     })
     .as_ref()
@@ -176,16 +182,38 @@ pub fn service() -> Command {
         .into_iter()
         .find(|p| Path::new(p).exists())
         .expect("setpriv (util-linux) to start the service as its user");
-    let mut c = Command::new(setpriv);
-    c.args([
-        "--reuid",
-        SERVICE_USER,
-        "--regid",
-        SERVICE_USER,
-        "--init-groups",
-        "--",
-    ])
-    .arg(&u.binary);
+    // As bin/up starts it: on cgroup v2 moved into its leaf first (the pid stays: `exec`), then
+    // the user's ids, then a session of its own with no terminal, and only its own settings
+    // of the environment.
+    let mut argv: Vec<std::ffi::OsString> = vec![];
+    if let Some(p) = &u.procs {
+        argv.extend(["/bin/sh", "-c", "echo $$ > \"$0\" && exec \"$@\""].map(Into::into));
+        argv.push(p.into());
+    }
+    argv.push(setpriv.into());
+    argv.extend(
+        [
+            "--reuid",
+            SERVICE_USER,
+            "--regid",
+            SERVICE_USER,
+            "--init-groups",
+            "--",
+            "/usr/bin/setsid",
+        ]
+        .map(Into::into),
+    );
+    argv.push(u.binary.clone().into());
+    let mut c = Command::new(&argv[0]);
+    c.args(&argv[1..]).stdin(Stdio::null()).env_clear();
+    for (k, v) in std::env::vars() {
+        let keep = k.starts_with("SANDBOX_HOST_")
+            || ["PATH", "LANG", "LC_ALL", "TZ", "RUST_LOG", "RUST_BACKTRACE"].contains(&k.as_str());
+        if keep {
+            c.env(k, v);
+        }
+    }
+    c.env("HOME", &u.runtime);
     test_env(&mut c);
     for (k, v) in &u.env {
         c.env(k, v);
@@ -219,12 +247,14 @@ pub fn give_to_service(dir: &Path) {
     if let Some(parent) = dir.parent() {
         let_service_pass(parent);
     }
+    // The directory alone: what is in it is the service's already (a restart), and root never
+    // follows what the service user could have put there.
     let st = Command::new("chown")
-        .args(["-R", &format!("{SERVICE_USER}:{SERVICE_USER}")])
+        .arg(format!("{SERVICE_USER}:{SERVICE_USER}"))
         .arg(dir)
         .status()
         .unwrap();
-    assert!(st.success(), "chown -R {}", dir.display());
+    assert!(st.success(), "chown {}", dir.display());
 }
 
 pub fn free_port() -> u16 {

@@ -63,10 +63,12 @@ impl KeyScanner {
 
     /// Takes the next bytes of the document.
     pub fn feed(&mut self, bytes: &[u8]) {
-        if self.not_an_object {
-            return;
-        }
+        // Checked at every byte: a document that is not an object is not read past the byte
+        // that shows it, however the network split it (found by the usage_meter fuzz target).
         for &b in bytes {
+            if self.not_an_object {
+                return;
+            }
             self.byte(b);
         }
     }
@@ -218,6 +220,17 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k, String::from_utf8(v).unwrap().trim().to_string()))
             .collect()
+    }
+
+    /// Fuzz finding `usage_meter` crash-e6e837da: a byte before the document's `{` ended the
+    /// scan only for the chunks after it, so a body in one piece yielded usage that the same
+    /// body in pieces did not.
+    #[test]
+    fn fuzz_usage_meter_e6e837da_not_an_object_in_any_chunking() {
+        let doc = b"\x88\x00{\"id\":\"chatcmpl-1\",\"usage\":{\"prompt_tokens\":2}}";
+        for chunk in [doc.len(), 5, 1] {
+            assert_eq!(scan(doc, chunk), vec![], "chunks of {chunk}");
+        }
     }
 
     #[test]

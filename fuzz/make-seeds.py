@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of each fuzz target into fuzz/seeds/<target>/ from real traffic where
+there is some on this machine (curl's, OpenSSL's and Python's ClientHellos, curl's request
+heads, glibc-shaped DNS queries) and from the shapes our own tests use (provider bodies, agent
+frames, guest frames). Run it again to refresh; libFuzzer grows its own corpus from these."""
+import json
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import threading
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def put(target, name, data):
+    d = os.path.join(HERE, "seeds", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def capture(client):
+    """The first bytes a client sends to a listener on loopback (its ClientHello or request)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    got = {}
+
+    def accept():
+        c, _ = srv.accept()
+        c.settimeout(3)
+        buf = b""
+        try:
+            while len(buf) < 65536:
+                b = c.recv(65536)
+                if not b:
+                    break
+                buf += b
+                if buf.startswith(b"\x16") and len(buf) >= 5 and len(buf) >= 5 + struct.unpack(">H", buf[3:5])[0]:
+                    break
+                if b"\r\n\r\n" in buf and not buf.startswith(b"\x16"):
+                    break
+        except socket.timeout:
+            pass
+        got["bytes"] = buf
+        c.close()
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        client(port)
+    except Exception:
+        pass
+    t.join(10)
+    srv.close()
+    return got.get("bytes", b"")
+
+
+def run(*args):
+    subprocess.run(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+
+
+def py_tls(port):
+    ctx = ssl.create_default_context()
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+        ctx.wrap_socket(s, server_hostname="api.anthropic.com")
+
+
+# tls_hello: a seed byte 0 (whole) then the hello.
+hellos = {
+    "curl": capture(lambda p: run("curl", "-sk", "--max-time", "3", "--connect-to", f"api.openai.com:443:127.0.0.1:{p}", "https://api.openai.com/")),
+    "curl-http2": capture(lambda p: run("curl", "-sk", "--http2", "--max-time", "3", "--connect-to", f"example.org:443:127.0.0.1:{p}", "https://example.org/")),
+    "openssl": capture(lambda p: run("openssl", "s_client", "-connect", f"127.0.0.1:{p}", "-servername", "registry.npmjs.org", "-alpn", "h2,http/1.1")),
+    "python": capture(py_tls),
+}
+for name, h in hellos.items():
+    if h:
+        put("tls_hello", name, b"\x00" + h)
+        put("tls_hello", name + "-split", b"\x07" + h)
+
+# http_head: curl's own heads, and the absolute form of a proxy request.
+for name, args in {
+    "get": ["--max-time", "2"],
+    "post": ["--max-time", "2", "-d", '{"a":1}', "-H", "content-type: application/json"],
+}.items():
+    h = capture(lambda p, a=args: run("curl", "-s", *a, f"http://127.0.0.1:{p}/v1/x?y=1"))
+    if h:
+        put("http_head", name, h)
+put("http_head", "absolute", b"GET http://allowed.test:8080/a HTTP/1.1\r\nHost: allowed.test:8080\r\nUser-Agent: t\r\n\r\n")
+put("http_head", "h2-preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+
+
+# dns_query: as glibc asks (A and AAAA), and a response (never answered).
+def query(qid, name, qtype, flags=0x0100):
+    q = struct.pack(">6H", qid, flags, 1, 0, 0, 0)
+    for l in name.split("."):
+        q += bytes([len(l)]) + l.encode()
+    return q + b"\x00" + struct.pack(">HH", qtype, 1)
+
+
+put("dns_query", "a", query(0x1234, "api.anthropic.com", 1))
+put("dns_query", "aaaa", query(0x1235, "registry.npmjs.org", 28))
+put("dns_query", "response", query(0x1236, "example.com", 1, flags=0x8180))
+put("dns_query", "pointer", struct.pack(">6H", 7, 0x0100, 1, 0, 0, 0) + b"\xc0\x0c" + struct.pack(">HH", 1, 1))
+
+# usage_meter: provider bodies as the egress tests' fake provider sends them.
+anthropic_json = {"id": "msg_01", "type": "message", "model": "claude-sonnet-4", "usage": {"input_tokens": 12, "output_tokens": 34, "cache_read_input_tokens": 5, "cache_creation_input_tokens": 6}}
+openai_json = {"id": "chatcmpl-1", "model": "gpt-4o", "usage": {"prompt_tokens": 9, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}}
+router_json = {"id": "gen-1", "model": "x/y", "usage": {"prompt_tokens": 3, "completion_tokens": 4, "cost": 0.0012}}
+for name, doc in {"anthropic": anthropic_json, "openai": openai_json, "openrouter": router_json}.items():
+    put("usage_meter", "json-" + name, b"\x00\x00" + json.dumps(doc).encode())
+sse_anthropic = (
+    'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_01","model":"claude","usage":{"input_tokens":10,"output_tokens":1}}}\n\n'
+    'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"hi"}}\n\n'
+    'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":25}}\n\n'
+)
+sse_openai = (
+    'data: {"id":"chatcmpl-2","model":"gpt-4o","choices":[{"delta":{"content":"hi"}}]}\n\n'
+    'data: {"id":"chatcmpl-2","model":"gpt-4o","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":6}}\n\n'
+    "data: [DONE]\n\n"
+)
+sse_responses = (
+    'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_1","model":"gpt-5","usage":{"input_tokens":8,"output_tokens":9}}}\n\n'
+)
+for name, body in {"anthropic": sse_anthropic, "openai": sse_openai, "responses": sse_responses}.items():
+    put("usage_meter", "sse-" + name, b"\x01\x05" + body.encode())
+
+# meter_request: the first byte picks the API path (0 messages, 1 chat, 2 responses, 3 router, 4 completions).
+put("meter_request", "chat-stream", b"\x01" + json.dumps({"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode())
+put("meter_request", "chat-stream-options", b"\x01" + json.dumps({"model": "gpt-4o", "stream": True, "stream_options": {"include_usage": False}, "messages": []}).encode())
+put("meter_request", "responses-background", b"\x02" + json.dumps({"model": "gpt-5", "background": True, "input": "hi"}).encode())
+put("meter_request", "messages", b"\x00" + json.dumps({"model": "claude", "max_tokens": 10, "messages": []}).encode())
+
+# leak_scanner: which secret, where (u16 LE), the split seed, then a body.
+put("leak_scanner", "json", b"\x00\x10\x00\x05" + b'{"prompt":"the key is here","model":"x"}')
+put("leak_scanner", "form", b"\x01\x00\x00\x00" + b"a=1&b=2&c=3")
+
+
+# protocol_decoder: frames as the agent channel carries them (see protocol/src/frame.rs).
+def frame(kind, stream, payload):
+    head = b"SBX1" + bytes([kind, 0, 0, 0]) + struct.pack("<II", stream, len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(head[:16])) & 0xFFFFFFFF
+    return head + struct.pack("<I", crc) + payload
+
+
+hello = frame(1, 0, json.dumps({"version": 1}).encode())
+put("protocol_decoder", "hello", b"\x00" + hello)
+put("protocol_decoder", "stream", b"\x09" + hello + frame(3, 1, b"x" * 300) + frame(4, 1, b""))
+put("protocol_decoder", "garbage", b"\x03" + b"noise" + hello)
+
+# egress_gate: a DNS query for an allowed name, then a TCP SYN to the first pool address on 443.
+put("egress_gate", "dns-then-syn", bytes([1, 0x12, 0x34, 0, 0, 2, 0x00, 0x00, 0x01, 0xbb, 0x02, 0]))
+put("egress_gate", "denied-name", bytes([1, 0, 1, 0, 3]))
+put("egress_gate", "udp-elsewhere", bytes([3, 17, 8, 8, 8, 8, 12]) + b"\x00\x35\x00\x35\x00\x0c\x00\x00abcd")
+arp = GATEWAY = bytes([0xff] * 6) + bytes([2, 0, 0, 0, 0, 7]) + b"\x08\x06" + bytes([0, 1, 8, 0, 6, 4, 0, 1, 2, 0, 0, 0, 0, 7, 10, 233, 0, 2, 0, 0, 0, 0, 0, 0, 10, 233, 0, 1])
+put("egress_gate", "arp", bytes([0]) + struct.pack(">H", len(arp)) + arp)
+print("seeds written to", os.path.join(HERE, "seeds"))
