@@ -158,6 +158,31 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
             "real, effective, saved and fs uid"
         );
         assert!(!logs.contains("runs as root"), "{logs}");
+        // A session of its own without a terminal (no TIOCSTI into whoever started it), and an
+        // environment of its own settings only.
+        let pid = h.child.id();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        assert_eq!(fields[3], pid.to_string(), "session id: {stat}");
+        assert_eq!(fields[4], "0", "controlling terminal: {stat}");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        for var in environ.split(|b| *b == 0).filter(|v| !v.is_empty()) {
+            let name = String::from_utf8_lossy(var.split(|b| *b == b'=').next().unwrap());
+            assert!(
+                name.starts_with("SANDBOX_HOST_")
+                    || [
+                        "PATH",
+                        "LANG",
+                        "LC_ALL",
+                        "TZ",
+                        "RUST_LOG",
+                        "RUST_BACKTRACE",
+                        "HOME"
+                    ]
+                    .contains(&name.as_ref()),
+                "the service inherited {name}"
+            );
+        }
     } else if std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_some() {
         assert!(
             !logs.contains("runs as root"),
@@ -206,4 +231,84 @@ fn a_second_host_on_the_same_state_directory_is_refused() {
         String::from_utf8_lossy(&out.stderr)
             .contains("another sandbox host uses SANDBOX_HOST_STATE_DIR")
     );
+}
+
+/// The hand-over to the service's user refuses what would let that user (or anyone but root)
+/// change what root later runs or trusts: a runtime directory that is not root's alone, and
+/// image files others could write.
+#[test]
+fn the_hand_over_refuses_a_foreign_runtime_directory_and_writable_images() {
+    if common::service_user().is_none() {
+        eprintln!("skipped: the hand-over to the user sandbox-host runs only as root");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    let script = root.join("scripts/service-user.sh");
+    let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
+    let run = |rt: &std::path::Path, store: &std::path::Path| {
+        std::process::Command::new("bash")
+            .arg(&script)
+            .args(["--cgroup", "sandbox-host-tests"])
+            .arg(rt)
+            .arg(env!("CARGO_BIN_EXE_sandbox-host"))
+            .env("SANDBOX_HOST_IMAGE_DIR", store)
+            .output()
+            .unwrap()
+    };
+    // A directory the user made.
+    let foreign = tmp.path().join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    let st = std::process::Command::new("chown")
+        .args([common::SERVICE_USER, foreign.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let store = tmp.path().join("store");
+    std::fs::create_dir_all(store.join("img")).unwrap();
+    std::fs::write(store.join("img/manifest.json"), "{}").unwrap();
+    std::fs::set_permissions(
+        &store.join("img/manifest.json"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let out = run(&foreign, &store);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("is not a directory of root's that only root can write"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!foreign.join("bin").exists(), "nothing was made in it");
+    // A world-writable image file.
+    let rt = tmp.path().join("rt");
+    std::fs::set_permissions(
+        &store.join("img/manifest.json"),
+        std::fs::Permissions::from_mode(0o666),
+    )
+    .unwrap();
+    let out = run(&rt, &store);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("img/manifest.json") && err.contains("others could change"),
+        "{err}"
+    );
+    assert!(!rt.join("images").exists(), "the store was not handed over");
+    // The same store, fixed, is handed over.
+    std::fs::set_permissions(
+        &store.join("img/manifest.json"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let out = run(&rt, &store);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(rt.join("images/img/manifest.json").is_file());
 }

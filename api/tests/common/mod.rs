@@ -44,11 +44,8 @@ pub fn guest_image_missing() -> bool {
         return false;
     }
     let why = "no vantik-guest:latest in the image store; build it with `sudo python3 rootfs/build-guest.py`";
-    let root = std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false);
     assert!(
-        !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
+        !(running_as_root() && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
         "{why}"
     );
     eprintln!("skipped: {why}");
