@@ -158,4 +158,88 @@ put("egress_gate", "denied-name", bytes([1, 0, 1, 0, 3]))
 put("egress_gate", "udp-elsewhere", bytes([3, 17, 8, 8, 8, 8, 12]) + b"\x00\x35\x00\x35\x00\x0c\x00\x00abcd")
 arp = GATEWAY = bytes([0xff] * 6) + bytes([2, 0, 0, 0, 0, 7]) + b"\x08\x06" + bytes([0, 1, 8, 0, 6, 4, 0, 1, 2, 0, 0, 0, 0, 7, 10, 233, 0, 2, 0, 0, 0, 0, 0, 0, 10, 233, 0, 1])
 put("egress_gate", "arp", bytes([0]) + struct.pack(">H", len(arp)) + arp)
+
+# virtio_devices: a guest driver's sessions in the target's op encoding (see its drive()).
+class Driver:
+    """Encodes one session: byte 0 the device (0 block, 1 net, 2 vsock), then ops."""
+
+    def __init__(self, device, *prefix):
+        self.b = bytes([device, *prefix])
+
+    def start(self, queues, size=256):
+        # op 3: the usual start; features offered: all (the device keeps what it knows).
+        self.b += bytes([3]) + struct.pack("<I", 0xFFFFFFFF) + bytes([size.bit_length() - 1] * queues)
+
+    def mem(self, at, data):
+        for i in range(0, len(data), 255):  # op 2 writes at most 255 bytes
+            part = data[i:i + 255]
+            self.b += bytes([2]) + struct.pack("<IB", at + i, len(part)) + part
+
+    def chain(self, q, descs):
+        # op 4: up to four (address, length, device-writable) descriptors, published.
+        self.b += bytes([4, q, len(descs) - 1])
+        for addr, length, w in descs:
+            self.b += struct.pack("<IHB", addr, length, int(w))
+
+    def kick(self, q):
+        self.b += bytes([5, q])
+
+    def host(self, data):
+        self.b += bytes([7]) + data
+
+
+for name, kind, sector in [("block-read", 0, 3), ("block-write", 1, 5), ("block-flush", 4, 0),
+                           ("block-get-id", 8, 0)]:
+    d = Driver(0, 0)
+    d.start(1)
+    d.mem(0x4000, struct.pack("<IIQ", kind, 0, sector) + bytes(range(255)) * 3)
+    data = 20 if kind == 8 else 512
+    d.chain(0, [(0x4000, 16, False), (0x5000, data, kind != 1), (0x6000, 1, True)])
+    d.kick(0)
+    put("virtio_devices", name, d.b)
+d = Driver(0, 1)  # read-only: a write is refused
+d.start(1)
+d.mem(0x4000, struct.pack("<IIQ", 1, 0, 0))
+d.chain(0, [(0x4000, 16, False), (0x5000, 512, False), (0x6000, 1, True)])
+d.kick(0)
+put("virtio_devices", "block-write-read-only", d.b)
+
+# net: queue 0 receives, queue 1 transmits; a 12-byte virtio-net header leads each buffer.
+d = Driver(1)
+d.start(2)
+d.chain(0, [(0x4000, 2048, True)])
+d.chain(0, [(0x5000, 12, True), (0x5100, 1514, True)])
+arp = bytes([0xff] * 6) + bytes([2, 0, 0, 0, 0, 1]) + b"\x08\x06" + bytes(28)
+d.host(struct.pack("<H", len(arp)) + arp)
+d.kick(0)
+d.mem(0x8000, bytes(12) + arp)
+d.chain(1, [(0x8000, 12 + len(arp), False)])
+d.chain(1, [(0x8000, 12, False), (0x800c, len(arp), False)])
+d.kick(1)
+put("virtio_devices", "net-rx-tx", d.b)
+
+# vsock: queue 0 receives, 1 transmits, 2 events. The host connects to guest port 1024, the
+# guest answers RESPONSE and sends bytes (RW), asks for credit, and shuts down.
+def vsock_header(op, length=0, flags=0):
+    return struct.pack("<QQIIIHHIII", 3, 2, 1024, 1024, length, 1, op, flags, 65536, 0)
+
+
+d = Driver(2)
+d.start(3)
+for i in range(4):
+    d.chain(0, [(0x4000 + 0x1000 * i, 4096, True)])
+d.chain(2, [(0x9000, 8, True)])
+d.host(struct.pack("<H", 1024))
+d.kick(0)
+d.mem(0xa000, vsock_header(2))
+d.chain(1, [(0xa000, 44, False)])
+d.mem(0xa100, vsock_header(5, 5) + b"hello")
+d.chain(1, [(0xa100, 44, False), (0xa100 + 44, 5, False)])
+d.mem(0xa200, vsock_header(7))
+d.chain(1, [(0xa200, 44, False)])
+d.mem(0xa300, vsock_header(4, 0, 3))
+d.chain(1, [(0xa300, 44, False)])
+d.kick(1)
+d.kick(0)
+put("virtio_devices", "vsock-connect", d.b)
 print("seeds written to", os.path.join(HERE, "seeds"))

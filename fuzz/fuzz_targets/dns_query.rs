@@ -16,7 +16,9 @@ fuzz_target!(|data: &[u8]| {
             assert!(q.name.len() <= 253, "{}", q.name.len());
             assert!(!q.name.ends_with('.'));
             assert!(
-                q.name.bytes().all(|b| b.is_ascii() && !b.is_ascii_uppercase()),
+                q.name
+                    .bytes()
+                    .all(|b| b.is_ascii() && !b.is_ascii_uppercase()),
                 "{:?}",
                 q.name
             );
@@ -28,19 +30,30 @@ fuzz_target!(|data: &[u8]| {
             ] {
                 let r = response(&q, a);
                 assert_eq!(r[..2], q.id.to_be_bytes());
-                assert!(r.len() <= 12 + data.len() + 16, "an answer bigger than the query allows");
+                assert!(
+                    r.len() <= 12 + data.len() + 16,
+                    "an answer bigger than the query allows"
+                );
                 // The answer, read as a query again (flip QR back), is the same question.
                 let mut back = r.clone();
                 back[2] &= 0x7f;
                 back[6..8].copy_from_slice(&[0, 0]);
-                let again = parse_query(&back[..back.len() - if matches!(a, Answer::A(_)) { 16 } else { 0 }])
-                    .expect("our own answer parses back");
-                assert_eq!((again.name, again.qtype, again.qclass), (q.name.clone(), q.qtype, q.qclass));
+                let again = parse_query(
+                    &back[..back.len() - if matches!(a, Answer::A(_)) { 16 } else { 0 }],
+                )
+                .expect("our own answer parses back");
+                assert_eq!(
+                    (again.name, again.qtype, again.qclass),
+                    (q.name.clone(), q.qtype, q.qclass)
+                );
             }
         }
         Err(_) => {
             if let Some(r) = format_error(data) {
-                assert!(!is_response, "a FORMERR sent for a response: a reflection loop");
+                assert!(
+                    !is_response,
+                    "a FORMERR sent for a response: a reflection loop"
+                );
                 assert_eq!(r.len(), 12);
                 assert_eq!(r[..2], data[..2]);
             }

@@ -79,10 +79,19 @@ fn ipv4(dst: Ipv4Addr, proto: u8, mut l4: Vec<u8>, csum_at: Option<usize>) -> Ve
 }
 
 fn dns_name(name_pick: u8, input: &mut Input) -> Vec<u8> {
-    let names = ["api.example.com", "a.example.org", "only.example.net", "evil.test", "API.Example.COM."];
+    let names = [
+        "api.example.com",
+        "a.example.org",
+        "only.example.net",
+        "evil.test",
+        "API.Example.COM.",
+    ];
     let mut q = vec![];
     if name_pick < 200 {
-        for l in names[usize::from(name_pick) % names.len()].trim_end_matches('.').split('.') {
+        for l in names[usize::from(name_pick) % names.len()]
+            .trim_end_matches('.')
+            .split('.')
+        {
             q.push(l.len() as u8);
             q.extend_from_slice(l.as_bytes());
         }
@@ -113,7 +122,11 @@ fuzz_target!(|data: &[u8]| {
             1 => {
                 // A DNS query to the gateway.
                 let id = input.u16().unwrap_or(0);
-                let qtype: u16 = if input.byte().unwrap_or(0) & 1 == 0 { 1 } else { 28 };
+                let qtype: u16 = if input.byte().unwrap_or(0) & 1 == 0 {
+                    1
+                } else {
+                    28
+                };
                 let pick = input.byte().unwrap_or(0);
                 let mut q = vec![];
                 for v in [id, 0x0100, 1, 0, 0, 0] {
@@ -143,7 +156,9 @@ fuzz_target!(|data: &[u8]| {
                 let flags = input.byte().unwrap_or(0x02);
                 let mut tcp = vec![0xc0, 0x02];
                 tcp.extend_from_slice(&port.to_be_bytes());
-                tcp.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
+                tcp.extend_from_slice(&[
+                    0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0,
+                ]);
                 let n = usize::from(input.byte().unwrap_or(0));
                 tcp.extend_from_slice(input.bytes(n));
                 ipv4(dst, 6, tcp, Some(16))
@@ -176,16 +191,34 @@ fuzz_target!(|data: &[u8]| {
                     let dns = &r[42..];
                     let ancount = u16::from_be_bytes([dns[6], dns[7]]);
                     if ancount > 0 {
-                        let a = Ipv4Addr::new(dns[dns.len() - 4], dns[dns.len() - 3], dns[dns.len() - 2], dns[dns.len() - 1]);
-                        assert!(pool_index(a).is_some(), "DNS answered {a}, outside the pool");
-                        let name = gate.name_of(a).expect("a pool address the gate knows").to_string();
-                        assert!(check.allows(&name), "DNS answered for {name}, which is not allowed");
+                        let a = Ipv4Addr::new(
+                            dns[dns.len() - 4],
+                            dns[dns.len() - 3],
+                            dns[dns.len() - 2],
+                            dns[dns.len() - 1],
+                        );
+                        assert!(
+                            pool_index(a).is_some(),
+                            "DNS answered {a}, outside the pool"
+                        );
+                        let name = gate
+                            .name_of(a)
+                            .expect("a pool address the gate knows")
+                            .to_string();
+                        assert!(
+                            check.allows(&name),
+                            "DNS answered for {name}, which is not allowed"
+                        );
                         resolved.push((name, a));
                     }
                 }
             }
             Verdict::Tcp { name, dst } => {
-                assert!(check.allows_port(&name, dst.port()), "TCP to {name}:{} passed", dst.port());
+                assert!(
+                    check.allows_port(&name, dst.port()),
+                    "TCP to {name}:{} passed",
+                    dst.port()
+                );
                 assert!(
                     resolved.iter().any(|(n, a)| *n == name && *a == *dst.ip()),
                     "TCP to {dst} ({name}) that our DNS never answered"

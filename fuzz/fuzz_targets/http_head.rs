@@ -19,7 +19,10 @@ fuzz_target!(|data: &[u8]| {
     for cut in [head.head_len / 2, head.head_len.saturating_sub(1)] {
         if cut < head.head_len {
             if let Ok(Some(h)) = parse_head(&data[..cut]) {
-                panic!("a head found in {cut} of its {} bytes: {h:?}", head.head_len);
+                panic!(
+                    "a head found in {cut} of its {} bytes: {h:?}",
+                    head.head_len
+                );
             }
         }
     }

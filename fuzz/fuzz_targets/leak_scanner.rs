@@ -11,8 +11,20 @@ fn secrets() -> &'static [Secret] {
     static S: OnceLock<Vec<Secret>> = OnceLock::new();
     S.get_or_init(|| {
         vec![
-            Secret::new("ANTHROPIC_API_KEY", "sk-ant-fuzz-0123456789abcdef", &["api.anthropic.com".into()], None).unwrap(),
-            Secret::new("OPENAI_API_KEY", "sk-fuzz-0123456789abcdef0123", &["api.openai.com".into()], None).unwrap(),
+            Secret::new(
+                "ANTHROPIC_API_KEY",
+                "sk-ant-fuzz-0123456789abcdef",
+                &["api.anthropic.com".into()],
+                None,
+            )
+            .unwrap(),
+            Secret::new(
+                "OPENAI_API_KEY",
+                "sk-fuzz-0123456789abcdef0123",
+                &["api.openai.com".into()],
+                None,
+            )
+            .unwrap(),
         ]
     })
 }
@@ -27,7 +39,10 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 4 {
         return;
     }
-    let (which, at) = (usize::from(data[0] % 2), usize::from(u16::from_le_bytes([data[1], data[2]])));
+    let (which, at) = (
+        usize::from(data[0] % 2),
+        usize::from(u16::from_le_bytes([data[1], data[2]])),
+    );
     let (_, body) = sandbox_fuzz::split(&data[3..]);
     let needle = secrets()[which].placeholder.as_bytes();
     let at = at.min(body.len());
@@ -38,11 +53,16 @@ fuzz_target!(|data: &[u8]| {
     let mut plan = vec![data[3]];
     plan.extend_from_slice(&planted);
     let (chunks, _) = sandbox_fuzz::split(&plan);
-    assert!(found(&chunks), "a placeholder at {at} of {} bytes was missed", planted.len());
+    assert!(
+        found(&chunks),
+        "a placeholder at {at} of {} bytes was missed",
+        planted.len()
+    );
     // Without the plant: found exactly when the body holds a placeholder itself.
     let (chunks, body) = sandbox_fuzz::split(&data[3..]);
-    let holds = secrets()
-        .iter()
-        .any(|s| body.windows(s.placeholder.len()).any(|w| w == s.placeholder.as_bytes()));
+    let holds = secrets().iter().any(|s| {
+        body.windows(s.placeholder.len())
+            .any(|w| w == s.placeholder.as_bytes())
+    });
     assert_eq!(found(&chunks), holds);
 });

@@ -4,8 +4,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use sandbox_egress::meter::request::prepare;
 use sandbox_egress::meter::Api;
+use sandbox_egress::meter::request::prepare;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {

@@ -22,7 +22,10 @@ fn decode(chunks: &[&[u8]]) -> Vec<Result<Frame, String>> {
             }
         }
         assert!(d.pending() <= given);
-        assert!(d.next_frame().is_none(), "the decoder kept producing results without input");
+        assert!(
+            d.next_frame().is_none(),
+            "the decoder kept producing results without input"
+        );
     }
     out
 }

@@ -6,7 +6,12 @@
 use libfuzzer_sys::fuzz_target;
 use sandbox_egress::sniff::tls::HelloReader;
 
-fn read(chunks: &[&[u8]]) -> (Option<Result<sandbox_egress::sniff::tls::ClientHello, String>>, usize) {
+fn read(
+    chunks: &[&[u8]],
+) -> (
+    Option<Result<sandbox_egress::sniff::tls::ClientHello, String>>,
+    usize,
+) {
     let mut r = HelloReader::new();
     let mut given = 0;
     for c in chunks {

@@ -127,6 +127,11 @@ impl<D: VirtioDevice> MmioTransport<D> {
         self.failure.as_deref()
     }
 
+    /// The queues as the driver set them up (for diagnostics and the fuzz targets' checks).
+    pub fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
     /// How many guest accesses were ignored as invalid.
     pub fn ignored_accesses(&self) -> u64 {
         self.ignored

@@ -131,5 +131,8 @@ pub trait VirtioDevice: Send {
     fn reset(&mut self) {}
 }
 
-#[cfg(test)]
-pub(crate) mod testing;
+/// The guest-driver harness of the unit tests and the fuzz targets.
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+#[allow(missing_docs)]
+pub mod testing;

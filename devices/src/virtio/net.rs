@@ -101,6 +101,11 @@ impl<B: NetBackend> Net<B> {
         &self.backend
     }
 
+    /// The backend, mutably (tests and fuzz targets hand it frames for the guest).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     fn process_tx(&mut self, q: &mut Queues) -> Result<(), DeviceError> {
         let mut used = false;
         for taken in 0.. {

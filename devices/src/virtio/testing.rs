@@ -32,7 +32,12 @@ pub fn queue_base(i: usize) -> u64 {
 
 impl<D: VirtioDevice + 'static> Driver<D> {
     pub fn new(device: D) -> Self {
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        Self::with_memory(device, MEM_SIZE)
+    }
+
+    /// A driver with `size` bytes of guest memory (the fuzz targets compare all of it).
+    pub fn with_memory(device: D, size: usize) -> Self {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size)]).unwrap();
         let irq = Arc::new(Interrupt::new(EventFd::new(EFD_NONBLOCK).unwrap()));
         let sizes = device.queue_max_sizes().to_vec();
         let t = Arc::new(Mutex::new(
