@@ -242,4 +242,24 @@ d.chain(1, [(0xa300, 44, False)])
 d.kick(1)
 d.kick(0)
 put("virtio_devices", "vsock-connect", d.b)
+
+# tcp_stack: a guest speaking raw TCP in the target's op encoding (see its fuzz_target!).
+def tcp_session(payload_kind, closing):
+    b = bytes([0, 0, 4, 5])  # DNS for the allowed name, wait 5 ms
+
+    def seg(k, flags, kind=0, opts=0, seq_off=0, ack_off=0):
+        return bytes([1, k, flags]) + struct.pack(">hhH", seq_off, ack_off, 0xFFFF) + bytes([opts, kind, 0])
+
+    b += seg(0, 0x02, opts=0x77) + bytes([4, 5])  # SYN with MSS, window scale 7, SACK; wait
+    b += seg(0, 0x10)  # ACK of the SYN-ACK
+    b += seg(0, 0x18, payload_kind) + bytes([4, 15])  # the first bytes; wait
+    b += seg(0, 0x10) + bytes([4, 10])
+    b += closing
+    return b
+
+
+put("tcp_stack", "http", tcp_session(1, bytes([1, 0, 0x11]) + struct.pack(">hhH", 0, 0, 0xFFFF) + bytes([0, 0, 0, 4, 10])))
+put("tcp_stack", "tls-splice", tcp_session(2, bytes([1, 0, 0x04]) + struct.pack(">hhH", 0, 0, 0) + bytes([0, 0, 0])))
+put("tcp_stack", "syn-before-dns", bytes([1, 1, 0x02]) + struct.pack(">hhH", 0, 0, 0xFFFF) + bytes([0, 0, 0, 4, 5]))
+put("tcp_stack", "out-of-window", tcp_session(3, bytes([2, 0, 0x18]) + struct.pack(">hhH", -3000, 4000, 1) + bytes([8, 3]) + struct.pack(">H", 40) + b"x" * 40 + bytes([0, 4, 15])))
 print("seeds written to", os.path.join(HERE, "seeds"))

@@ -9,6 +9,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
+use sandbox_fuzz::{Input, frame};
 use sandbox_egress::gate::{Gate, Verdict};
 use sandbox_egress::net::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, MTU, pool_addr, pool_index};
 use sandbox_egress::policy::Allowlist;
@@ -16,66 +17,8 @@ use sandbox_egress::policy::Allowlist;
 const GUEST_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x07];
 const ALLOW: [&str; 3] = ["api.example.com", "*.example.org", "only.example.net:443"];
 
-struct Input<'a>(&'a [u8]);
-
-impl Input<'_> {
-    fn byte(&mut self) -> Option<u8> {
-        let (&b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(b)
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_be_bytes([self.byte()?, self.byte()?]))
-    }
-    fn bytes(&mut self, n: usize) -> &[u8] {
-        let n = n.min(self.0.len());
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        head
-    }
-}
-
-fn sum(data: &[u8]) -> u32 {
-    data.chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum()
-}
-
-fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
-}
-
-/// An Ethernet + IPv4 frame from the guest carrying `proto`'s `l4` (whose checksum field at
-/// `csum_at`, if any, is filled in with the pseudo-header).
-fn ipv4(dst: Ipv4Addr, proto: u8, mut l4: Vec<u8>, csum_at: Option<usize>) -> Vec<u8> {
-    if let Some(at) = csum_at {
-        if l4.len() >= at + 2 {
-            l4[at..at + 2].copy_from_slice(&[0, 0]);
-            let mut pseudo = vec![];
-            pseudo.extend_from_slice(&GUEST_IP.octets());
-            pseudo.extend_from_slice(&dst.octets());
-            pseudo.extend_from_slice(&[0, proto]);
-            pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
-            let c = fold(sum(&pseudo) + sum(&l4));
-            l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
-        }
-    }
-    let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto, 0, 0];
-    let total = (20 + l4.len()) as u16;
-    ip[2..4].copy_from_slice(&total.to_be_bytes());
-    ip.extend_from_slice(&GUEST_IP.octets());
-    ip.extend_from_slice(&dst.octets());
-    let c = fold(sum(&ip));
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut f = GATEWAY_MAC.to_vec();
-    f.extend_from_slice(&GUEST_MAC);
-    f.extend_from_slice(&[0x08, 0x00]);
-    f.extend_from_slice(&ip);
-    f.extend_from_slice(&l4);
-    f
+fn ipv4(dst: Ipv4Addr, proto: u8, l4: Vec<u8>, csum_at: Option<usize>) -> Vec<u8> {
+    frame::ipv4((GUEST_MAC, GUEST_IP), (GATEWAY_MAC, dst), proto, l4, csum_at)
 }
 
 fn dns_name(name_pick: u8, input: &mut Input) -> Vec<u8> {
@@ -86,21 +29,12 @@ fn dns_name(name_pick: u8, input: &mut Input) -> Vec<u8> {
         "evil.test",
         "API.Example.COM.",
     ];
-    let mut q = vec![];
     if name_pick < 200 {
-        for l in names[usize::from(name_pick) % names.len()]
-            .trim_end_matches('.')
-            .split('.')
-        {
-            q.push(l.len() as u8);
-            q.extend_from_slice(l.as_bytes());
-        }
-        q.push(0);
+        frame::qname(names[usize::from(name_pick) % names.len()])
     } else {
         let n = usize::from(input.byte().unwrap_or(0));
-        q.extend_from_slice(input.bytes(n));
+        input.bytes(n).to_vec()
     }
-    q
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -116,34 +50,24 @@ fuzz_target!(|data: &[u8]| {
         let now = start + Duration::from_millis(steps * u64::from(op >> 4));
         let frame = match op % 4 {
             0 => {
-                let n = usize::from(input.u16().unwrap_or(0)) % 1600;
+                let n = usize::from(input.u16_be().unwrap_or(0)) % 1600;
                 input.bytes(n).to_vec()
             }
             1 => {
                 // A DNS query to the gateway.
-                let id = input.u16().unwrap_or(0);
+                let id = input.u16_be().unwrap_or(0);
                 let qtype: u16 = if input.byte().unwrap_or(0) & 1 == 0 {
                     1
                 } else {
                     28
                 };
                 let pick = input.byte().unwrap_or(0);
-                let mut q = vec![];
-                for v in [id, 0x0100, 1, 0, 0, 0] {
-                    q.extend_from_slice(&v.to_be_bytes());
-                }
-                q.extend_from_slice(&dns_name(pick, &mut input));
-                q.extend_from_slice(&qtype.to_be_bytes());
-                q.extend_from_slice(&1u16.to_be_bytes());
-                let mut udp = vec![0xc0, 0x01, 0, 53, 0, 0, 0, 0];
-                let len = (8 + q.len()) as u16;
-                udp[4..6].copy_from_slice(&len.to_be_bytes());
-                udp.extend_from_slice(&q);
-                ipv4(GATEWAY_IP, 17, udp, Some(6))
+                let q = frame::dns_query(id, &dns_name(pick, &mut input), qtype);
+                ipv4(GATEWAY_IP, 17, frame::udp(0xc001, 53, &q), Some(6))
             }
             2 => {
                 // A TCP segment to a pool address (or anywhere) and a port.
-                let pick = input.u16().unwrap_or(0);
+                let pick = input.u16_be().unwrap_or(0);
                 let dst = if pick & 0x8000 == 0 {
                     pool_addr(u32::from(pick & 0xff)).unwrap()
                 } else {
@@ -152,7 +76,7 @@ fuzz_target!(|data: &[u8]| {
                     o[..b.len()].copy_from_slice(b);
                     Ipv4Addr::from(o)
                 };
-                let port = input.u16().unwrap_or(443);
+                let port = input.u16_be().unwrap_or(443);
                 let flags = input.byte().unwrap_or(0x02);
                 let mut tcp = vec![0xc0, 0x02];
                 tcp.extend_from_slice(&port.to_be_bytes());

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 
 use libfuzzer_sys::fuzz_target;
+use sandbox_fuzz::Input;
 use sandbox_devices::virtio::block::Block;
 use sandbox_devices::virtio::net::{Net, NetBackend};
 use sandbox_devices::virtio::testing::{Driver, queue_base};
@@ -41,33 +42,6 @@ impl NetBackend for FuzzNet {
     }
     fn ready_fd(&self) -> Option<RawFd> {
         None
-    }
-}
-
-struct Input<'a>(&'a [u8]);
-
-impl Input<'_> {
-    fn u8(&mut self) -> Option<u8> {
-        let (&b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(b)
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_le_bytes([self.u8()?, self.u8()?]))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes([
-            self.u8()?,
-            self.u8()?,
-            self.u8()?,
-            self.u8()?,
-        ]))
-    }
-    fn bytes(&mut self, n: usize) -> &[u8] {
-        let n = n.min(self.0.len());
-        let (h, t) = self.0.split_at(n);
-        self.0 = t;
-        h
     }
 }
 
@@ -193,7 +167,7 @@ fn drive<D: VirtioDevice + 'static>(
     let mut next = vec![0u16; nq];
     let mut avail = vec![0u16; nq];
     let mut steps = 0;
-    while let Some(op) = input.u8() {
+    while let Some(op) = input.byte() {
         steps += 1;
         if steps > 512 {
             break;
@@ -201,25 +175,25 @@ fn drive<D: VirtioDevice + 'static>(
         match op % 8 {
             0 => {
                 // A register write anywhere in the window (config space included).
-                let off = u32::from(input.u16().unwrap_or(0) & 0x1fc);
-                let v = input.u32().unwrap_or(0);
+                let off = u32::from(input.u16_le().unwrap_or(0) & 0x1fc);
+                let v = input.u32_le().unwrap_or(0);
                 d.write(off, v);
             }
             1 => {
-                let off = u32::from(input.u16().unwrap_or(0) & 0x1ff);
+                let off = u32::from(input.u16_le().unwrap_or(0) & 0x1ff);
                 let _ = d.read(off);
             }
             2 => {
                 // Guest memory: anything, anywhere (rings included).
-                let at = u64::from(input.u32().unwrap_or(0)) % MEM as u64;
-                let n = usize::from(input.u8().unwrap_or(0));
+                let at = u64::from(input.u32_le().unwrap_or(0)) % MEM as u64;
+                let n = usize::from(input.byte().unwrap_or(0));
                 let b = input.bytes(n).to_vec();
                 let n = b.len().min(MEM - at as usize);
                 d.put(at, &b[..n]);
             }
             3 => {
                 // The driver's usual start, with the features the input offers.
-                let features = u64::from(input.u32().unwrap_or(0)) | (1 << 32);
+                let features = u64::from(input.u32_le().unwrap_or(0)) | (1 << 32);
                 for (reg, v) in [
                     (0x70, 1),
                     (0x70, 3),
@@ -232,20 +206,20 @@ fn drive<D: VirtioDevice + 'static>(
                     d.write(reg, v);
                 }
                 for q in 0..nq {
-                    let size = 1u16 << (input.u8().unwrap_or(8) % 9);
+                    let size = 1u16 << (input.byte().unwrap_or(8) % 9);
                     d.setup_queue(q, size);
                 }
                 d.write(0x70, 15);
             }
             4 => {
                 // A chain of up to four descriptors on a queue, then published.
-                let q = usize::from(input.u8().unwrap_or(0)) % nq.max(1);
-                let n = 1 + usize::from(input.u8().unwrap_or(0) % 4);
+                let q = usize::from(input.byte().unwrap_or(0)) % nq.max(1);
+                let n = 1 + usize::from(input.byte().unwrap_or(0) % 4);
                 let head = next[q];
                 for i in 0..n {
-                    let addr = u64::from(input.u32().unwrap_or(0x3_8000)) % (MEM as u64 + 0x1000);
-                    let len = u32::from(input.u16().unwrap_or(512));
-                    let w = input.u8().unwrap_or(0) & 1 == 1;
+                    let addr = u64::from(input.u32_le().unwrap_or(0x3_8000)) % (MEM as u64 + 0x1000);
+                    let len = u32::from(input.u16_le().unwrap_or(512));
+                    let w = input.byte().unwrap_or(0) & 1 == 1;
                     let idx = head.wrapping_add(i as u16) % 256;
                     let last = i + 1 == n;
                     let flags = (if last { 0 } else { 1 }) | (if w { 2 } else { 0 });
@@ -260,7 +234,7 @@ fn drive<D: VirtioDevice + 'static>(
                 let _ = d.mem.write_obj(avail[q], GuestAddress(ring + 2));
             }
             5 => {
-                let q = u32::from(input.u8().unwrap_or(0)) % (nq as u32 + 1);
+                let q = u32::from(input.byte().unwrap_or(0)) % (nq as u32 + 1);
                 d.write(0x50, q);
                 run_checked(d, budget);
             }
@@ -281,11 +255,11 @@ fn drive<D: VirtioDevice + 'static>(
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);
-    match input.u8().unwrap_or(0) % 3 {
+    match input.byte().unwrap_or(0) % 3 {
         0 => {
             let file = tempfile::tempfile().unwrap();
             file.set_len(64 * 1024).unwrap();
-            let read_only = input.u8().unwrap_or(0) & 1 == 1;
+            let read_only = input.byte().unwrap_or(0) & 1 == 1;
             let block = Block::from_file(file, read_only, "fuzz-disk").unwrap();
             let mut d = Driver::with_memory(block, MEM);
             drive(&mut d, CHAINS_PER_WAKE, &mut input, |_, _| {});
@@ -293,7 +267,7 @@ fuzz_target!(|data: &[u8]| {
         1 => {
             let mut d = Driver::with_memory(Net::new([2, 0, 0, 0, 0, 1], FuzzNet::default()), MEM);
             drive(&mut d, 256, &mut input, |d, input| {
-                let n = usize::from(input.u16().unwrap_or(0) % 2048);
+                let n = usize::from(input.u16_le().unwrap_or(0) % 2048);
                 let frame = input.bytes(n).to_vec();
                 d.t.lock()
                     .unwrap()
@@ -310,7 +284,7 @@ fuzz_target!(|data: &[u8]| {
             let mut held = vec![];
             drive(&mut d, 256, &mut input, |_, input| {
                 // A host connection to a guest port, and bytes on it.
-                let port = u32::from(input.u16().unwrap_or(1024));
+                let port = u32::from(input.u16_le().unwrap_or(1024));
                 let tx = std::sync::Arc::new(std::sync::Mutex::new(None));
                 let t = tx.clone();
                 handle.connect(port, Box::new(move |r| *t.lock().unwrap() = r.ok()));
