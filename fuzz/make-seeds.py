@@ -262,4 +262,23 @@ put("tcp_stack", "http", tcp_session(1, bytes([1, 0, 0x11]) + struct.pack(">hhH"
 put("tcp_stack", "tls-splice", tcp_session(2, bytes([1, 0, 0x04]) + struct.pack(">hhH", 0, 0, 0) + bytes([0, 0, 0])))
 put("tcp_stack", "syn-before-dns", bytes([1, 1, 0x02]) + struct.pack(">hhH", 0, 0, 0xFFFF) + bytes([0, 0, 0, 4, 5]))
 put("tcp_stack", "out-of-window", tcp_session(3, bytes([2, 0, 0x18]) + struct.pack(">hhH", -3000, 4000, 1) + bytes([8, 3]) + struct.pack(">H", 40) + b"x" * 40 + bytes([0, 4, 15])))
+
+# protocol_client: the agent's side of a session in the target's op encoding (see its session()),
+# with the host's stdin and upload writes (op 4, then a count of 1 KiB or, with 0x80, 64 KiB; 0 ends).
+def agent(k, stream, n=0, extra=b""):
+    return bytes([0, k, stream, n]) + extra
+
+
+def data(k, stream, length, seed=0x41):
+    return agent(k, stream, 0, struct.pack(">HB", length, seed))
+
+
+window = lambda stream, n: agent(7, stream, 0, struct.pack("<I", n))
+session = (agent(0, 0, 5) + bytes([4, 3, 4, 0x80 | 20]) + window(1, 1 << 20) + data(1, 1, 1000) + data(2, 1, 10) + bytes([4, 10])
+           + agent(3, 1, 128) + data(4, 2, 5000) + data(4, 2, 0) + window(3, 1 << 21)
+           + bytes([4, 50, 4, 0, 4, 0x80]) + agent(5, 3, 3) + agent(0, 5, 1) + data(4, 4, 3000))
+put("protocol_client", "session", session)
+put("protocol_client", "refusals", agent(0, 0) + agent(6, 1) + agent(6, 2) + agent(6, 3) + agent(6, 4))
+put("protocol_client", "flood", agent(0, 0) + data(4, 4, 16000) + bytes([2, 80]) + agent(3, 1) + bytes([2, 255]))
+put("protocol_client", "bad-frames", agent(0, 0) + bytes([0, 8, 1, 0, 0x02, 3]) + b"abc" + bytes([3, 8]) + b"SBX1\x85\x00\x00\x00")
 print("seeds written to", os.path.join(HERE, "seeds"))

@@ -779,7 +779,17 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
             ));
         }
     }
+    // Every event but data ends its stream (so does the empty output that ends a download):
+    // the slot goes, and what the agent sends on the stream after that is dropped above, so a
+    // hostile agent cannot queue events for a reader that has stopped reading.
+    let ends = match &ev {
+        Event::Data(kind, b) => *kind == Kind::Output && b.is_empty(),
+        _ => true,
+    };
     let _ = slot.events.send(ev);
+    if ends {
+        streams.remove(&f.stream);
+    }
     Ok(())
 }
 
@@ -803,5 +813,51 @@ fn close(shared: &Shared, why: String) {
     for (_, slot) in lock(&shared.streams).drain() {
         let _ = slot.events.send(Event::Closed(why.clone()));
         slot.send_credit.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{ExitStatus, Ready};
+    use tokio::io::AsyncWriteExt;
+
+    fn frame(kind: Kind, stream: u32, payload: &impl serde::Serialize) -> Vec<u8> {
+        Frame::new(kind, stream, to_json(payload)).encode()
+    }
+
+    /// Found while writing the protocol_client fuzz target: an agent that kept sending exits (or errors,
+    /// or readies) on a stream the host was still holding had every one queued for a reader that
+    /// takes only the first.
+    #[tokio::test]
+    async fn fuzz_protocol_client_events_after_the_end_of_a_stream_are_not_queued() {
+        let (host, mut agent) = tokio::io::duplex(1 << 20);
+        let (r, w) = tokio::io::split(host);
+        let client = Client::new(r, w);
+        let exec = client.exec(&ExecRequest::default()).await.unwrap();
+        let exit = ExitStatus {
+            exit_code: Some(0),
+            signal: None,
+            timed_out: false,
+            duration_ms: 1,
+        };
+        let mut flood = Vec::new();
+        for _ in 0..10_000 {
+            flood.extend(frame(Kind::Exit, 1, &exit));
+        }
+        agent.write_all(&flood).await.unwrap();
+        // Frames are routed in order: once this Ready is in, the flood has been routed.
+        let ready = Ready {
+            version: "t".into(),
+            protocol: 1,
+            channel: "t".into(),
+            uptime_ms: 0,
+        };
+        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
+        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(exec.output.stream.events.len(), 1, "only the first exit is kept");
+        let mut out = exec.output;
+        assert!(matches!(out.next().await, Some(Ok(ExecEvent::Exit(_)))));
+        assert!(out.next().await.is_none());
     }
 }
