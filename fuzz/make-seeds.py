@@ -281,4 +281,28 @@ put("protocol_client", "session", session)
 put("protocol_client", "refusals", agent(0, 0) + agent(6, 1) + agent(6, 2) + agent(6, 3) + agent(6, 4))
 put("protocol_client", "flood", agent(0, 0) + data(4, 4, 16000) + bytes([2, 80]) + agent(3, 1) + bytes([2, 255]))
 put("protocol_client", "bad-frames", agent(0, 0) + bytes([0, 8, 1, 0, 0x02, 3]) + b"abc" + bytes([3, 8]) + b"SBX1\x85\x00\x00\x00")
+
+# api_requests: requests in the target's encoding (method, id, route with 0x80 for a query,
+# query text, auth/host/content-type byte, then the body); the bodies are the documented ones.
+def api(method, route, body=b"", query=None, auth=0):
+    b = bytes([method, 0, route | (0x80 if query is not None else 0)])
+    if query is not None:
+        b += bytes([len(query)]) + query
+    return b + bytes([auth]) + body
+
+
+create = {"run_id": "run-1", "time_limit_ms": 600000, "review": False, "memory_mib": 512, "vcpus": 1,
+          "image": "stock", "env": {"A": "1"}, "egress": {"allow": ["api.example.com", "*.example.org:443"],
+          "meter": ["api.anthropic.com"], "secrets": [{"env": "KEY", "value": "sk-1", "hosts": ["api.anthropic.com"]}]}}
+put("api_requests", "create", api(1, 2, json.dumps(create).encode()))
+put("api_requests", "list", api(0, 3))
+put("api_requests", "exec", api(1, 8, json.dumps({"argv": ["echo", "hi"], "timeout_ms": 1000, "env": {"X": "y"}, "cwd": "/tmp"}).encode()))
+put("api_requests", "exec-command", api(1, 8, json.dumps({"command": "echo hi | wc -c", "stdin": True}).encode()))
+put("api_requests", "file-get", api(0, 7, query=b"path=/etc/hosts"))
+put("api_requests", "file-put", api(2, 7, b"hello", query=b"path=/tmp/x&mode=0644", auth=0x40))
+put("api_requests", "archive-put", api(2, 6, b"\x1f\x8b" + bytes(30), query=b"path=/work", auth=0x40))
+put("api_requests", "keepalive", api(1, 5))
+put("api_requests", "delete", api(3, 4))
+put("api_requests", "no-token", api(0, 3, auth=3))
+put("api_requests", "foreign-host", api(0, 3, auth=8))
 print("seeds written to", os.path.join(HERE, "seeds"))

@@ -1,25 +1,12 @@
 //! `sandbox-host`: the service that runs each agent run in its own microVM, and the operator's
-//! command-line tool for it. This file only parses the command line and dispatches.
+//! command-line tool for it. This file only parses the command line and dispatches to the
+//! library (`lib.rs`), which fuzz/ drives too.
 #![forbid(unsafe_code)]
-
-mod auth;
-mod backend_select;
-mod capacity;
-mod client;
-mod config;
-mod egress;
-mod error;
-mod metrics;
-mod registry;
-mod routes;
-mod run;
-mod serve;
-mod state;
-mod time;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use sandbox_host::{client, config, run, serve};
 
 /// The sandbox host of the Vantik platform.
 #[derive(Debug, Parser)]

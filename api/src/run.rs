@@ -15,6 +15,7 @@ use crate::backend_select;
 /// How long a sandbox may take to come up before `run` gives up. TCG boots take seconds.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// `sandbox-host run`'s options: one sandbox, one command, without the service.
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Guest memory in MiB.
@@ -57,6 +58,8 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
 /// Exit code when the sandbox itself failed (not the command).
 const HOST_FAILURE: u8 = 125;
 
+/// Boots the sandbox, runs the command with its output on ours, and exits with its exit code
+/// (125 when the sandbox itself failed).
 pub async fn run(args: RunArgs) -> ExitCode {
     match run_inner(args).await {
         Ok(code) => code,

@@ -32,6 +32,8 @@ pub fn init_json_logs() {
         .init();
 }
 
+/// The service: reads the configuration, starts the backend and the API, and runs until a
+/// signal stops it (shutting every sandbox down first).
 pub async fn serve() -> ExitCode {
     let dotenv = config::load_dotenv();
     init_json_logs();

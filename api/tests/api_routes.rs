@@ -554,3 +554,37 @@ async fn every_route_and_its_bad_input() {
         common::state_entries(&h.state)
     );
 }
+
+/// Found by the api_requests fuzz target: a route asked with a method it does not take got
+/// axum's bare 405 with an empty body instead of the API's JSON error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzz_api_requests_a_method_the_route_does_not_take_is_a_json_405() {
+    let h = start(&[]);
+    for (method, path, allow) in [
+        ("PUT", "/v1/sandboxes/sbx_x/egress", "GET"),
+        ("PATCH", "/v1/sandboxes", "GET,POST"),
+        ("DELETE", "/v1/health", "GET"),
+    ] {
+        let resp = raw_http(
+            h.port,
+            &format!(
+                "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            ),
+            vec![],
+        );
+        assert!(resp.starts_with("HTTP/1.1 405"), "{method} {path}: {resp}");
+        let head = resp.to_ascii_lowercase();
+        let allowed = head
+            .lines()
+            .find_map(|l| l.strip_prefix("allow: "))
+            .unwrap_or_else(|| panic!("no Allow header: {resp}"))
+            .replace(' ', "")
+            .to_ascii_uppercase();
+        let mut got: Vec<&str> = allowed.split(',').filter(|m| *m != "HEAD").collect();
+        got.sort();
+        assert_eq!(got.join(","), allow, "{resp}");
+        let body: Value = serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(body["code"], "method_not_allowed", "{resp}");
+        assert!(body["error"].as_str().unwrap().contains(method), "{resp}");
+    }
+}

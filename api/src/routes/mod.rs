@@ -11,7 +11,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request};
 use axum::http::header;
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
@@ -47,6 +47,7 @@ pub fn app(state: AppState) -> Router {
         .merge(transfer::router())
         .merge(observe::router())
         .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .layer(middleware::from_fn(json_405))
         .layer(DefaultBodyLimit::max(
             usize::try_from(max_body).unwrap_or(usize::MAX),
         ))
@@ -59,6 +60,30 @@ pub fn app(state: AppState) -> Router {
             crate::auth::require_token,
         ))
         .with_state(state)
+}
+
+/// axum answers a known route asked with a method it does not take with a bare 405; this gives
+/// that answer the API's JSON error, keeping the `Allow` header that lists what the route takes.
+async fn json_405(req: Request, next: Next) -> Response {
+    let method = req.method().to_string();
+    let res = next.run(req).await;
+    if res.status() != axum::http::StatusCode::METHOD_NOT_ALLOWED {
+        return res;
+    }
+    let allow = res.headers().get(header::ALLOW).cloned();
+    let mut out = ApiError::MethodNotAllowed {
+        method,
+        allow: allow
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("other methods")
+            .to_string(),
+    }
+    .into_response();
+    if let Some(a) = allow {
+        out.headers_mut().insert(header::ALLOW, a);
+    }
+    out
 }
 
 /// Refuses a body whose declared length is over the limit before reading any of it.

@@ -1,0 +1,21 @@
+//! The sandbox host as a library: the HTTP API, its state and the operator's commands. The
+//! binary (`main.rs`) parses the command line and calls in here; the fuzz targets (fuzz/) drive
+//! the API's router in process through [`fuzzing`].
+#![forbid(unsafe_code)]
+
+mod auth;
+mod backend_select;
+mod capacity;
+pub mod client;
+pub mod config;
+mod egress;
+mod error;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
+mod metrics;
+mod registry;
+mod routes;
+pub mod run;
+pub mod serve;
+mod state;
+mod time;
