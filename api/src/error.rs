@@ -24,14 +24,11 @@ pub enum ApiError {
     /// No such sandbox.
     #[error("no sandbox with id `{0}`")]
     NoSandbox(String),
-    /// A route that exists, with a method it does not take.
-    #[error("{method} is not allowed on this route; it takes {allow} (see docs/api.md)")]
-    MethodNotAllowed {
-        /// The request's method.
-        method: String,
-        /// The methods the route takes (the `Allow` header).
-        allow: String,
-    },
+    /// A route that exists, with a method it does not take (axum adds the `Allow` header).
+    #[error(
+        "{0} is not allowed on this route; the Allow header lists the methods it takes (see docs/api.md)"
+    )]
+    MethodNotAllowed(String),
     /// Bad input, with what is wrong.
     #[error("{0}")]
     BadRequest(String),
@@ -70,9 +67,7 @@ impl ApiError {
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::ForeignHost(_) => (StatusCode::FORBIDDEN, "foreign_host"),
             ApiError::NoSandbox(_) => (StatusCode::NOT_FOUND, "no_sandbox"),
-            ApiError::MethodNotAllowed { .. } => {
-                (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
-            }
+            ApiError::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),

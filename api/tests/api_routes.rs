@@ -556,9 +556,10 @@ async fn every_route_and_its_bad_input() {
 }
 
 /// Found by the api_requests fuzz target: a route asked with a method it does not take got
-/// axum's bare 405 with an empty body instead of the API's JSON error.
+/// axum's bare 405 with an empty body instead of the API's JSON error. The path id case was
+/// found in review of the target, before the fuzzer reached it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fuzz_api_requests_a_method_the_route_does_not_take_is_a_json_405() {
+async fn fuzz_api_requests_a_bad_method_or_id_is_a_json_error() {
     let h = start(&[]);
     for (method, path, allow) in [
         ("PUT", "/v1/sandboxes/sbx_x/egress", "GET"),
@@ -586,5 +587,20 @@ async fn fuzz_api_requests_a_method_the_route_does_not_take_is_a_json_405() {
         let body: Value = serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap()).unwrap();
         assert_eq!(body["code"], "method_not_allowed", "{resp}");
         assert!(body["error"].as_str().unwrap().contains(method), "{resp}");
+    }
+    // Found in review of the same target: a sandbox id that is not UTF-8 once decoded got
+    // axum's plain-text 400.
+    for path in ["/v1/sandboxes/%ff", "/v1/sandboxes/%80/exec", "/v1/sandboxes/a%c3/files?path=/x"] {
+        let resp = raw_http(
+            h.port,
+            &format!(
+                "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+            ),
+            vec![],
+        );
+        assert!(resp.starts_with("HTTP/1.1 400") || resp.starts_with("HTTP/1.1 405"), "{path}: {resp}");
+        let body: Value = serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap())
+            .unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {resp}"));
+        assert!(body["code"].is_string(), "{path}: {resp}");
     }
 }

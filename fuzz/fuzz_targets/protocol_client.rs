@@ -262,6 +262,8 @@ async fn session(data: &[u8]) {
     let mut last: Option<Frame> = None;
     let mut sent = 0usize;
     let mut alive = true;
+    let mut mirror = Decoder::new();
+    let mut mirror_ok = true;
     while let Some(op) = input.byte() {
         if !alive || sent > MAX_SENT {
             break;
@@ -270,7 +272,6 @@ async fn session(data: &[u8]) {
         match op % 6 {
             0 | 1 => {
                 let f = agent_frame(&mut input);
-                record(&agent, &f);
                 out = f.encode();
                 last = Some(f);
             }
@@ -280,7 +281,6 @@ async fn session(data: &[u8]) {
                     let times = 1 + usize::from(input.byte().unwrap_or(0)) * 4;
                     let one = f.encode();
                     for _ in 0..times.min((MAX_SENT - sent) / one.len().max(1) + 1) {
-                        record(&agent, f);
                         out.extend_from_slice(&one);
                     }
                 }
@@ -308,6 +308,20 @@ async fn session(data: &[u8]) {
             }
         }
         sent += out.len();
+        // What the host will read, decoded as it decodes it (raw bytes can hold or complete a
+        // frame too), recorded before the host can see it; the host stops at its first error.
+        if mirror_ok {
+            mirror.push(&out);
+            while let Some(f) = mirror.next_frame() {
+                match f {
+                    Ok(f) => record(&agent, &f),
+                    Err(_) => {
+                        mirror_ok = false;
+                        break;
+                    }
+                }
+            }
+        }
         if !out.is_empty() {
             // A host that stopped reading (it closed the channel) is not waited for.
             alive = matches!(

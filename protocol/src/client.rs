@@ -770,7 +770,12 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
         }
         return Ok(());
     };
-    if let Event::Data(_, b) = &ev {
+    if let Event::Data(kind, b) = &ev {
+        if b.is_empty() && *kind != Kind::Output {
+            // Empty output means nothing and costs no window: queued, a flood of them would grow
+            // without bound.
+            return Ok(());
+        }
         slot.unacked += b.len() as u64;
         if slot.unacked > INITIAL_WINDOW.into() {
             return Err(format!(
@@ -788,6 +793,9 @@ fn route(shared: &Shared, f: Frame) -> Result<(), String> {
     };
     let _ = slot.events.send(ev);
     if ends {
+        // A writer waiting for window on the stream (stdin, an upload) gives up: no window
+        // comes after the end, and a channel close would no longer find the slot to wake it.
+        slot.send_credit.close();
         streams.remove(&f.stream);
     }
     Ok(())
@@ -834,7 +842,13 @@ mod tests {
         let (host, mut agent) = tokio::io::duplex(1 << 20);
         let (r, w) = tokio::io::split(host);
         let client = Client::new(r, w);
-        let exec = client.exec(&ExecRequest::default()).await.unwrap();
+        let exec = client
+            .exec(&ExecRequest {
+                stdin: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
         let exit = ExitStatus {
             exit_code: Some(0),
             signal: None,
@@ -856,8 +870,38 @@ mod tests {
         agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
         client.wait_ready(Duration::from_secs(10)).await.unwrap();
         assert_eq!(exec.output.stream.events.len(), 1, "only the first exit is kept");
+        // A writer waiting for window on the ended stream is woken, not left waiting.
+        let mut stdin = exec.stdin.expect("stdin was asked for");
+        let big = vec![0u8; INITIAL_WINDOW as usize + 1];
+        let r = tokio::time::timeout(Duration::from_secs(10), stdin.write(&big)).await;
+        assert!(matches!(r, Ok(Err(ClientError::Closed(_)))), "{r:?}");
         let mut out = exec.output;
         assert!(matches!(out.next().await, Some(Ok(ExecEvent::Exit(_)))));
         assert!(out.next().await.is_none());
+    }
+
+    /// Found in review of the fix above: empty stdout frames cost no window and were queued
+    /// each, so a flood of them grew without bound while the reader was busy.
+    #[tokio::test]
+    async fn fuzz_protocol_client_empty_output_is_not_queued() {
+        let (host, mut agent) = tokio::io::duplex(1 << 20);
+        let (r, w) = tokio::io::split(host);
+        let client = Client::new(r, w);
+        let exec = client.exec(&ExecRequest::default()).await.unwrap();
+        let mut flood = Vec::new();
+        for _ in 0..10_000 {
+            flood.extend(Frame::new(Kind::Stdout, 1, Vec::new()).encode());
+        }
+        flood.extend(Frame::new(Kind::Stdout, 1, b"x".to_vec()).encode());
+        agent.write_all(&flood).await.unwrap();
+        let ready = Ready {
+            version: "t".into(),
+            protocol: 1,
+            channel: "t".into(),
+            uptime_ms: 0,
+        };
+        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
+        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(exec.output.stream.events.len(), 1, "only the byte is queued");
     }
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -15,7 +15,7 @@ use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ApiJson, channel_body};
+use super::{ApiJson, SandboxId, channel_body};
 use crate::error::ApiError;
 use crate::registry::count;
 use crate::state::AppState;
@@ -51,7 +51,7 @@ fn line(v: &serde_json::Value) -> Vec<u8> {
 
 async fn exec(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     body: Result<ApiJson<ExecBody>, ApiError>,
 ) -> Result<Response, ApiError> {
     // An unknown or dead sandbox is the answer before anything about the body.

@@ -62,28 +62,15 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// axum answers a known route asked with a method it does not take with a bare 405; this gives
-/// that answer the API's JSON error, keeping the `Allow` header that lists what the route takes.
+/// axum answers a known route asked with a method it does not take with a bare 405 (and adds
+/// the `Allow` header outside this layer); this gives that answer the API's JSON error.
 async fn json_405(req: Request, next: Next) -> Response {
     let method = req.method().to_string();
     let res = next.run(req).await;
     if res.status() != axum::http::StatusCode::METHOD_NOT_ALLOWED {
         return res;
     }
-    let allow = res.headers().get(header::ALLOW).cloned();
-    let mut out = ApiError::MethodNotAllowed {
-        method,
-        allow: allow
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("other methods")
-            .to_string(),
-    }
-    .into_response();
-    if let Some(a) = allow {
-        out.headers_mut().insert(header::ALLOW, a);
-    }
-    out
+    ApiError::MethodNotAllowed(method).into_response()
 }
 
 /// Refuses a body whose declared length is over the limit before reading any of it.
@@ -108,6 +95,27 @@ pub fn too_large(state: &AppState) -> ApiError {
     ApiError::TooLarge {
         bytes: state.config().max_body,
         mb: state.config().max_body_mb,
+    }
+}
+
+/// The sandbox id of a route's path. An id axum cannot take (not UTF-8 once percent-decoded,
+/// like `%ff`) is this API's JSON 400 instead of axum's plain-text one.
+pub struct SandboxId(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(id)) => Ok(SandboxId(id)),
+            Err(e) => Err(ApiError::BadRequest(format!(
+                "the sandbox id in the path cannot be read: {}",
+                e.body_text()
+            ))),
+        }
     }
 }
 

@@ -1,13 +1,14 @@
 //! Read-outs: egress refusals and usage per sandbox (filled by the egress stack, issue 5), and
 //! `/metrics`.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
+use super::SandboxId;
 use crate::error::ApiError;
 use crate::registry::SandboxEntry;
 use crate::state::AppState;
@@ -43,7 +44,7 @@ pub fn usage_json(e: &SandboxEntry) -> Value {
 
 async fn egress(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     Ok(Json(egress_json(&e)))
@@ -51,7 +52,7 @@ async fn egress(
 
 async fn usage(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     Ok(Json(usage_json(&e)))

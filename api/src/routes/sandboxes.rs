@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -12,7 +12,7 @@ use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::ApiJson;
+use super::{ApiJson, SandboxId};
 use crate::error::ApiError;
 use crate::registry::{self, EgressSpec, SandboxEntry};
 use crate::state::AppState;
@@ -336,7 +336,7 @@ async fn list(State(state): State<AppState>) -> Json<Value> {
 
 async fn show(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     let mut v = summary(&e);
@@ -347,7 +347,7 @@ async fn show(
 
 async fn delete(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<StatusCode, ApiError> {
     registry::delete(&state, &id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -355,7 +355,7 @@ async fn delete(
 
 async fn keepalive(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<StatusCode, ApiError> {
     let e = state.registry().get(&id)?;
     e.ensure_alive()?;

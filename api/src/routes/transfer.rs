@@ -3,7 +3,7 @@
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Query, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::put;
@@ -11,7 +11,7 @@ use http_body_util::BodyExt;
 use sandbox_protocol::client::{Download, Upload};
 use serde::Deserialize;
 
-use super::{channel_body, too_large};
+use super::{SandboxId, channel_body, too_large};
 use crate::error::ApiError;
 use crate::registry::{SandboxEntry, count};
 use crate::state::AppState;
@@ -64,7 +64,7 @@ fn query<T: serde::de::DeserializeOwned>(
 
 async fn put_archive(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     q: Result<Query<ArchiveQuery>, axum::extract::rejection::QueryRejection>,
     req: Request,
 ) -> Result<StatusCode, ApiError> {
@@ -85,7 +85,7 @@ async fn put_archive(
 
 async fn put_file(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
     req: Request,
 ) -> Result<StatusCode, ApiError> {
@@ -152,7 +152,7 @@ async fn stream_in(
 
 async fn get_archive(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     q: Result<Query<ArchiveQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = query(q)?;
@@ -166,7 +166,7 @@ async fn get_archive(
 
 async fn get_file(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = query(q)?;
