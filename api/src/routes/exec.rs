@@ -15,7 +15,7 @@ use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ApiJson, SandboxId, channel_body};
+use super::{ApiJson, SandboxId, channel_body, integral_present};
 use crate::error::ApiError;
 use crate::registry::count;
 use crate::state::AppState;
@@ -38,7 +38,7 @@ struct ExecBody {
     /// Base64 of the bytes to send to stdin (then stdin is closed).
     #[serde(default)]
     stdin: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "integral_present")]
     timeout_ms: Option<u64>,
 }
 
@@ -155,4 +155,23 @@ async fn exec(
         Body::new(body),
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by schemathesis: `"timeout_ms": 751.0` is the integer 751 and was refused.
+    #[test]
+    fn timeout_written_as_a_float_is_accepted() {
+        let b: ExecBody =
+            serde_json::from_value(json!({"command": "true", "timeout_ms": 751.0})).unwrap();
+        assert_eq!(b.timeout_ms, Some(751));
+        let b: ExecBody = serde_json::from_value(json!({"command": "true"})).unwrap();
+        assert_eq!(b.timeout_ms, None);
+        assert!(
+            serde_json::from_value::<ExecBody>(json!({"command": "true", "timeout_ms": 0.5}))
+                .is_err()
+        );
+    }
 }

@@ -12,7 +12,7 @@ use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiJson, SandboxId};
+use super::{ApiJson, SandboxId, integral};
 use crate::error::ApiError;
 use crate::registry::{self, EgressSpec, SandboxEntry};
 use crate::state::AppState;
@@ -41,11 +41,12 @@ pub fn router() -> Router<AppState> {
 #[serde(deny_unknown_fields)]
 struct CreateRequest {
     run_id: String,
+    #[serde(deserialize_with = "integral")]
     time_limit_ms: u64,
     review: bool,
-    #[serde(default = "default_memory")]
+    #[serde(default = "default_memory", deserialize_with = "integral")]
     memory_mib: u32,
-    #[serde(default = "default_vcpus")]
+    #[serde(default = "default_vcpus", deserialize_with = "integral")]
     vcpus: u8,
     #[serde(default)]
     image: Option<String>,
@@ -393,6 +394,29 @@ mod tests {
         ] {
             assert!(!valid_host_pattern(bad), "{bad}");
         }
+    }
+
+    fn create_request(body: Value) -> Result<CreateRequest, String> {
+        serde_json::from_value(body).map_err(|e| e.to_string())
+    }
+
+    /// Found by schemathesis: `"time_limit_ms": 452.0` is the integer 452 (JSON Schema's
+    /// `integer`), and was refused as a float.
+    #[test]
+    fn integers_written_as_floats_are_accepted() {
+        let r = create_request(json!({"run_id": "r", "time_limit_ms": 452.0, "review": false,
+            "memory_mib": 256.0, "vcpus": 1e0}))
+        .unwrap();
+        assert_eq!((r.time_limit_ms, r.memory_mib, r.vcpus), (452, 256, 1));
+        for bad in [json!(452.5), json!(-1), json!(-1.0), json!(1e30), json!("452")] {
+            let e = create_request(json!({"run_id": "r", "time_limit_ms": bad, "review": false}))
+                .unwrap_err();
+            assert!(e.contains("invalid"), "{bad}: {e}");
+        }
+        let e = create_request(json!({"run_id": "r", "time_limit_ms": 1, "review": false,
+            "vcpus": 256.0}))
+        .unwrap_err();
+        assert!(e.contains("256"), "{e}");
     }
 
     #[test]
