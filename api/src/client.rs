@@ -204,7 +204,11 @@ pub async fn exec(id: String, argv: Vec<String>, timeout_ms: Option<u64>) -> Exi
         Ok(t) => t,
         Err(e) => return fail(e),
     };
-    let body = serde_json::json!({ "argv": argv, "timeout_ms": timeout_ms });
+    // Without a timeout the field is left out: the API refuses `null` for it.
+    let mut body = serde_json::json!({ "argv": argv });
+    if let Some(t) = timeout_ms {
+        body["timeout_ms"] = t.into();
+    }
     let resp = match t
         .request(
             Method::POST,

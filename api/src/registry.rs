@@ -25,7 +25,7 @@ pub struct SecretSpec {
     /// Hosts that may receive it.
     pub hosts: Vec<String>,
     /// Request headers the placeholder is replaced in (default `authorization`, `x-api-key`).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::routes::present")]
     pub headers: Option<Vec<String>>,
 }
 
@@ -54,7 +54,7 @@ pub struct EgressSpec {
     #[serde(default)]
     pub meter: Vec<String>,
     /// `"all"`: every allowed TLS connection is intercepted, not only secret and meter hosts.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::routes::present")]
     pub intercept: Option<InterceptMode>,
     /// Refuse a model call to a meter or secret host whose usage the meter could not read.
     #[serde(default)]

@@ -15,7 +15,7 @@ use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ApiJson, SandboxId, channel_body, integral_present};
+use super::{ApiJson, SandboxId, channel_body, integral_present, present};
 use crate::error::ApiError;
 use crate::registry::count;
 use crate::state::AppState;
@@ -27,16 +27,16 @@ pub fn router() -> Router<AppState> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExecBody {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     argv: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     command: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     cwd: Option<String>,
     #[serde(default)]
     env: BTreeMap<String, String>,
     /// Base64 of the bytes to send to stdin (then stdin is closed).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     stdin: Option<String>,
     #[serde(default, deserialize_with = "integral_present")]
     timeout_ms: Option<u64>,
@@ -173,5 +173,23 @@ mod tests {
             serde_json::from_value::<ExecBody>(json!({"command": "true", "timeout_ms": 0.5}))
                 .is_err()
         );
+    }
+
+    /// Found by schemathesis: `"timeout_ms": null` (and null for argv, command, cwd, stdin) was
+    /// taken for a missing field, where the document allows only the field's type.
+    #[test]
+    fn null_is_refused_for_optional_fields() {
+        for body in [
+            json!({"argv": null, "command": "true"}),
+            json!({"command": null, "argv": ["true"]}),
+            json!({"command": "true", "cwd": null}),
+            json!({"command": "true", "stdin": null}),
+            json!({"command": "true", "timeout_ms": null}),
+        ] {
+            let e = serde_json::from_value::<ExecBody>(body.clone()).unwrap_err();
+            assert!(e.to_string().contains("invalid type: null"), "{body}: {e}");
+        }
+        let b: ExecBody = serde_json::from_value(json!({"argv": ["true"]})).unwrap();
+        assert!(b.command.is_none() && b.cwd.is_none() && b.stdin.is_none());
     }
 }

@@ -146,6 +146,17 @@ where
     }
 }
 
+/// For an optional field (`#[serde(default, deserialize_with = "present")]`): left out it is
+/// `None`, and `null` is refused like any other wrong type (`invalid type: null, expected ...`),
+/// as `docs/openapi.json` says: a field is given with its type, or left out for its default.
+pub fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
 /// A whole number however JSON writes it: `452`, `452.0` or `4.52e2` are the same integer (as
 /// JSON Schema's `integer` says; a client computing in floating point sends `452.0`). A fraction,
 /// or a number out of the field's range, is refused naming the value.
@@ -161,14 +172,18 @@ where
             .filter(|f| f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(f))
             .map(|f| f as u64)
     });
-    let range = || Error::custom(format!("invalid value: {n}, expected a whole number in range"));
+    let range = || {
+        Error::custom(format!(
+            "invalid value: {n}, expected a whole number in range"
+        ))
+    };
     let Some(whole) = whole else {
         return Err(range());
     };
     T::try_from(whole).map_err(|_| range())
 }
 
-/// [`integral`] for an optional field: left out it is `None`.
+/// [`integral`] for an optional field: left out it is `None`; `null` is refused.
 pub fn integral_present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
 where
     D: serde::Deserializer<'de>,

@@ -12,7 +12,7 @@ use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiJson, SandboxId, integral};
+use super::{ApiJson, SandboxId, integral, present};
 use crate::error::ApiError;
 use crate::registry::{self, EgressSpec, SandboxEntry};
 use crate::state::AppState;
@@ -48,11 +48,11 @@ struct CreateRequest {
     memory_mib: u32,
     #[serde(default = "default_vcpus", deserialize_with = "integral")]
     vcpus: u8,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     image: Option<String>,
     #[serde(default)]
     env: BTreeMap<String, String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     harness_version: Option<String>,
     #[serde(default)]
     egress: EgressSpec,
@@ -404,11 +404,19 @@ mod tests {
     /// `integer`), and was refused as a float.
     #[test]
     fn integers_written_as_floats_are_accepted() {
-        let r = create_request(json!({"run_id": "r", "time_limit_ms": 452.0, "review": false,
-            "memory_mib": 256.0, "vcpus": 1e0}))
+        let r = create_request(
+            json!({"run_id": "r", "time_limit_ms": 452.0, "review": false,
+            "memory_mib": 256.0, "vcpus": 1e0}),
+        )
         .unwrap();
         assert_eq!((r.time_limit_ms, r.memory_mib, r.vcpus), (452, 256, 1));
-        for bad in [json!(452.5), json!(-1), json!(-1.0), json!(1e30), json!("452")] {
+        for bad in [
+            json!(452.5),
+            json!(-1),
+            json!(-1.0),
+            json!(1e30),
+            json!("452"),
+        ] {
             let e = create_request(json!({"run_id": "r", "time_limit_ms": bad, "review": false}))
                 .unwrap_err();
             assert!(e.contains("invalid"), "{bad}: {e}");
@@ -417,6 +425,30 @@ mod tests {
             "vcpus": 256.0}))
         .unwrap_err();
         assert!(e.contains("256"), "{e}");
+    }
+
+    /// `null` for an optional field is refused like any other wrong type, in the egress settings
+    /// too (the exec body's null was found by schemathesis; these are the same rule).
+    #[test]
+    fn null_is_refused_for_optional_fields() {
+        let base = json!({"run_id": "r", "time_limit_ms": 1, "review": false});
+        for (field, value) in [
+            ("image", json!(null)),
+            ("harness_version", json!(null)),
+            ("memory_mib", json!(null)),
+            ("egress", json!({"intercept": null})),
+            (
+                "egress",
+                json!({"secrets": [{"env": "K", "value": "v", "hosts": ["a.com"], "headers": null}]}),
+            ),
+        ] {
+            let mut body = base.clone();
+            body[field] = value;
+            let e = create_request(body).unwrap_err();
+            assert!(e.contains("invalid type: null"), "{field}: {e}");
+        }
+        let r = create_request(base).unwrap();
+        assert!(r.image.is_none() && r.harness_version.is_none());
     }
 
     #[test]
