@@ -46,6 +46,10 @@ pub enum ApiError {
     /// A path in the guest that does not exist.
     #[error("{0}")]
     NotFound(String),
+    /// The guest's kernel refused a path as the guest's files are now (a directory where a file
+    /// was asked for, a file where a directory was, a read-only or kernel file system).
+    #[error("{0}")]
+    PathRefused(String),
     /// The sandbox's VM is gone.
     #[error("the sandbox's VM stopped: {0}")]
     VmDied(String),
@@ -71,6 +75,7 @@ impl ApiError {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::PathRefused(_) => (StatusCode::CONFLICT, "path_refused"),
             ApiError::VmDied(_) => (StatusCode::GONE, "vm_died"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::NoCapacity(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),

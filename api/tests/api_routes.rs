@@ -401,6 +401,67 @@ async fn every_route_and_its_bad_input() {
         .await;
     let v: Value = serde_json::from_slice(&b).unwrap();
     assert_eq!((s, v["code"].as_str()), (507, Some("no_space")), "{v}");
+    // Found by schemathesis: the archive of `/` answered 200, then broke midway in /proc.
+    for path in ["/", "/proc", "/workspace/../sys/kernel"] {
+        let (s, b) = h
+            .req(
+                "GET",
+                &format!("/v1/sandboxes/{id}/archive?path={path}"),
+                vec![],
+                &[],
+            )
+            .await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (400, Some("bad_request")),
+            "{path}: {v}"
+        );
+        assert!(
+            v["error"].as_str().unwrap().contains("/proc or /sys"),
+            "{v}"
+        );
+    }
+    // Found by schemathesis: an archive upload with no body was extracted as nothing (204).
+    let (s, b) = h
+        .req(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/archive?path=/workspace/empty"),
+            vec![],
+            &[],
+        )
+        .await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, v["code"].as_str()), (400, Some("bad_request")), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("body is empty"),
+        "{v}"
+    );
+    // Found by schemathesis: a path too long for the guest came back as 500 (its ENAMETOOLONG).
+    for path in [
+        format!("/{}", "n".repeat(256)),
+        format!("/{}", "d/".repeat(2048)),
+    ] {
+        for method in ["GET", "PUT"] {
+            for route in ["files", "archive"] {
+                let (s, b) = h
+                    .req(
+                        method,
+                        &format!("/v1/sandboxes/{id}/{route}?path={path}"),
+                        vec![],
+                        &[],
+                    )
+                    .await;
+                let v: Value = serde_json::from_slice(&b).unwrap();
+                assert_eq!(
+                    (s, v["code"].as_str()),
+                    (400, Some("bad_request")),
+                    "{method} {route}: {v}"
+                );
+                assert!(v["error"].as_str().unwrap().contains("too long"), "{v}");
+            }
+        }
+    }
 
     // --- files --------------------------------------------------------------------------
     let (s, _) = h
@@ -422,6 +483,42 @@ async fn every_route_and_its_bad_input() {
         .await;
     assert_eq!((s, back.len()), (200, 300_000));
     assert!(back.iter().all(|&b| b == 7));
+    // Found by schemathesis: a path the guest refuses as its files are now (a directory where
+    // a file is asked for, a file where a directory is) came back as 500 internal.
+    for (method, path) in [
+        ("PUT", "/workspace/deep"),
+        ("GET", "/workspace/deep/new/file.bin/x"),
+        ("PUT", "/workspace/deep/new/file.bin/x"),
+    ] {
+        let (s, b) = h
+            .req(
+                method,
+                &format!("/v1/sandboxes/{id}/files?path={path}"),
+                b"x".to_vec(),
+                &[],
+            )
+            .await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (409, Some("path_refused")),
+            "{method} {path}: {v}"
+        );
+        assert!(
+            v["error"].as_str().unwrap().contains("/workspace/deep"),
+            "{v}"
+        );
+    }
+    // A file may be empty (an archive may not).
+    let (s, _) = h
+        .req(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/empty.txt"),
+            vec![],
+            &[],
+        )
+        .await;
+    assert_eq!(s, 204);
     let (out, _, _) = h.exec(&id, "stat -c %a /workspace/deep/new/file.bin").await;
     assert_eq!(out, b"750\n");
     let (s, v) = h

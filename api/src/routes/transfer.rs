@@ -8,7 +8,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::put;
 use http_body_util::BodyExt;
-use sandbox_protocol::client::{Download, Upload};
+use sandbox_protocol::client::{ClientError, Download, Upload};
+use sandbox_protocol::message::code;
 use serde::Deserialize;
 
 use super::{SandboxId, channel_body, too_large};
@@ -45,10 +46,73 @@ fn workspace() -> String {
     "/workspace".into()
 }
 
+/// Longest path the guest's kernel takes (PATH_MAX less its NUL), and longest name in it.
+const PATH_MAX_BYTES: usize = 4095;
+const NAME_MAX_BYTES: usize = 255;
+
 fn absolute(path: &str) -> Result<&str, ApiError> {
-    if !path.starts_with('/') || path.contains('\0') || path.len() > 4096 {
+    let shown = || path.chars().take(200).collect::<String>();
+    if !path.starts_with('/') || path.contains('\0') {
         return Err(ApiError::BadRequest(format!(
             "path `{}` is not an absolute path",
+            shown()
+        )));
+    }
+    // Checked here: the guest would fail it as an I/O error (ENAMETOOLONG), a 500.
+    if path.len() > PATH_MAX_BYTES || path.split('/').any(|n| n.len() > NAME_MAX_BYTES) {
+        return Err(ApiError::BadRequest(format!(
+            "path `{}…` is too long: a path has at most {PATH_MAX_BYTES} bytes and each name in it \
+             at most {NAME_MAX_BYTES} (UTF-8)",
+            shown()
+        )));
+    }
+    Ok(path)
+}
+
+/// A failure of the agent on these routes, explained. The agent reports what the guest's kernel
+/// refused for the path (a directory where a file was asked for or the other way round, a
+/// read-only or kernel file system, no permission, a name that grows too long inside an archive)
+/// as `io`. That depends on what is in the guest now, not on the request alone, and is not a
+/// failure of the host: 409 `path_refused`, with the agent's message, which names the path and the
+/// kernel's reason. A VM that died is still 410.
+async fn explain(entry: &SandboxEntry, e: ClientError) -> ApiError {
+    match e {
+        ClientError::Agent(m) if m.code == code::IO => ApiError::PathRefused(format!(
+            "the guest refused the path: {}; check what is at that path in the sandbox",
+            m.message
+        )),
+        e => entry.explain(e).await,
+    }
+}
+
+/// `Ok` as it is, or the failure [`explain`]ed.
+async fn checked<T>(entry: &SandboxEntry, r: Result<T, ClientError>) -> Result<T, ApiError> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(e) => Err(explain(entry, e).await),
+    }
+}
+
+/// A directory that can be read as a tar stream: not `/` and nothing in /proc or /sys (the path
+/// taken as written, `.` and `..` resolved). Those are the kernel's file systems: their files do
+/// not hold what their sizes say, and entries vanish while they are read, so the stream broke
+/// midway after its 200 (or, in /proc, never ended).
+fn archivable(path: &str) -> Result<&str, ApiError> {
+    let mut names: Vec<&str> = vec![];
+    for n in path.split('/') {
+        match n {
+            "" | "." => {}
+            ".." => {
+                names.pop();
+            }
+            n => names.push(n),
+        }
+    }
+    if matches!(names.first(), None | Some(&"proc") | Some(&"sys")) {
+        return Err(ApiError::BadRequest(format!(
+            "`{}` is or holds /proc or /sys, the kernel's file systems, which cannot be read as \
+             an archive (their files change while they are read); archive a directory below /, \
+             such as /workspace",
             path.chars().take(200).collect::<String>()
         )));
     }
@@ -71,16 +135,16 @@ async fn put_archive(
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let upload = entry
-        .check(
-            entry
-                .sandbox
-                .client
-                .archive_upload(absolute(&q.path)?)
-                .await,
-        )
-        .await?;
-    stream_in(&state, &entry, upload, req.into_body()).await
+    let upload = checked(
+        &entry,
+        entry
+            .sandbox
+            .client
+            .archive_upload(absolute(&q.path)?)
+            .await,
+    )
+    .await?;
+    stream_in(&state, &entry, upload, req.into_body(), Empty::Refused).await
 }
 
 async fn put_file(
@@ -105,16 +169,24 @@ async fn put_file(
     };
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let upload = entry
-        .check(
-            entry
-                .sandbox
-                .client
-                .file_upload(absolute(&q.path)?, mode)
-                .await,
-        )
-        .await?;
-    stream_in(&state, &entry, upload, req.into_body()).await
+    let upload = checked(
+        &entry,
+        entry
+            .sandbox
+            .client
+            .file_upload(absolute(&q.path)?, mode)
+            .await,
+    )
+    .await?;
+    stream_in(&state, &entry, upload, req.into_body(), Empty::Allowed).await
+}
+
+/// Whether an upload may have no bytes: a file may be empty, an archive may not (no bytes are
+/// not a tar stream: the body was left out).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Empty {
+    Allowed,
+    Refused,
 }
 
 /// Copies a request body into an upload, counting against the body limit as it goes (for bodies
@@ -124,6 +196,7 @@ async fn stream_in(
     entry: &std::sync::Arc<SandboxEntry>,
     mut upload: Upload,
     mut body: Body,
+    empty: Empty,
 ) -> Result<StatusCode, ApiError> {
     let _busy = entry.busy();
     let max = state.config().max_body;
@@ -139,14 +212,22 @@ async fn stream_in(
             // Dropping the upload cancels it in the guest.
             return Err(too_large(state));
         }
-        entry.check(upload.write(&data).await).await?;
+        checked(entry, upload.write(&data).await).await?;
         count(
             &entry.counters.bytes_in,
             &state.metrics().bytes_in,
             data.len() as u64,
         );
     }
-    entry.check(upload.finish().await).await?;
+    if total == 0 && empty == Empty::Refused {
+        // Dropping the upload cancels it in the guest: nothing was extracted.
+        return Err(ApiError::BadRequest(
+            "the request body is empty: send the archive as a tar or tar.gz stream \
+             (Content-Type: application/x-tar or application/gzip)"
+                .into(),
+        ));
+    }
+    checked(entry, upload.finish().await).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -158,9 +239,8 @@ async fn get_archive(
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
     entry.ensure_alive()?;
-    let dl = entry
-        .check(entry.sandbox.client.get_archive(absolute(&q.path)?).await)
-        .await?;
+    let path = archivable(absolute(&q.path)?)?;
+    let dl = checked(&entry, entry.sandbox.client.get_archive(path).await).await?;
     stream_out(state, entry, dl, "application/x-tar").await
 }
 
@@ -187,7 +267,7 @@ async fn stream_out(
 ) -> Result<Response, ApiError> {
     let first = match dl.next_chunk().await {
         Some(Ok(b)) => Some(b),
-        Some(Err(e)) => return Err(entry.explain(e).await),
+        Some(Err(e)) => return Err(explain(&entry, e).await),
         None => None,
     };
     let (tx, body) = channel_body(4);
@@ -219,4 +299,59 @@ async fn stream_out(
         }
     });
     Ok(([(header::CONTENT_TYPE, content_type)], Body::new(body)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by schemathesis: a path of 4096 bytes, or one with a name over 255 bytes, went to
+    /// the guest, whose ENAMETOOLONG came back as 500 internal.
+    /// Found by schemathesis: GET archive of `/` answered 200, then the stream broke when the
+    /// agent reached a process that had gone from /proc.
+    #[test]
+    fn root_proc_and_sys_are_not_archived() {
+        for bad in [
+            "/",
+            "//",
+            "/.",
+            "/proc",
+            "/proc/1",
+            "/sys/",
+            "/workspace/../proc",
+            "/a/../..",
+        ] {
+            assert!(archivable(bad).is_err(), "{bad}");
+        }
+        for ok in [
+            "/workspace",
+            "/dev",
+            "/etc/../workspace",
+            "/procfs",
+            "/a/proc",
+        ] {
+            assert_eq!(archivable(ok).unwrap(), ok);
+        }
+    }
+
+    #[test]
+    fn paths_too_long_for_the_guest_are_bad_requests() {
+        let name = "n".repeat(255);
+        assert!(absolute(&format!("/{name}")).is_ok());
+        let long = format!("/{}", [name.as_str(); 16].join("/"));
+        assert_eq!(long.len(), 4096);
+        assert!(absolute(&long[..4095]).is_ok());
+        for bad in [
+            long.clone(),
+            format!("/{name}n"),
+            format!("/a/{}/b", "é".repeat(128)),
+        ] {
+            let e = absolute(&bad).unwrap_err();
+            assert!(
+                matches!(&e, ApiError::BadRequest(m) if m.contains("too long")),
+                "{e}"
+            );
+        }
+        assert!(absolute("relative").is_err() && absolute("/a\0b").is_err());
+    }
 }
