@@ -173,6 +173,15 @@ mod tests {
             serde_json::from_value::<ExecBody>(json!({"command": "true", "timeout_ms": 0.5}))
                 .is_err()
         );
+        // Found by schemathesis: 2^64 (18446744073709551616) was taken as u64::MAX.
+        let max: ExecBody =
+            serde_json::from_str(r#"{"command": "true", "timeout_ms": 18446744073709551615}"#)
+                .unwrap();
+        assert_eq!(max.timeout_ms, Some(u64::MAX));
+        for over in ["18446744073709551616", "1.8446744073709552e19", "1e20"] {
+            let body = format!(r#"{{"command": "true", "timeout_ms": {over}}}"#);
+            assert!(serde_json::from_str::<ExecBody>(&body).is_err(), "{over}");
+        }
     }
 
     /// Found by schemathesis: `"timeout_ms": null` (and null for argv, command, cwd, stdin) was

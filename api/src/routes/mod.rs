@@ -169,7 +169,8 @@ where
     let n = serde_json::Number::deserialize(d)?;
     let whole = n.as_u64().or_else(|| {
         n.as_f64()
-            .filter(|f| f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(f))
+            // `u64::MAX as f64` is 2^64, one past the range.
+            .filter(|f| f.fract() == 0.0 && (0.0..u64::MAX as f64).contains(f))
             .map(|f| f as u64)
     });
     let range = || {
