@@ -71,7 +71,7 @@ fn bad(msg: impl Into<String>) -> ApiError {
 }
 
 fn validate(r: &CreateRequest) -> Result<(), ApiError> {
-    if r.run_id.trim().is_empty() || r.run_id.len() > 200 {
+    if r.run_id.trim().is_empty() || r.run_id.chars().count() > 200 {
         return Err(bad("run_id must be 1 to 200 characters"));
     }
     if r.time_limit_ms == 0 || r.time_limit_ms > 7 * 24 * 3600 * 1000 {
@@ -449,6 +449,18 @@ mod tests {
         }
         let r = create_request(base).unwrap();
         assert!(r.image.is_none() && r.harness_version.is_none());
+    }
+
+    /// Found writing the document's patterns: run_id's 200 was counted in bytes, while the
+    /// message and the document (maxLength) count characters.
+    #[test]
+    fn run_id_is_measured_in_characters() {
+        let r = |id: String| {
+            create_request(json!({"run_id": id, "time_limit_ms": 1, "review": false})).unwrap()
+        };
+        assert!(validate(&r("é".repeat(200))).is_ok());
+        assert!(validate(&r("é".repeat(201))).is_err());
+        assert!(validate(&r(" \t".into())).is_err());
     }
 
     #[test]
