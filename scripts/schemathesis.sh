@@ -44,7 +44,7 @@ if [ ! -f "$venv/.installed" ]; then
   if ! "$venv/bin/pip" install --quiet --disable-pip-version-check --timeout 20 --retries 2 \
       --constraint "$root/scripts/schemathesis-constraints.txt" "schemathesis==$version" >&2; then
     rm -rf "$venv"
-    fail_install "pip could not fetch it from PyPI (see pip's message above); check the network or the proxy settings (HTTPS_PROXY)"
+    fail_install "pip could not fetch it from PyPI (pip's messages say why); check the network or the proxy settings (HTTPS_PROXY)"
   fi
   touch "$venv/.installed"
 fi

@@ -79,8 +79,14 @@ fn schemathesis_installed(dir: &Path) -> bool {
     match code {
         Some(0) => true,
         Some(3) | None => {
+            // The script's own last line says why; pip's messages above it say more.
+            let reason = said
+                .lines()
+                .rev()
+                .find_map(|l| l.strip_prefix("[schemathesis.sh] cannot install "))
+                .unwrap_or("");
             let why = format!(
-                "schemathesis could not be installed from PyPI by scripts/schemathesis.sh{}: {}",
+                "schemathesis could not be installed by scripts/schemathesis.sh{}: {reason}\n{}",
                 if code.is_none() { " in time" } else { "" },
                 said.trim()
             );
