@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages sandbox-host needs to build its guest kernel and images and to run
 # its QEMU backend, and the user `sandbox-host` that the service runs as in the documented setup
-# (with subordinate ids for its VMs' jails). Safe to run again: it adds only what is missing.
+# (with subordinate ids for its VMs' jails), and python3-venv for scripts/schemathesis.sh (the API
+# contract test). Safe to run again: it adds only what is missing.
 set -euo pipefail
 
 need=()
@@ -9,7 +10,7 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok ins
 
 # Packages from the main suite.
 for p in qemu-system-x86 qemu-utils seabios busybox-static cpio flex bison bc make gcc libelf-dev libssl-dev \
-         xz-utils e2fsprogs python3 git debootstrap openssl uidmap; do
+         xz-utils e2fsprogs python3 python3-venv git debootstrap openssl uidmap; do
   have "$p" || need+=("$p")
 done
 # The guest kernel source lives in bookworm-backports (linux-source-6.12).
