@@ -189,9 +189,20 @@ async fn every_response_matches_the_document() {
                 .map(|(n, _)| n.to_string())
         })
         .unwrap_or_else(|| "?".into());
+    // The sandbox above is one of the boots; the others are generated creates.
+    let boots = counter(&m, "sandbox_host_boots_total");
     eprintln!(
-        "contract: {operations} operations, {cases} test cases, 0 failures, {secs} s (schemathesis)"
+        "contract: {operations} operations, {cases} test cases, 0 failures, {secs} s \
+         (schemathesis), {boots} VMs booted"
     );
+    // Its phases and summary, for the log.
+    for l in report
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .skip_while(|l| !l.contains("Examples (in"))
+    {
+        eprintln!("  {l}");
+    }
 
     // Every sandbox, the generated ones too, goes with the service.
     h.signal("TERM");
