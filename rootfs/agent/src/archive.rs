@@ -104,7 +104,7 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
         let path = entry.path().map_err(|e| bad_archive(&e))?.into_owned();
         check_entry(&entry, &path)?;
         done.entries += 1;
-        done.bytes = done.bytes.saturating_add(entry.size());
+        done.bytes = done.bytes.saturating_add(content_size(&entry, &path));
         if done.bytes > room.bytes || done.entries > room.inodes {
             return Err((
                 code::NO_SPACE,
@@ -138,6 +138,22 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
         }
     }
     Ok(done)
+}
+
+/// Bytes of file content an entry writes: its size for a file, 0 for the rest (a directory's,
+/// a link's or a symlink's size is skipped by the reader, never written).
+fn content_size<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> u64 {
+    let h = entry.header();
+    let file = matches!(h.entry_type(), EntryType::Regular | EntryType::Continuous);
+    // The tar crate unpacks a non-ustar "file" whose name ends in `/` as a directory, and skips
+    // an entry whose path names the target itself (empty, `.`, `/`).
+    let dir_by_name = h.as_ustar().is_none() && entry.path_bytes().ends_with(b"/");
+    let names_something = path.components().any(|c| matches!(c, Component::Normal(_)));
+    if file && !dir_by_name && names_something {
+        entry.size()
+    } else {
+        0
+    }
 }
 
 fn bad_archive(e: &io::Error) -> Failure {
@@ -331,6 +347,40 @@ mod tests {
         let done = unpack(&gz.finish().unwrap()[..], dir.path()).unwrap();
         assert_eq!(done.entries, 3);
         assert_eq!(fs::read(dir.path().join("d/link")).unwrap(), b"hello");
+    }
+
+    /// Found by the agent_archive fuzz target: a symlink header claiming a size counted that
+    /// size as file content written (Done says "bytes of file content written").
+    #[test]
+    fn fuzz_agent_archive_done_counts_only_file_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = tar_with(|b| {
+            let mut h = header(EntryType::Symlink, 0);
+            h.set_link_name("target").unwrap();
+            raw_path(&mut h, "link");
+            h.set_size(1);
+            h.set_cksum();
+            b.append(&h, &b"x"[..]).unwrap();
+            let mut h = header(EntryType::Directory, 0);
+            raw_path(&mut h, "d");
+            h.set_size(3);
+            h.set_cksum();
+            b.append(&h, &b"abc"[..]).unwrap();
+            let mut h = header(EntryType::Regular, 5);
+            raw_path(&mut h, "dir-by-name/");
+            b.append(&h, &b"hello"[..]).unwrap();
+            let mut h = header(EntryType::Regular, 4);
+            b.append_data(&mut h, "f", &b"file"[..]).unwrap();
+            // Found next: a file with an empty name, which the tar crate skips.
+            let mut h = tar::Header::new_ustar();
+            h.set_entry_type(EntryType::Regular);
+            h.set_size(1);
+            h.set_cksum();
+            b.append(&h, &b"y"[..]).unwrap();
+        });
+        let done = unpack(&data[..], dir.path()).unwrap();
+        assert_eq!(done, Done { entries: 5, bytes: 4 });
+        assert!(dir.path().join("dir-by-name").is_dir());
     }
 
     #[test]
