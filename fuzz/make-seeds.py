@@ -262,4 +262,93 @@ put("tcp_stack", "http", tcp_session(1, bytes([1, 0, 0x11]) + struct.pack(">hhH"
 put("tcp_stack", "tls-splice", tcp_session(2, bytes([1, 0, 0x04]) + struct.pack(">hhH", 0, 0, 0) + bytes([0, 0, 0])))
 put("tcp_stack", "syn-before-dns", bytes([1, 1, 0x02]) + struct.pack(">hhH", 0, 0, 0xFFFF) + bytes([0, 0, 0, 4, 5]))
 put("tcp_stack", "out-of-window", tcp_session(3, bytes([2, 0, 0x18]) + struct.pack(">hhH", -3000, 4000, 1) + bytes([8, 3]) + struct.pack(">H", 40) + b"x" * 40 + bytes([0, 4, 15])))
+
+# agent_archive: tar streams in the target's encoding (see its build()): byte 0 the mode (bits 0-1:
+# 3 = raw bytes, else built entries; 4 gzip; 8 gzip cut short; 0x10 no end blocks; 0x20 target
+# already there), then entries: type byte (low 4 bits index TYPES, bits 4-5 the header format,
+# 0x40 bad checksum, 0x80 a size lie), path, link name (links only), mode, mtime, data.
+ARCHIVE_TYPES = {"0": 0, "5": 2, "2": 3, "1": 5, "3": 7, "4": 8, "6": 9, "7": 10, "L": 11, "K": 12, "x": 13, "S": 14}
+ARCHIVE_PARTS = ["a", "b", "c", ".", "..", "", "out", "bait", "a", "..", "baitdir", "f"]
+
+
+def archive_name(name):
+    """A path: components of ARCHIVE_PARTS when it is made of them, else raw bytes."""
+    if isinstance(name, list):
+        return bytes([len(name)] + [ARCHIVE_PARTS.index(p) for p in name])
+    raw = name.encode()
+    assert len(raw) < 64
+    return bytes([0xC0 | len(raw)]) + raw
+
+
+def archive_entry(kind, name, link=None, mode=0o644, data=b"", lie=None):
+    b = bytes([ARCHIVE_TYPES[kind] | (0x80 if lie is not None else 0)]) + archive_name(name)
+    if kind in "12":
+        b += archive_name(link)
+    b += struct.pack("<HB", mode, 0x40)
+    if kind in "LK":
+        b += archive_name(data)
+    elif kind == "x":
+        b += archive_name(data) + bytes([0])
+    else:
+        b += bytes([len(data)]) + data
+    if lie is not None:
+        b += bytes([lie])
+    return b
+
+
+# The shapes of the agent's own archive tests: a tree with a directory, a file, a symlink and a
+# hard link (plain and gzip); inner symlinks; the refused kinds.
+tree = (archive_entry("5", "d/", mode=0o755) + archive_entry("0", "d/file", data=b"hello")
+        + archive_entry("2", "d/link", link="file") + archive_entry("1", "d/hard", link="d/file")
+        + archive_entry("0", "d/exec", mode=0o4755, data=b"#!/bin/sh\n"))
+put("agent_archive", "tree", b"\x00" + tree)
+put("agent_archive", "tree-gz", b"\x04" + tree)
+put("agent_archive", "tree-gz-cut", b"\x0c" + tree)
+put("agent_archive", "inner-symlinks", b"\x20" + archive_entry("0", "d/file", data=b"hello")
+    + archive_entry("2", "d/link", link="file") + archive_entry("2", "up", link="d/../d/file"))
+put("agent_archive", "dictionary", b"\x00" + archive_entry("5", ["a"]) + archive_entry("2", ["a", "b"], link=["."])
+    + archive_entry("0", ["a", "b", "f"], data=b"x") + archive_entry("1", ["c"], link=["a", "f"]))
+for name, entry in {"parent": archive_entry("0", "../evil", data=b"x"), "absolute": archive_entry("0", "/etc/evil"),
+                    "symlink-out": archive_entry("2", "sub/link", link="../../etc"), "device": archive_entry("3", "dev"),
+                    "hard-link-out": archive_entry("1", "h", link="../bait"), "fifo": archive_entry("6", "fifo")}.items():
+    put("agent_archive", "refused-" + name, b"\x00" + archive_entry("0", "ok", data=b"ok") + entry)
+put("agent_archive", "long-names", b"\x00" + archive_entry("L", "x", data="d/" + "n" * 60) + archive_entry("0", "short", data=b"long")
+    + archive_entry("x", "y", data="p/" + "q" * 50) + archive_entry("2", "z", link="target"))
+put("agent_archive", "size-lies", b"\x10" + archive_entry("0", "big", data=b"abc", lie=2) + archive_entry("5", "dir", data=b"abc", lie=0))
+
+# The compact encoding (mode 0x40): two bytes an entry, kind (file, dir, symlink, hard link) and
+# an index into the target's PATHS, then an index into LINKS and a data length.
+def compact(kind, path, link=0, length=0):
+    return bytes([kind | path << 2, link | length << 4])
+
+
+put("agent_archive", "compact", b"\x40" + compact(1, 0) + compact(0, 3, 0, 5) + compact(2, 1, 2) + compact(3, 2, 5))
+
+
+def real_tar(fmt, gz=False):
+    """A tar written by Python's tarfile (what a client might upload), as raw input (mode 3)."""
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w", format=fmt) as t:
+        def add(name, kind, data=b"", link="", mode=0o644):
+            i = tarfile.TarInfo(name)
+            i.type, i.size, i.linkname, i.mode, i.mtime = kind, len(data), link, mode, 1700000000
+            t.addfile(i, io.BytesIO(data) if data else None)
+        add("./", tarfile.DIRTYPE, mode=0o755)
+        add("./src/", tarfile.DIRTYPE, mode=0o755)
+        add("./src/main.rs", tarfile.REGTYPE, b"fn main() {}\n")
+        add("./src/" + "long" * 30 + ".txt", tarfile.REGTYPE, b"long name\n")
+        add("./latest", tarfile.SYMTYPE, link="src/main.rs")
+        add("./again", tarfile.LNKTYPE, link="./src/main.rs")
+    data = buf.getvalue()
+    if not gz:
+        # tarfile pads to a 10 KiB record: keep the two end blocks only.
+        data = data.rstrip(b"\0")
+        data += bytes(-len(data) % 512 + 1024)
+    return data
+
+
+put("agent_archive", "python-gnu", b"\x03" + real_tar(1))  # tarfile.GNU_FORMAT
+put("agent_archive", "python-pax-gz", b"\x03" + real_tar(2, gz=True))  # tarfile.PAX_FORMAT
 print("seeds written to", os.path.join(HERE, "seeds"))
