@@ -351,4 +351,47 @@ def real_tar(fmt, gz=False):
 
 put("agent_archive", "python-gnu", b"\x03" + real_tar(1))  # tarfile.GNU_FORMAT
 put("agent_archive", "python-pax-gz", b"\x03" + real_tar(2, gz=True))  # tarfile.PAX_FORMAT
+# agent_server: a host's sessions in the target's op encoding (see its session()): byte 0 seeds
+# the write chunks (0: each frame whole), then ops. Streams are picked by a byte (0-6 that id);
+# words by a length and letters (0 = "a" ... 35 = "9"); programs by index into its PROGRAMS
+# (0 cat, 1 echo WORD, 2 exit 3, 3 sleep, 4 100 KB out, 5 1.2 MB out, 6 stderr), 0x10 stdin,
+# 0x20 a timeout.
+def sw(w):
+    return bytes([len(w)] + ["abcdefghijklmnopqrstuvwxyz0123456789".index(c) for c in w])
+
+
+def s_exec(stream, how, w="", timeout=None):
+    return bytes([1, stream, how]) + sw(w) + (bytes([timeout]) if timeout is not None else b"")
+
+
+def s_data(op, stream, data):
+    return bytes([op, stream, len(data)]) + data
+
+
+def s_window(stream, sel, value=0):
+    return bytes([5, stream, sel]) + (struct.pack("<I", value) if sel == 3 else b"")
+
+
+WAIT = bytes([15, 10])
+put("agent_server", "ping", b"\x00" + bytes([0, 0, 0, 1]))
+put("agent_server", "exec-cat-stdin", b"\x00" + s_exec(1, 0x10) + s_data(2, 1, b"hello\n") + s_data(2, 1, b"") + WAIT + s_window(1, 2))
+put("agent_server", "exec-cat-split", b"\x05" + s_exec(1, 0x10) + s_data(2, 1, b"hello\n") + WAIT + bytes([4, 1, 25]) + s_data(2, 1, b""))
+put("agent_server", "exec-echo", b"\x00" + s_exec(2, 1, "hi") + WAIT)
+put("agent_server", "exec-100k", b"\x00" + s_exec(1, 4) + WAIT + WAIT + WAIT)
+put("agent_server", "exec-window", b"\x00" + s_exec(1, 5) + WAIT + s_window(1, 3, 100000) + WAIT + s_window(1, 1) + WAIT)
+put("agent_server", "exec-timeout", b"\x00" + s_exec(3, 0x23, timeout=10) + WAIT + WAIT)
+put("agent_server", "exec-signal-cancel", b"\x00" + s_exec(1, 0x10) + s_exec(2, 0x10) + WAIT + bytes([4, 1, 19]) + bytes([4, 2, 200]) + bytes([6, 2]) + WAIT)
+put("agent_server", "exec-stderr-shell", b"\x00" + s_exec(1, 6) + s_exec(2, 0x80) + s_exec(3, 0xC0, "ab") + s_exec(0, 1) + WAIT)
+put("agent_server", "file-put-get", b"\x00" + bytes([9, 1]) + sw("f") + struct.pack("<H", 0o645) + s_data(3, 1, b"hello") + s_data(3, 1, b"") + WAIT
+    + bytes([10, 2]) + sw("f") + WAIT + bytes([10, 3]) + sw(""))
+tar_entries = bytes([2, 1]) + sw("d") + bytes([0xED]) + bytes([0]) + sw("x") + bytes([0xA4, 5]) + b"hello"
+put("agent_server", "archive-put-get", b"\x00" + bytes([11, 1]) + sw("t") + bytes([15]) + tar_entries + WAIT + bytes([12, 2]) + sw("t") + WAIT)
+put("agent_server", "archive-put-split", b"\x09" + bytes([11, 1]) + sw("t") + bytes([0x82]) + tar_entries + bytes([6, 1]) + WAIT)
+put("agent_server", "garbage", b"\x07" + bytes([13, 10]) + b"noise SBX0" + bytes([14, 2, 1, 0, 5]) + b"abcde" + bytes([0, 1])
+    + bytes([8, 0x81, 1, 3]) + b"{}x" + bytes([8, 0x42, 0, 0]) + bytes([7, 1, 0, 3, 1, 2, 3]) + bytes([14, 1, 0, 3, 2]) + b"xy" + bytes([0, 2]))
+# A longer session: files, an archive, execs with stdin, signals, windows and garbage together.
+put("agent_server", "session", b"\x0b" + bytes([0, 0]) + bytes([9, 1]) + sw("f") + struct.pack("<H", 0o755) + s_data(3, 1, b"#!/bin/sh\n")
+    + s_data(3, 1, b"") + bytes([11, 2]) + sw("t") + bytes([3]) + tar_entries + s_exec(3, 0x10) + s_data(2, 3, b"abc" * 20)
+    + bytes([13, 6]) + b"SBX0zz" + s_window(3, 0) + bytes([4, 3, 28]) + WAIT + s_exec(4, 1, "word") + bytes([12, 5]) + sw("")
+    + bytes([10, 6]) + sw("f") + s_exec(3, 0x10) + bytes([6, 3]) + s_exec(3, 0x10) + s_data(2, 3, b"") + WAIT + bytes([14, 2, 4, 2, 0]))
 print("seeds written to", os.path.join(HERE, "seeds"))
