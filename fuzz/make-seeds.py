@@ -330,7 +330,7 @@ def real_tar(fmt, gz=False):
     import io
     import tarfile
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w", format=fmt) as t:
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
         def add(name, kind, data=b"", link="", mode=0o644):
             i = tarfile.TarInfo(name)
             i.type, i.size, i.linkname, i.mode, i.mtime = kind, len(data), link, mode, 1700000000
@@ -341,11 +341,12 @@ def real_tar(fmt, gz=False):
         add("./src/" + "long" * 30 + ".txt", tarfile.REGTYPE, b"long name\n")
         add("./latest", tarfile.SYMTYPE, link="src/main.rs")
         add("./again", tarfile.LNKTYPE, link="./src/main.rs")
-    data = buf.getvalue()
-    if not gz:
-        # tarfile pads to a 10 KiB record: keep the two end blocks only.
-        data = data.rstrip(b"\0")
-        data += bytes(-len(data) % 512 + 1024)
+    # tarfile pads to a 10 KiB record: keep the two end blocks only.
+    data = buf.getvalue().rstrip(b"\0")
+    data += bytes(-len(data) % 512 + 1024)
+    if gz:
+        import gzip
+        data = gzip.compress(data, mtime=0)  # no timestamp: the seed stays the same
     return data
 
 
