@@ -96,18 +96,31 @@ const LINKS: [&str; 16] = [
 fn build_compact(input: &mut Input, trailer: bool) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for _ in 0..MAX_ENTRIES {
-        let (Some(x), Some(y)) = (input.byte(), input.byte()) else { break };
-        let kind = [EntryType::Regular, EntryType::Directory, EntryType::Symlink, EntryType::Link]
-            [usize::from(x & 3)];
+        let (Some(x), Some(y)) = (input.byte(), input.byte()) else {
+            break;
+        };
+        let kind = [
+            EntryType::Regular,
+            EntryType::Directory,
+            EntryType::Symlink,
+            EntryType::Link,
+        ][usize::from(x & 3)];
         let mut h = tar::Header::new_gnu();
         h.set_entry_type(kind);
         h.set_mode(if x & 0x40 != 0 { 0o6755 } else { 0o755 });
-        let n = if kind == EntryType::Regular { usize::from(y >> 4) } else { 0 };
+        let n = if kind == EntryType::Regular {
+            usize::from(y >> 4)
+        } else {
+            0
+        };
         let data = vec![b'x'; n];
         h.set_size(n as u64);
         let path = PATHS[usize::from((x >> 2) & 15)];
         let r = if matches!(kind, EntryType::Symlink | EntryType::Link) {
-            put_raw(&mut h.as_old_mut().linkname, LINKS[usize::from(y & 15)].as_bytes());
+            put_raw(
+                &mut h.as_old_mut().linkname,
+                LINKS[usize::from(y & 15)].as_bytes(),
+            );
             put_raw(&mut h.as_old_mut().name, path.as_bytes());
             h.set_cksum();
             b.append(&h, &[][..])
@@ -210,7 +223,10 @@ struct Node {
 fn node(p: &Path, m: &fs::Metadata) -> Node {
     let ft = m.file_type();
     let (kind, content) = if ft.is_symlink() {
-        ("symlink", fs::read_link(p).unwrap().as_os_str().as_bytes().to_vec())
+        (
+            "symlink",
+            fs::read_link(p).unwrap().as_os_str().as_bytes().to_vec(),
+        )
     } else if ft.is_dir() {
         ("dir", vec![])
     } else if ft.is_file() {
@@ -251,7 +267,17 @@ fn outside(d: &Path, out: &Path) -> BTreeMap<PathBuf, Node> {
     let mut map: BTreeMap<_, _> = all.iter().map(|(p, m)| (p.clone(), node(p, m))).collect();
     // `d` itself: its mode (its times change as `out` is created in it).
     let m = fs::symlink_metadata(d).unwrap();
-    map.insert(d.to_path_buf(), Node { kind: "dir", mode: m.mode(), size: 0, mtime: (0, 0), ino: (m.dev(), m.ino()), content: vec![] });
+    map.insert(
+        d.to_path_buf(),
+        Node {
+            kind: "dir",
+            mode: m.mode(),
+            size: 0,
+            mtime: (0, 0),
+            ino: (m.dev(), m.ino()),
+            content: vec![],
+        },
+    );
     map
 }
 
@@ -309,20 +335,38 @@ fn scan(tar_bytes: &[u8]) -> Scan {
     let mut entries = vec![];
     let mut ar = tar::Archive::new(tar_bytes);
     let Ok(it) = ar.entries() else {
-        return Scan { entries, complete: false };
+        return Scan {
+            entries,
+            complete: false,
+        };
     };
     for e in it {
         let Ok(e) = e else {
-            return Scan { entries, complete: false };
+            return Scan {
+                entries,
+                complete: false,
+            };
         };
         let Ok(p) = e.path() else {
-            return Scan { entries, complete: false };
+            return Scan {
+                entries,
+                complete: false,
+            };
         };
         // An old header whose name ends in `/` is unpacked as a directory.
         let slash_dir = e.header().as_ustar().is_none() && e.path_bytes().ends_with(b"/");
-        entries.push((p.display().to_string(), normal(&p), e.header().entry_type(), e.size(), slash_dir));
+        entries.push((
+            p.display().to_string(),
+            normal(&p),
+            e.header().entry_type(),
+            e.size(),
+            slash_dir,
+        ));
     }
-    Scan { entries, complete: true }
+    Scan {
+        entries,
+        complete: true,
+    }
 }
 
 /// Unpacks on a thread whose root is `d` (as root) or straight into `d/out` (otherwise).
@@ -352,7 +396,10 @@ fn unpack(d: &Path, stream: Vec<u8>) -> Result<Done, (&'static str, String)> {
 fn scratch() -> tempfile::TempDir {
     static SHM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *SHM.get_or_init(|| Path::new("/dev/shm").is_dir()) {
-        if let Ok(d) = tempfile::Builder::new().prefix("agent-archive-").tempdir_in("/dev/shm") {
+        if let Ok(d) = tempfile::Builder::new()
+            .prefix("agent-archive-")
+            .tempdir_in("/dev/shm")
+        {
             return d;
         }
     }
@@ -384,7 +431,9 @@ fn check(data: &[u8]) {
     // What the agent's reader gets out of the stream (gzip sniffed as it does).
     let plain = if stream.starts_with(&[0x1f, 0x8b]) {
         let mut v = vec![];
-        let _ = flate2::read::GzDecoder::new(&stream[..]).take(64 << 20).read_to_end(&mut v);
+        let _ = flate2::read::GzDecoder::new(&stream[..])
+            .take(64 << 20)
+            .read_to_end(&mut v);
         v
     } else {
         stream.clone()
@@ -402,15 +451,22 @@ fn check(data: &[u8]) {
         fs::create_dir(&out).unwrap();
     }
     let before = outside(&d, &out);
-    let outside_inodes: HashSet<(u64, u64)> =
-        before.iter().filter(|(_, n)| n.kind != "dir").map(|(_, n)| n.ino).collect();
+    let outside_inodes: HashSet<(u64, u64)> = before
+        .iter()
+        .filter(|(_, n)| n.kind != "dir")
+        .map(|(_, n)| n.ino)
+        .collect();
 
     let result = unpack(&d, stream);
     if std::env::var_os("AGENT_ARCHIVE_DEBUG").is_some() {
         eprintln!("{result:?}");
     }
 
-    assert_eq!(outside(&d, &out), before, "something outside the target changed ({result:?})");
+    assert_eq!(
+        outside(&d, &out),
+        before,
+        "something outside the target changed ({result:?})"
+    );
     let mut inside = vec![];
     if out.is_dir() {
         walk(&out, None, &mut inside);
@@ -452,8 +508,15 @@ fn check(data: &[u8]) {
 
     match &result {
         Ok(done) => {
-            assert!(scanned.complete, "the agent accepted an archive its tar reader refuses: {done:?}");
-            assert_eq!(done.entries, scanned.entries.len() as u64, "Done counts other entries than the archive has");
+            assert!(
+                scanned.complete,
+                "the agent accepted an archive its tar reader refuses: {done:?}"
+            );
+            assert_eq!(
+                done.entries,
+                scanned.entries.len() as u64,
+                "Done counts other entries than the archive has"
+            );
             let content: u64 = scanned
                 .entries
                 .iter()
@@ -463,24 +526,50 @@ fn check(data: &[u8]) {
                         && e.1.as_ref().is_some_and(|n| !n.as_os_str().is_empty())
                 })
                 .fold(0u64, |a, e| a.saturating_add(e.3));
-            assert_eq!(done.bytes, content, "Done counts other bytes than the archive's file content");
-            assert!(disk <= done.bytes, "{disk} bytes on disk, Done says {}", done.bytes);
-            let links = scanned.entries.iter().any(|e| matches!(e.2, EntryType::Symlink | EntryType::Link));
+            assert_eq!(
+                done.bytes, content,
+                "Done counts other bytes than the archive's file content"
+            );
+            assert!(
+                disk <= done.bytes,
+                "{disk} bytes on disk, Done says {}",
+                done.bytes
+            );
+            let links = scanned
+                .entries
+                .iter()
+                .any(|e| matches!(e.2, EntryType::Symlink | EntryType::Link));
             let mut seen = HashSet::new();
-            let distinct = scanned.entries.iter().all(|e| e.1.as_ref().is_some_and(|n| seen.insert(n.clone())));
+            let distinct = scanned
+                .entries
+                .iter()
+                .all(|e| e.1.as_ref().is_some_and(|n| seen.insert(n.clone())));
             if !links && distinct {
-                assert_eq!(disk, done.bytes, "the files on disk hold other bytes than Done says");
+                assert_eq!(
+                    disk, done.bytes,
+                    "the files on disk hold other bytes than Done says"
+                );
             }
         }
         Err((c, msg)) => {
             // An entry refused by name was not written: when nothing before it in the archive
             // names the same path (or a path under it) and no link before it can alias it.
-            let named = msg.strip_prefix("entry `").or_else(|| msg.strip_prefix("link entry `"));
-            if let (true, Some(rest)) = ([code::UNSAFE_ARCHIVE, code::BAD_REQUEST].contains(c), named) {
+            let named = msg
+                .strip_prefix("entry `")
+                .or_else(|| msg.strip_prefix("link entry `"));
+            if let (true, Some(rest)) =
+                ([code::UNSAFE_ARCHIVE, code::BAD_REQUEST].contains(c), named)
+            {
                 let shown = &rest[..rest.find('`').unwrap_or(rest.len())];
-                let at: Vec<usize> = (0..scanned.entries.len()).filter(|&i| scanned.entries[i].0 == shown).collect();
+                let at: Vec<usize> = (0..scanned.entries.len())
+                    .filter(|&i| scanned.entries[i].0 == shown)
+                    .collect();
                 if let [i] = at[..] {
-                    if let Some(n) = scanned.entries[i].1.clone().filter(|n| !n.as_os_str().is_empty()) {
+                    if let Some(n) = scanned.entries[i]
+                        .1
+                        .clone()
+                        .filter(|n| !n.as_os_str().is_empty())
+                    {
                         let earlier = &scanned.entries[..i];
                         let aliased = earlier.iter().any(|e| {
                             matches!(e.2, EntryType::Symlink | EntryType::Link)

@@ -62,7 +62,14 @@ const MAX_EXECS: usize = 12;
 fn dangerous(kind: u8) -> bool {
     matches!(
         Kind::from_u8(kind),
-        Some(Kind::Exec | Kind::FilePut | Kind::ArchivePut | Kind::ArchiveGet | Kind::FileGet | Kind::Shutdown)
+        Some(
+            Kind::Exec
+                | Kind::FilePut
+                | Kind::ArchivePut
+                | Kind::ArchiveGet
+                | Kind::FileGet
+                | Kind::Shutdown
+        )
     )
 }
 
@@ -85,7 +92,11 @@ fn word(input: &mut Input, empty_ok: bool) -> String {
         .iter()
         .map(|b| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[usize::from(*b) % 36]))
         .collect();
-    if w.is_empty() && !empty_ok { "f".into() } else { w }
+    if w.is_empty() && !empty_ok {
+        "f".into()
+    } else {
+        w
+    }
 }
 
 /// The watchdog: aborts the process (a crash libFuzzer keeps) when a deadline passes.
@@ -106,12 +117,14 @@ fn reaper() -> &'static Reaper {
         // main is not Rust's), so writing to a process that exited is EPIPE, not death.
         // SAFETY: setting a signal's disposition to SIG_IGN has no memory preconditions.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-        std::thread::spawn(|| loop {
-            std::thread::sleep(Duration::from_millis(50));
-            if let Some((at, what)) = *DEADLINE.lock().unwrap() {
-                if Instant::now() > at {
-                    eprintln!("agent_server watchdog: {what}");
-                    std::process::abort();
+        std::thread::spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_millis(50));
+                if let Some((at, what)) = *DEADLINE.lock().unwrap() {
+                    if Instant::now() > at {
+                        eprintln!("agent_server watchdog: {what}");
+                        std::process::abort();
+                    }
                 }
             }
         });
@@ -142,7 +155,10 @@ impl Session {
     fn frame(&mut self, kind: impl Into<u8>, stream: u32, payload: Vec<u8>) {
         let f = Frame::new(kind, stream, payload);
         if let Some(k) = Kind::from_u8(f.kind) {
-            if matches!(k, Kind::Exec | Kind::FilePut | Kind::ArchivePut | Kind::ArchiveGet | Kind::FileGet) {
+            if matches!(
+                k,
+                Kind::Exec | Kind::FilePut | Kind::ArchivePut | Kind::ArchiveGet | Kind::FileGet
+            ) {
                 *self.opens.entry(stream).or_default() += 1;
             }
             if k == Kind::Window && f.payload.len() == 4 {
@@ -224,7 +240,13 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
                 s.execs += 1;
                 let argv: Vec<String> = PROGRAMS[usize::from(how) % PROGRAMS.len()]
                     .iter()
-                    .map(|a| if *a == "WORD" { w.clone() } else { (*a).to_owned() })
+                    .map(|a| {
+                        if *a == "WORD" {
+                            w.clone()
+                        } else {
+                            (*a).to_owned()
+                        }
+                    })
                     .collect();
                 let mut req = ExecRequest {
                     stdin: how & 0x10 != 0,
@@ -251,7 +273,11 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
                 s.json(Kind::Exec, id, &req);
             }
             2 | 3 => {
-                let kind = if op % 16 == 2 { Kind::Stdin } else { Kind::Data };
+                let kind = if op % 16 == 2 {
+                    Kind::Stdin
+                } else {
+                    Kind::Data
+                };
                 let id = stream(input);
                 let n = usize::from(input.byte().unwrap_or(0));
                 let data = defuse(input.bytes(n));
@@ -290,7 +316,11 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
             7 => {
                 let id = stream(input);
                 if input.byte().unwrap_or(0) & 1 == 0 {
-                    s.json(Kind::Error, id, &ErrorMessage::new("cancelled", word(input, true)));
+                    s.json(
+                        Kind::Error,
+                        id,
+                        &ErrorMessage::new("cancelled", word(input, true)),
+                    );
                 } else {
                     let n = usize::from(input.byte().unwrap_or(0) % 64);
                     let p = defuse(input.bytes(n));
@@ -313,12 +343,23 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
                 let id = stream(input);
                 let name = word(input, false);
                 let mode = input.u16_le().filter(|m| m & 1 == 1).map(u32::from);
-                s.json(Kind::FilePut, id, &FilePut { path: path(&name), mode });
+                s.json(
+                    Kind::FilePut,
+                    id,
+                    &FilePut {
+                        path: path(&name),
+                        mode,
+                    },
+                );
             }
             10 | 12 => {
                 let id = stream(input);
                 let name = word(input, true);
-                let kind = if op % 16 == 10 { Kind::FileGet } else { Kind::ArchiveGet };
+                let kind = if op % 16 == 10 {
+                    Kind::FileGet
+                } else {
+                    Kind::ArchiveGet
+                };
                 s.json(kind, id, &PathRequest { path: path(&name) });
             }
             11 => {
@@ -412,10 +453,19 @@ fn children() -> Vec<(u32, String)> {
     let me = std::process::id();
     let mut out = vec![];
     for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else { continue };
-        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
-        let ppid = after.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok());
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let ppid = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
         // libFuzzer keeps a symbolizer running (for NEW_FUNC lines): not the agent's.
         let symbolizer = stat.contains("(llvm-symbolizer)") || stat.contains("(addr2line)");
         if ppid == Some(me) && !symbolizer {
@@ -427,7 +477,10 @@ fn children() -> Vec<(u32, String)> {
 
 fn pipe() -> (File, File) {
     let (r, w) = std::io::pipe().unwrap();
-    (File::from(std::os::fd::OwnedFd::from(r)), File::from(std::os::fd::OwnedFd::from(w)))
+    (
+        File::from(std::os::fd::OwnedFd::from(r)),
+        File::from(std::os::fd::OwnedFd::from(w)),
+    )
 }
 
 /// Every path under `d` with its kind, size and content (files), `skip` excluded.
@@ -439,7 +492,11 @@ fn state(d: &Path, skip: &Path) -> BTreeMap<PathBuf, (bool, u64, Vec<u8>)> {
             continue;
         }
         let meta = fs::symlink_metadata(&p).unwrap();
-        let content = if meta.is_file() { fs::read(&p).unwrap() } else { vec![] };
+        let content = if meta.is_file() {
+            fs::read(&p).unwrap()
+        } else {
+            vec![]
+        };
         m.insert(p, (meta.is_dir(), meta.len(), content));
     }
     m
@@ -451,7 +508,11 @@ fn check(data: &[u8]) {
     let seed = input.byte().unwrap_or(0);
     let dir = tempfile::Builder::new()
         .prefix("agent-server-")
-        .tempdir_in(if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" })
+        .tempdir_in(if Path::new("/dev/shm").is_dir() {
+            "/dev/shm"
+        } else {
+            "/tmp"
+        })
         .unwrap();
     let d = dir.path().canonicalize().unwrap();
     let scratch = d.join("s");
@@ -486,8 +547,14 @@ fn check(data: &[u8]) {
 
     let (agent_reads, mut host_writes) = pipe();
     let (mut host_reads, agent_writes) = pipe();
-    let conn = Conn { reader: agent_reads, writer: agent_writes };
-    arm(Duration::from_secs(8), "writing the session to the agent took over 8 s");
+    let conn = Conn {
+        reader: agent_reads,
+        writer: agent_writes,
+    };
+    arm(
+        Duration::from_secs(8),
+        "writing the session to the agent took over 8 s",
+    );
     let server = std::thread::spawn(move || {
         sandbox_agent::serve(conn, &ChannelSpec::Vsock(1024), reaper);
     });
@@ -504,10 +571,16 @@ fn check(data: &[u8]) {
             };
             d.push(&buf[..n]);
             while let Some(r) = d.next_frame() {
-                frames.push(r.unwrap_or_else(|e| panic!("the agent sent bytes that do not decode: {e}")));
+                frames.push(
+                    r.unwrap_or_else(|e| panic!("the agent sent bytes that do not decode: {e}")),
+                );
             }
         }
-        assert_eq!(d.pending(), 0, "the agent's output ends in the middle of a frame");
+        assert_eq!(
+            d.pending(),
+            0,
+            "the agent's output ends in the middle of a frame"
+        );
         frames
     });
     for g in &segs {
@@ -520,23 +593,35 @@ fn check(data: &[u8]) {
             Seg::Wait(ms) => std::thread::sleep(Duration::from_millis(*ms)),
         }
     }
-    arm(END_WITHIN, "the agent's streams did not end within 5 s of the host closing its side");
+    arm(
+        END_WITHIN,
+        "the agent's streams did not end within 5 s of the host closing its side",
+    );
     drop(host_writes);
-    server.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-    let frames = reader.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+    server
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e));
+    let frames = reader
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e));
     disarm();
 
     if std::env::var_os("AGENT_SERVER_DEBUG").is_some() {
         for f in &frames {
             let p = &f.payload;
-            let shown = if p.len() > 120 { format!("{} bytes", p.len()) } else { String::from_utf8_lossy(p).into_owned() };
+            let shown = if p.len() > 120 {
+                format!("{} bytes", p.len())
+            } else {
+                String::from_utf8_lossy(p).into_owned()
+            };
             eprintln!("agent: {:#04x} stream {} {shown}", f.kind, f.stream);
         }
     }
     // What the agent sent.
     let mut sent: HashMap<u32, u64> = HashMap::new();
     for f in &frames {
-        let kind = Kind::from_u8(f.kind).unwrap_or_else(|| panic!("the agent sent kind {:#x}", f.kind));
+        let kind =
+            Kind::from_u8(f.kind).unwrap_or_else(|| panic!("the agent sent kind {:#x}", f.kind));
         let p = &f.payload[..];
         match kind {
             Kind::Ready => drop(serde_json::from_slice::<Ready>(p).unwrap()),
@@ -553,7 +638,10 @@ fn check(data: &[u8]) {
     for (id, n) in &sent {
         let allowed = s.opens.get(id).copied().unwrap_or(0) * u64::from(INITIAL_WINDOW)
             + s.grants.get(id).copied().unwrap_or(0);
-        assert!(n <= &allowed, "the agent sent {n} bytes on stream {id}, the host granted {allowed}");
+        assert!(
+            n <= &allowed,
+            "the agent sent {n} bytes on stream {id}, the host granted {allowed}"
+        );
     }
 
     // No child left (killed ones may wait a moment for the reaper).
@@ -563,10 +651,17 @@ fn check(data: &[u8]) {
         if left.is_empty() {
             break;
         }
-        assert!(Instant::now() < until, "child processes outlived the input: {left:?}");
+        assert!(
+            Instant::now() < until,
+            "child processes outlived the input: {left:?}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(state(&d, &scratch), before, "something beside the scratch directory changed");
+    assert_eq!(
+        state(&d, &scratch),
+        before,
+        "something beside the scratch directory changed"
+    );
     drop(dir);
 }
 
