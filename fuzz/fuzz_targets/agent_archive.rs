@@ -391,21 +391,6 @@ fn unpack(d: &Path, stream: Vec<u8>) -> Result<Done, (&'static str, String)> {
     .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }
 
-/// A fresh scratch directory, on tmpfs where there is one (/dev/shm): creating and removing
-/// thousands of inodes a second on ext4 costs more than the unpack itself.
-fn scratch() -> tempfile::TempDir {
-    static SHM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *SHM.get_or_init(|| Path::new("/dev/shm").is_dir()) {
-        if let Ok(d) = tempfile::Builder::new()
-            .prefix("agent-archive-")
-            .tempdir_in("/dev/shm")
-        {
-            return d;
-        }
-    }
-    tempfile::tempdir().unwrap()
-}
-
 fn check(data: &[u8]) {
     let mut input = Input(data);
     let mode = input.byte().unwrap_or(0);
@@ -440,7 +425,7 @@ fn check(data: &[u8]) {
     };
     let scanned = scan(&plain);
 
-    let dir = scratch();
+    let dir = sandbox_fuzz::scratch_dir("agent-archive");
     let d = dir.path().canonicalize().unwrap();
     let out = d.join("out");
     fs::write(d.join("bait"), b"bait\n").unwrap();

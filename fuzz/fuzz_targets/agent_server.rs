@@ -506,14 +506,7 @@ fn check(data: &[u8]) {
     let reaper = reaper();
     let mut input = Input(data);
     let seed = input.byte().unwrap_or(0);
-    let dir = tempfile::Builder::new()
-        .prefix("agent-server-")
-        .tempdir_in(if Path::new("/dev/shm").is_dir() {
-            "/dev/shm"
-        } else {
-            "/tmp"
-        })
-        .unwrap();
+    let dir = sandbox_fuzz::scratch_dir("agent-server");
     let d = dir.path().canonicalize().unwrap();
     let scratch = d.join("s");
     fs::create_dir(&scratch).unwrap();
