@@ -306,4 +306,137 @@ put("api_requests", "delete", api(3, 4))
 put("api_requests", "no-token", api(0, 3, auth=3))
 put("api_requests", "foreign-host", api(0, 3, auth=8))
 put("api_requests", "id-not-utf8", bytes([0, 2, 3]) + b"%ff" + bytes([4, 0]))
+
+# agent_archive: tar streams in the target's encoding (see its build()): byte 0 the mode (bits 0-1:
+# 3 = raw bytes, else built entries; 4 gzip; 8 gzip cut short; 0x10 no end blocks; 0x20 target
+# already there), then entries: type byte (low 4 bits index TYPES, bits 4-5 the header format,
+# 0x40 bad checksum, 0x80 a size lie), path, link name (links only), mode, mtime, data.
+ARCHIVE_TYPES = {"0": 0, "5": 2, "2": 3, "1": 5, "3": 7, "4": 8, "6": 9, "7": 10, "L": 11, "K": 12, "x": 13, "S": 14}
+ARCHIVE_PARTS = ["a", "b", "c", ".", "..", "", "out", "bait", "a", "..", "baitdir", "f"]
+
+
+def archive_name(name):
+    """A path: components of ARCHIVE_PARTS when it is made of them, else raw bytes."""
+    if isinstance(name, list):
+        return bytes([len(name)] + [ARCHIVE_PARTS.index(p) for p in name])
+    raw = name.encode()
+    assert len(raw) < 64
+    return bytes([0xC0 | len(raw)]) + raw
+
+
+def archive_entry(kind, name, link=None, mode=0o644, data=b"", lie=None):
+    b = bytes([ARCHIVE_TYPES[kind] | (0x80 if lie is not None else 0)]) + archive_name(name)
+    if kind in "12":
+        b += archive_name(link)
+    b += struct.pack("<HB", mode, 0x40)
+    if kind in "LK":
+        b += archive_name(data)
+    elif kind == "x":
+        b += archive_name(data) + bytes([0])
+    else:
+        b += bytes([len(data)]) + data
+    if lie is not None:
+        b += bytes([lie])
+    return b
+
+
+# The shapes of the agent's own archive tests: a tree with a directory, a file, a symlink and a
+# hard link (plain and gzip); inner symlinks; the refused kinds.
+tree = (archive_entry("5", "d/", mode=0o755) + archive_entry("0", "d/file", data=b"hello")
+        + archive_entry("2", "d/link", link="file") + archive_entry("1", "d/hard", link="d/file")
+        + archive_entry("0", "d/exec", mode=0o4755, data=b"#!/bin/sh\n"))
+put("agent_archive", "tree", b"\x00" + tree)
+put("agent_archive", "tree-gz", b"\x04" + tree)
+put("agent_archive", "tree-gz-cut", b"\x0c" + tree)
+put("agent_archive", "inner-symlinks", b"\x20" + archive_entry("0", "d/file", data=b"hello")
+    + archive_entry("2", "d/link", link="file") + archive_entry("2", "up", link="d/../d/file"))
+put("agent_archive", "dictionary", b"\x00" + archive_entry("5", ["a"]) + archive_entry("2", ["a", "b"], link=["."])
+    + archive_entry("0", ["a", "b", "f"], data=b"x") + archive_entry("1", ["c"], link=["a", "f"]))
+for name, entry in {"parent": archive_entry("0", "../evil", data=b"x"), "absolute": archive_entry("0", "/etc/evil"),
+                    "symlink-out": archive_entry("2", "sub/link", link="../../etc"), "device": archive_entry("3", "dev"),
+                    "hard-link-out": archive_entry("1", "h", link="../bait"), "fifo": archive_entry("6", "fifo")}.items():
+    put("agent_archive", "refused-" + name, b"\x00" + archive_entry("0", "ok", data=b"ok") + entry)
+put("agent_archive", "long-names", b"\x00" + archive_entry("L", "x", data="d/" + "n" * 60) + archive_entry("0", "short", data=b"long")
+    + archive_entry("x", "y", data="p/" + "q" * 50) + archive_entry("2", "z", link="target"))
+put("agent_archive", "size-lies", b"\x10" + archive_entry("0", "big", data=b"abc", lie=2) + archive_entry("5", "dir", data=b"abc", lie=0))
+
+# The compact encoding (mode 0x40): two bytes an entry, kind (file, dir, symlink, hard link) and
+# an index into the target's PATHS, then an index into LINKS and a data length.
+def compact(kind, path, link=0, length=0):
+    return bytes([kind | path << 2, link | length << 4])
+
+
+put("agent_archive", "compact", b"\x40" + compact(1, 0) + compact(0, 3, 0, 5) + compact(2, 1, 2) + compact(3, 2, 5))
+
+
+def real_tar(fmt, gz=False):
+    """A tar written by Python's tarfile (what a client might upload), as raw input (mode 3)."""
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+        def add(name, kind, data=b"", link="", mode=0o644):
+            i = tarfile.TarInfo(name)
+            i.type, i.size, i.linkname, i.mode, i.mtime = kind, len(data), link, mode, 1700000000
+            t.addfile(i, io.BytesIO(data) if data else None)
+        add("./", tarfile.DIRTYPE, mode=0o755)
+        add("./src/", tarfile.DIRTYPE, mode=0o755)
+        add("./src/main.rs", tarfile.REGTYPE, b"fn main() {}\n")
+        add("./src/" + "long" * 30 + ".txt", tarfile.REGTYPE, b"long name\n")
+        add("./latest", tarfile.SYMTYPE, link="src/main.rs")
+        add("./again", tarfile.LNKTYPE, link="./src/main.rs")
+    # tarfile pads to a 10 KiB record: keep the two end blocks only.
+    data = buf.getvalue().rstrip(b"\0")
+    data += bytes(-len(data) % 512 + 1024)
+    if gz:
+        import gzip
+        data = gzip.compress(data, mtime=0)  # no timestamp: the seed stays the same
+    return data
+
+
+put("agent_archive", "python-gnu", b"\x03" + real_tar(1))  # tarfile.GNU_FORMAT
+put("agent_archive", "python-pax-gz", b"\x03" + real_tar(2, gz=True))  # tarfile.PAX_FORMAT
+# agent_server: a host's sessions in the target's op encoding (see its session()): byte 0 seeds
+# the write chunks (0: each frame whole), then ops. Streams are picked by a byte (0-6 that id);
+# words by a length and letters (0 = "a" ... 35 = "9"); programs by index into its PROGRAMS
+# (0 cat, 1 echo WORD, 2 exit 3, 3 sleep, 4 100 KB out, 5 1.2 MB out, 6 stderr), 0x10 stdin,
+# 0x20 a timeout.
+def sw(w):
+    return bytes([len(w)] + ["abcdefghijklmnopqrstuvwxyz0123456789".index(c) for c in w])
+
+
+def s_exec(stream, how, w="", timeout=None):
+    return bytes([1, stream, how]) + sw(w) + (bytes([timeout]) if timeout is not None else b"")
+
+
+def s_data(op, stream, data):
+    return bytes([op, stream, len(data)]) + data
+
+
+def s_window(stream, sel, value=0):
+    return bytes([5, stream, sel]) + (struct.pack("<I", value) if sel == 3 else b"")
+
+
+WAIT = bytes([15, 10])
+put("agent_server", "ping", b"\x00" + bytes([0, 0, 0, 1]))
+put("agent_server", "exec-cat-stdin", b"\x00" + s_exec(1, 0x10) + s_data(2, 1, b"hello\n") + s_data(2, 1, b"") + WAIT + s_window(1, 2))
+put("agent_server", "exec-cat-split", b"\x05" + s_exec(1, 0x10) + s_data(2, 1, b"hello\n") + WAIT + bytes([4, 1, 25]) + s_data(2, 1, b""))
+put("agent_server", "exec-echo", b"\x00" + s_exec(2, 1, "hi") + WAIT)
+put("agent_server", "exec-100k", b"\x00" + s_exec(1, 4) + WAIT + WAIT + WAIT)
+put("agent_server", "exec-window", b"\x00" + s_exec(1, 5) + WAIT + s_window(1, 3, 100000) + WAIT + s_window(1, 1) + WAIT)
+put("agent_server", "exec-timeout", b"\x00" + s_exec(3, 0x23, timeout=10) + WAIT + WAIT)
+put("agent_server", "exec-signal-cancel", b"\x00" + s_exec(1, 0x10) + s_exec(2, 0x10) + WAIT + bytes([4, 1, 19]) + bytes([4, 2, 200]) + bytes([6, 2]) + WAIT)
+put("agent_server", "exec-stderr-shell", b"\x00" + s_exec(1, 6) + s_exec(2, 0x80) + s_exec(3, 0xC0, "ab") + s_exec(0, 1) + WAIT)
+put("agent_server", "file-put-get", b"\x00" + bytes([9, 1]) + sw("f") + struct.pack("<H", 0o645) + s_data(3, 1, b"hello") + s_data(3, 1, b"") + WAIT
+    + bytes([10, 2]) + sw("f") + WAIT + bytes([10, 3]) + sw(""))
+tar_entries = bytes([2, 1]) + sw("d") + bytes([0xED]) + bytes([0]) + sw("x") + bytes([0xA4, 5]) + b"hello"
+put("agent_server", "archive-put-get", b"\x00" + bytes([11, 1]) + sw("t") + bytes([15]) + tar_entries + WAIT + bytes([12, 2]) + sw("t") + WAIT)
+put("agent_server", "archive-put-split", b"\x09" + bytes([11, 1]) + sw("t") + bytes([0x82]) + tar_entries + bytes([6, 1]) + WAIT)
+put("agent_server", "garbage", b"\x07" + bytes([13, 10]) + b"noise SBX0" + bytes([14, 2, 1, 0, 5]) + b"abcde" + bytes([0, 1])
+    + bytes([8, 0x81, 1, 3]) + b"{}x" + bytes([8, 0x42, 0, 0]) + bytes([7, 1, 0, 3, 1, 2, 3]) + bytes([14, 1, 0, 3, 2]) + b"xy" + bytes([0, 2]))
+# A longer session: files, an archive, execs with stdin, signals, windows and garbage together.
+put("agent_server", "session", b"\x0b" + bytes([0, 0]) + bytes([9, 1]) + sw("f") + struct.pack("<H", 0o755) + s_data(3, 1, b"#!/bin/sh\n")
+    + s_data(3, 1, b"") + bytes([11, 2]) + sw("t") + bytes([3]) + tar_entries + s_exec(3, 0x10) + s_data(2, 3, b"abc" * 20)
+    + bytes([13, 6]) + b"SBX0zz" + s_window(3, 0) + bytes([4, 3, 28]) + WAIT + s_exec(4, 1, "word") + bytes([12, 5]) + sw("")
+    + bytes([10, 6]) + sw("f") + s_exec(3, 0x10) + bytes([6, 3]) + s_exec(3, 0x10) + s_data(2, 3, b"") + WAIT + bytes([14, 2, 4, 2, 0]))
 print("seeds written to", os.path.join(HERE, "seeds"))

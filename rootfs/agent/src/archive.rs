@@ -1,9 +1,19 @@
 //! Tar archives into and out of a directory.
 //!
 //! Unpacking refuses, before writing anything for that entry: absolute paths, `..` components,
-//! symlinks whose target leaves the directory, hard links to paths outside it, device nodes and
-//! FIFOs, and more bytes or entries than the filesystem has room for. The tar crate's own
-//! `unpack_in` check (no write through a symlink that leaves the directory) runs under ours.
+//! symlinks whose target leaves the directory, hard links to paths outside it or to symlinks,
+//! device nodes and FIFOs, and more bytes or entries than the filesystem has room for. The tar
+//! crate's own `unpack_in` check (no write through a symlink that leaves the directory) runs
+//! under ours.
+//!
+//! A symlink's target is judged where the link really is and against what is on disk, not by
+//! its spelling alone: its `..` components climb from the directory the link is created in (its
+//! path may go through an earlier symlink), and may only follow components that are directories
+//! already (a `..` after a symlink, or after a name a later entry could make a symlink, is
+//! refused). Directories stay directories for the rest of the unpack (the tar crate never
+//! replaces one), so every symlink an archive creates resolves inside the directory. A hard link
+//! to a symlink would copy the symlink into another directory, where its target means something
+//! else: refused.
 
 use std::ffi::CString;
 use std::fs;
@@ -80,6 +90,7 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
         ));
     }
     fs::create_dir_all(dst).map_err(|e| io_error(dst, e))?;
+    let root = fs::canonicalize(dst).map_err(|e| io_error(dst, e))?;
     let mut src = BufReader::with_capacity(64 * 1024, src);
     let gz = src
         .fill_buf()
@@ -102,9 +113,9 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
     for entry in entries {
         let mut entry = entry.map_err(|e| bad_archive(&e))?;
         let path = entry.path().map_err(|e| bad_archive(&e))?.into_owned();
-        check_entry(&entry, &path)?;
+        check_entry(&entry, &path, &root)?;
         done.entries += 1;
-        done.bytes = done.bytes.saturating_add(entry.size());
+        done.bytes = done.bytes.saturating_add(content_size(&entry, &path));
         if done.bytes > room.bytes || done.entries > room.inodes {
             return Err((
                 code::NO_SPACE,
@@ -140,6 +151,22 @@ pub fn unpack(src: impl Read, dst: &Path) -> Result<Done, Failure> {
     Ok(done)
 }
 
+/// Bytes of file content an entry writes: its size for a file, 0 for the rest (a directory's,
+/// a link's or a symlink's size is skipped by the reader, never written).
+fn content_size<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> u64 {
+    let h = entry.header();
+    let file = matches!(h.entry_type(), EntryType::Regular | EntryType::Continuous);
+    // The tar crate unpacks a non-ustar "file" whose name ends in `/` as a directory, and skips
+    // an entry whose path names the target itself (empty, `.`, `/`).
+    let dir_by_name = h.as_ustar().is_none() && entry.path_bytes().ends_with(b"/");
+    let names_something = path.components().any(|c| matches!(c, Component::Normal(_)));
+    if file && !dir_by_name && names_something {
+        entry.size()
+    } else {
+        0
+    }
+}
+
 fn bad_archive(e: &io::Error) -> Failure {
     (
         code::BAD_REQUEST,
@@ -147,8 +174,12 @@ fn bad_archive(e: &io::Error) -> Failure {
     )
 }
 
-/// Refuses entries that could write outside the target or create devices.
-fn check_entry<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<(), Failure> {
+/// Refuses entries that could write outside the target (`root`, canonical) or create devices.
+fn check_entry<R: Read>(
+    entry: &tar::Entry<'_, R>,
+    path: &Path,
+    root: &Path,
+) -> Result<(), Failure> {
     let unsafe_entry = |why: &str| {
         Err((
             code::UNSAFE_ARCHIVE,
@@ -173,7 +204,7 @@ fn check_entry<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<(), Fa
                 return unsafe_entry("is a symlink to an absolute path");
             }
             let base = path.parent().unwrap_or(Path::new(""));
-            if escapes(&base.join(&target)) {
+            if escapes(&base.join(&target)) || !symlink_stays_inside(root, base, &target) {
                 return unsafe_entry("is a symlink pointing outside the directory");
             }
             Ok(())
@@ -182,6 +213,10 @@ fn check_entry<R: Read>(entry: &tar::Entry<'_, R>, path: &Path) -> Result<(), Fa
             let target = link_target(entry, path)?;
             if target.is_absolute() || escapes(&target) {
                 return unsafe_entry("is a hard link to a path outside the directory");
+            }
+            // The tar crate links to `root/target` without following a final symlink.
+            if fs::symlink_metadata(root.join(&target)).is_ok_and(|m| m.file_type().is_symlink()) {
+                return unsafe_entry("is a hard link to a symlink");
             }
             Ok(())
         }
@@ -217,6 +252,57 @@ fn escapes(p: &Path) -> bool {
         }
     }
     false
+}
+
+/// Whether a symlink created in `root/base` with relative `target` resolves inside `root` (which
+/// is canonical), however later entries fill the tree: see the module documentation.
+fn symlink_stays_inside(root: &Path, base: &Path, target: &Path) -> bool {
+    // Where the link will really be: the existing part of `base` resolved, the rest the
+    // directories the tar crate will create.
+    let mut existing = root.to_path_buf();
+    let mut missing = vec![];
+    for c in base.components() {
+        match c {
+            Component::Normal(x)
+                if missing.is_empty() && fs::symlink_metadata(existing.join(x)).is_ok() =>
+            {
+                existing.push(x)
+            }
+            Component::Normal(x) => missing.push(x),
+            Component::CurDir => {}
+            _ => return false,
+        }
+    }
+    let Ok(real) = fs::canonicalize(&existing) else {
+        return false;
+    };
+    let Ok(inside) = real.strip_prefix(root) else {
+        return false;
+    };
+    let mut depth = inside.components().count() + missing.len();
+    let mut at = real.clone();
+    at.extend(missing);
+    // Whether every component so far is a directory (so `..` means its parent, for good).
+    let mut directories = true;
+    for c in target.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if !directories || depth == 0 {
+                    return false;
+                }
+                depth -= 1;
+                at.pop();
+            }
+            Component::Normal(x) => {
+                depth += 1;
+                at.push(x);
+                directories = directories && fs::symlink_metadata(&at).is_ok_and(|m| m.is_dir());
+            }
+            Component::RootDir | Component::Prefix(_) => return false,
+        }
+    }
+    true
 }
 
 /// Free bytes and inodes of the filesystem holding a directory.
@@ -331,6 +417,107 @@ mod tests {
         let done = unpack(&gz.finish().unwrap()[..], dir.path()).unwrap();
         assert_eq!(done.entries, 3);
         assert_eq!(fs::read(dir.path().join("d/link")).unwrap(), b"hello");
+    }
+
+    /// Found by the agent_archive fuzz target: a symlink header claiming a size counted that
+    /// size as file content written (Done says "bytes of file content written").
+    #[test]
+    fn fuzz_agent_archive_done_counts_only_file_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = tar_with(|b| {
+            let mut h = header(EntryType::Symlink, 0);
+            h.set_link_name("target").unwrap();
+            raw_path(&mut h, "link");
+            h.set_size(1);
+            h.set_cksum();
+            b.append(&h, &b"x"[..]).unwrap();
+            let mut h = header(EntryType::Directory, 0);
+            raw_path(&mut h, "d");
+            h.set_size(3);
+            h.set_cksum();
+            b.append(&h, &b"abc"[..]).unwrap();
+            let mut h = header(EntryType::Regular, 5);
+            raw_path(&mut h, "dir-by-name/");
+            b.append(&h, &b"hello"[..]).unwrap();
+            let mut h = header(EntryType::Regular, 4);
+            b.append_data(&mut h, "f", &b"file"[..]).unwrap();
+            // Found next: a file with an empty name, which the tar crate skips.
+            let mut h = tar::Header::new_ustar();
+            h.set_entry_type(EntryType::Regular);
+            h.set_size(1);
+            h.set_cksum();
+            b.append(&h, &b"y"[..]).unwrap();
+        });
+        let done = unpack(&data[..], dir.path()).unwrap();
+        assert_eq!(
+            done,
+            Done {
+                entries: 5,
+                bytes: 4
+            }
+        );
+        assert!(dir.path().join("dir-by-name").is_dir());
+    }
+
+    /// Found by the agent_archive fuzz target: a symlink's `..` judged by its spelling, not
+    /// where it lands. `c/c -> .` made `c/a -> c/../..` (lexically inside) lead to the parent of
+    /// the target; so did `a -> .` then `a/b -> ..` (the link is really in the target itself),
+    /// `s -> q/..` before `q -> .` was created, and a hard link copying `a/s -> ..` to the top.
+    #[test]
+    fn fuzz_agent_archive_symlink_dotdot_after_symlink() {
+        let sym = |b: &mut tar::Builder<Vec<u8>>, path: &str, target: &str| {
+            let mut h = header(EntryType::Symlink, 0);
+            h.set_link_name(target).unwrap();
+            raw_path(&mut h, path);
+            b.append(&h, &[][..]).unwrap();
+        };
+        let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![("c/c", "."), ("c/a", "c/../..")], "c/a"),
+            (vec![("a", "."), ("a/b", "..")], "a/b"),
+            (vec![("s", "q/.."), ("q", ".")], "s"),
+            (vec![("s", "a/b/.."), ("a", ".")], "s"),
+        ];
+        for (links, refused) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let dst = dir.path().join("in");
+            let data = tar_with(|b| {
+                let mut h = header(EntryType::Directory, 0);
+                b.append_data(&mut h, "c", &[][..]).unwrap();
+                for (p, t) in &links {
+                    sym(b, p, t);
+                }
+            });
+            let err = unpack(&data[..], &dst).unwrap_err();
+            assert_eq!(err.0, code::UNSAFE_ARCHIVE, "{links:?}: {err:?}");
+            assert!(
+                err.1.contains(&format!("`{refused}`")),
+                "{links:?}: {err:?}"
+            );
+        }
+        // A hard link to a symlink.
+        let dir = tempfile::tempdir().unwrap();
+        let data = tar_with(|b| {
+            sym(b, "a/s", "..");
+            let mut h = header(EntryType::Link, 0);
+            h.set_link_name("a/s").unwrap();
+            raw_path(&mut h, "t");
+            b.append(&h, &[][..]).unwrap();
+        });
+        let err = unpack(&data[..], dir.path()).unwrap_err();
+        assert_eq!(err.0, code::UNSAFE_ARCHIVE, "{err:?}");
+        assert!(fs::symlink_metadata(dir.path().join("t")).is_err());
+        // What stays allowed: `..` through directories, also from where a symlinked path lands
+        // (the spelling must stay inside too).
+        let dir = tempfile::tempdir().unwrap();
+        let data = tar_with(|b| {
+            let mut h = header(EntryType::Directory, 0);
+            b.append_data(&mut h, "x/y/z", &[][..]).unwrap();
+            sym(b, "p", "x/y/z");
+            sym(b, "p/up", "../z");
+            sym(b, "x/side", "../x/y/../y");
+        });
+        assert_eq!(unpack(&data[..], dir.path()).unwrap().entries, 4);
+        assert!(dir.path().join("x/y/z/up").is_dir());
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub enum ChannelSpec {
 }
 
 impl ChannelSpec {
+    /// Whether this is a virtio-serial port (whose EOF means "host away for now").
     pub fn is_serial(&self) -> bool {
         matches!(self, ChannelSpec::Serial(_))
     }
@@ -50,7 +51,9 @@ impl FromStr for ChannelSpec {
 
 /// An open connection: separate handles for reading and writing the same stream.
 pub struct Conn {
+    /// Frames from the host.
     pub reader: File,
+    /// Frames to the host.
     pub writer: File,
 }
 

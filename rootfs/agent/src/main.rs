@@ -1,31 +1,18 @@
-//! sandbox-agent: the process inside each sandbox guest that serves the host's requests.
+//! sandbox-agent: the process inside each sandbox guest that serves the host's requests (the
+//! binary; the work is in the library, lib.rs).
 //!
 //! It runs as PID 1 of the stock image (after `/init` has mounted the filesystems) or is started
 //! by the full image's init. It opens its channel to the host (a virtio-serial port or a vsock
 //! port, chosen by `sandbox.channel=` on the kernel command line or `--channel`), announces itself
 //! with `READY` and then serves frames until the host asks it to shut down.
 
-mod archive;
-mod boot_marker;
-mod channel;
-mod credit;
-mod exec;
-mod files;
-mod outbox;
-mod reaper;
-mod server;
-mod transfer;
-
 use std::process::ExitCode;
 
-use channel::ChannelSpec;
-
-/// Agent version reported in `READY`.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+use sandbox_agent::{ChannelSpec, Reaper, VERSION};
 
 fn main() -> ExitCode {
     if std::process::id() == 1 {
-        boot_marker::mark();
+        sandbox_agent::mark_boot();
     }
     let spec = match channel_spec() {
         Ok(s) => s,
@@ -34,9 +21,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let reaper = reaper::Reaper::start();
+    let reaper = Reaper::start();
     loop {
-        let conn = match channel::open(&spec) {
+        let conn = match sandbox_agent::open_channel(&spec) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("sandbox-agent: cannot open channel {spec}: {e}; retrying");
@@ -44,7 +31,7 @@ fn main() -> ExitCode {
                 continue;
             }
         };
-        server::serve(conn, &spec, &reaper);
+        sandbox_agent::serve(conn, &spec, &reaper);
         // The host went away (EOF): every stream has been cancelled. Wait for it to come back.
         if spec.is_serial() {
             std::thread::sleep(std::time::Duration::from_millis(50));

@@ -18,6 +18,8 @@ pub enum Status {
     Signaled(i32),
 }
 
+/// The one reaper of the process: a thread in `waitpid(-1)` that hands each child's status to
+/// whoever spawned it through [`Reaper::spawn`]. Cloning it is cheap.
 #[derive(Clone)]
 pub struct Reaper {
     inner: Arc<Inner>,
@@ -36,6 +38,7 @@ struct State {
 }
 
 impl Reaper {
+    /// Starts the reaper thread; once per process, since it reaps every child.
     pub fn start() -> Reaper {
         let inner = Arc::new(Inner {
             state: Mutex::new(State::default()),
@@ -52,7 +55,7 @@ impl Reaper {
 
     /// Spawns `cmd` and returns the child with a receiver for its status. The pid is registered
     /// before the reaper can see it exit, because the reaper needs the same lock to dispatch.
-    pub fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, Receiver<Status>)> {
+    pub(crate) fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, Receiver<Status>)> {
         let mut state = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         let child = cmd.spawn()?;
         let (tx, rx) = sync_channel(1);
