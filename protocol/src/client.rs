@@ -834,6 +834,19 @@ mod tests {
         Frame::new(kind, stream, to_json(payload)).encode()
     }
 
+    /// Returns once the host has routed everything the agent wrote before: frames are routed in
+    /// order, so a READY written last arriving means the rest did.
+    async fn routed(client: &Client, agent: &mut tokio::io::DuplexStream) {
+        let ready = Ready {
+            version: "t".into(),
+            protocol: 1,
+            channel: "t".into(),
+            uptime_ms: 0,
+        };
+        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
+        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+    }
+
     /// Found while writing the protocol_client fuzz target: an agent that kept sending exits (or errors,
     /// or readies) on a stream the host was still holding had every one queued for a reader that
     /// takes only the first.
@@ -860,15 +873,7 @@ mod tests {
             flood.extend(frame(Kind::Exit, 1, &exit));
         }
         agent.write_all(&flood).await.unwrap();
-        // Frames are routed in order: once this Ready is in, the flood has been routed.
-        let ready = Ready {
-            version: "t".into(),
-            protocol: 1,
-            channel: "t".into(),
-            uptime_ms: 0,
-        };
-        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
-        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+        routed(&client, &mut agent).await;
         assert_eq!(exec.output.stream.events.len(), 1, "only the first exit is kept");
         // A writer waiting for window on the ended stream is woken, not left waiting.
         let mut stdin = exec.stdin.expect("stdin was asked for");
@@ -894,14 +899,7 @@ mod tests {
         }
         flood.extend(Frame::new(Kind::Stdout, 1, b"x".to_vec()).encode());
         agent.write_all(&flood).await.unwrap();
-        let ready = Ready {
-            version: "t".into(),
-            protocol: 1,
-            channel: "t".into(),
-            uptime_ms: 0,
-        };
-        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
-        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+        routed(&client, &mut agent).await;
         assert_eq!(exec.output.stream.events.len(), 1, "only the byte is queued");
     }
 }
