@@ -3,7 +3,11 @@
 # its QEMU backend, and the user `sandbox-host` that the service runs as in the documented setup
 # (with subordinate ids for its VMs' jails), and python3-venv for scripts/schemathesis.sh (the API
 # contract test). Safe to run again: it adds only what is missing.
+# --container: also podman and what it needs here (runc, catatonit for --init, the CNI plugins with
+# name resolution between containers), for the container test (tests/container/run.sh).
 set -euo pipefail
+container=0
+[ "${1:-}" = --container ] && container=1
 
 need=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
@@ -13,6 +17,11 @@ for p in qemu-system-x86 qemu-utils seabios busybox-static cpio flex bison bc ma
          xz-utils e2fsprogs python3 python3-venv git debootstrap openssl uidmap; do
   have "$p" || need+=("$p")
 done
+if [ $container -eq 1 ]; then
+  for p in podman runc catatonit containernetworking-plugins golang-github-containernetworking-plugin-dnsname; do
+    have "$p" || need+=("$p")
+  done
+fi
 # The guest kernel source lives in bookworm-backports (linux-source-6.12).
 have linux-source-6.12 || need+=(linux-source-6.12)
 

@@ -6,7 +6,8 @@
 #   scripts/service-user.sh [--cgroup NAME] RUNTIME_DIR SANDBOX_HOST_BINARY
 #
 # RUNTIME_DIR (bin/up: /var/lib/sandbox-host) ends up as:
-#   bin/       root's, 0755: hard links (copies across file systems) of sandbox-host and sandbox-vm
+#   bin/       root's, 0755: hard links (copies across file systems) of sandbox-host and sandbox-vm,
+#              and service-cgroup.sh
 #   images/    root's, 0755: the image store, hard-linked; the service reads it and cannot change it
 #   cache/     the user's, 0700: start-up probe records
 #   state/     the user's, 0700: the sandboxes' files (SANDBOX_HOST_STATE_DIR)
@@ -47,6 +48,10 @@ link() {
 }
 link "$binary" "$rt/bin/sandbox-host"
 link "$vm" "$rt/bin/sandbox-vm"
+# The cgroup step, for a service manager that runs it as root before each start (the systemd
+# unit's ExecStartPre): a copy of root's, never a link to a file of the checkout's owner.
+install -m 0755 -o root -g root "$(dirname "$0")/service-cgroup.sh" "$rt/bin/service-cgroup.sh.new.$$"
+mv -f "$rt/bin/service-cgroup.sh.new.$$" "$rt/bin/service-cgroup.sh"
 
 # The image store: a fresh tree of links swapped in whole, without the temporary trees and locks
 # of a build that may be running (one file system: no mount inside is followed). Directories
@@ -75,24 +80,8 @@ else
   say "no image store at $store: build the stock image (bash rootfs/build-stock.sh)"
 fi
 
-# The cgroup the jail makes each VM's group under.
-procs=""
-if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
-  d=/sys/fs/cgroup/$cgroup
-  mkdir -p "$d/service"
-  for c in memory pids cpu; do echo "+$c" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true; done
-  for f in "$d" "$d/cgroup.procs" "$d/cgroup.subtree_control" "$d/cgroup.threads" \
-           "$d/service" "$d/service/cgroup.procs" "$d/service/cgroup.threads"; do
-    chown "$user:$user" "$f"
-  done
-  procs=$d/service/cgroup.procs
-else
-  for c in memory pids cpu; do
-    [ -d "/sys/fs/cgroup/$c" ] || { say "no cgroup v1 controller $c under /sys/fs/cgroup: the service will name it as missing"; continue; }
-    mkdir -p "/sys/fs/cgroup/$c/$cgroup"
-    chown -R "$user:$user" "/sys/fs/cgroup/$c/$cgroup"
-  done
-fi
+# The cgroup the jail makes each VM's group under (scripts/service-cgroup.sh).
+procs=$(sh "$(dirname "$0")/service-cgroup.sh" "$cgroup" "$user" | sed -n 's/^SERVICE_CGROUP_PROCS=//p')
 
 echo "SANDBOX_HOST_CACHE=$rt/cache"
 echo "SANDBOX_HOST_IMAGE_DIR=$rt/images"

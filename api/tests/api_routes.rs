@@ -687,7 +687,11 @@ async fn fuzz_api_requests_a_bad_method_or_id_is_a_json_error() {
     }
     // Found in review of the same target: a sandbox id that is not UTF-8 once decoded got
     // axum's plain-text 400.
-    for path in ["/v1/sandboxes/%ff", "/v1/sandboxes/%80/exec", "/v1/sandboxes/a%c3/files?path=/x"] {
+    for path in [
+        "/v1/sandboxes/%ff",
+        "/v1/sandboxes/%80/exec",
+        "/v1/sandboxes/a%c3/files?path=/x",
+    ] {
         let resp = raw_http(
             h.port,
             &format!(
@@ -695,7 +699,10 @@ async fn fuzz_api_requests_a_bad_method_or_id_is_a_json_error() {
             ),
             vec![],
         );
-        assert!(resp.starts_with("HTTP/1.1 400") || resp.starts_with("HTTP/1.1 405"), "{path}: {resp}");
+        assert!(
+            resp.starts_with("HTTP/1.1 400") || resp.starts_with("HTTP/1.1 405"),
+            "{path}: {resp}"
+        );
         let body: Value = serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap())
             .unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {resp}"));
         assert!(body["code"].is_string(), "{path}: {resp}");

@@ -843,7 +843,10 @@ mod tests {
             channel: "t".into(),
             uptime_ms: 0,
         };
-        agent.write_all(&frame(Kind::Ready, 0, &ready)).await.unwrap();
+        agent
+            .write_all(&frame(Kind::Ready, 0, &ready))
+            .await
+            .unwrap();
         client.wait_ready(Duration::from_secs(10)).await.unwrap();
     }
 
@@ -874,7 +877,11 @@ mod tests {
         }
         agent.write_all(&flood).await.unwrap();
         routed(&client, &mut agent).await;
-        assert_eq!(exec.output.stream.events.len(), 1, "only the first exit is kept");
+        assert_eq!(
+            exec.output.stream.events.len(),
+            1,
+            "only the first exit is kept"
+        );
         // A writer waiting for window on the ended stream is woken, not left waiting.
         let mut stdin = exec.stdin.expect("stdin was asked for");
         let big = vec![0u8; INITIAL_WINDOW as usize + 1];
@@ -900,6 +907,10 @@ mod tests {
         flood.extend(Frame::new(Kind::Stdout, 1, b"x".to_vec()).encode());
         agent.write_all(&flood).await.unwrap();
         routed(&client, &mut agent).await;
-        assert_eq!(exec.output.stream.events.len(), 1, "only the byte is queued");
+        assert_eq!(
+            exec.output.stream.events.len(),
+            1,
+            "only the byte is queued"
+        );
     }
 }

@@ -43,6 +43,20 @@ pub fn state_dir() -> PathBuf {
 /// `SANDBOX_HOST_UNRESPONSIVE_MS` when it is not set.
 pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// Why there is no KVM, when `/dev/kvm` does not exist. The container image sets
+/// `SANDBOX_HOST_CONTAINER=1`: there the device exists on the host but was not mapped in, which the
+/// operator fixes in the compose file, not on the machine (the guide's fault table has both rows).
+pub fn no_kvm_device() -> &'static str {
+    if std::env::var_os("SANDBOX_HOST_CONTAINER").is_some_and(|v| v == "1") {
+        "No /dev/kvm in this container: map the device into it (the sandbox-host service of \
+         docker-compose.yaml does, with devices: [/dev/kvm]), or run the sandbox host on a machine \
+         with KVM"
+    } else {
+        "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host \
+         with hardware virtualisation)"
+    }
+}
+
 /// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before
 /// its VM is killed as unresponsive (60000; at least 2000).
 pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {

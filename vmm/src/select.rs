@@ -23,6 +23,23 @@ pub async fn kvm_usable(store: &ImageStore) -> Result<KvmBackend, String> {
     Ok(kvm)
 }
 
+/// The operator's warning when VMs run on QEMU: why the KVM backend is not used, and QEMU's own
+/// warning. Said once when both have the same cause (no /dev/kvm gives both the same sentence).
+fn fallback_warning(kvm_why: Option<&str>, qemu: Option<&str>) -> Option<String> {
+    match (kvm_why, qemu) {
+        (Some(k), Some(q)) if q.starts_with(k) => Some(format!(
+            "the KVM backend cannot be used, so VMs run on QEMU; {q}"
+        )),
+        (Some(k), Some(q)) => Some(format!(
+            "the KVM backend cannot be used ({k}), so VMs run on QEMU; {q}"
+        )),
+        (Some(k), None) => Some(format!(
+            "the KVM backend cannot be used ({k}), so VMs run on QEMU"
+        )),
+        (None, q) => q.map(str::to_owned),
+    }
+}
+
 /// Resolves the backend settings. An error is a sentence for the operator.
 pub async fn select(store: &ImageStore) -> Result<Selected, String> {
     let vmm = VmmSetting::from_env().map_err(|e| e.to_string())?;
@@ -31,15 +48,7 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
         let qemu = QemuBackend::new(accel, store)
             .await
             .map_err(|e| e.to_string())?;
-        let warning = match (kvm_why, qemu.warning()) {
-            (Some(k), Some(q)) => Some(format!(
-                "the KVM backend cannot be used ({k}), so VMs run on QEMU; {q}"
-            )),
-            (Some(k), None) => Some(format!(
-                "the KVM backend cannot be used ({k}), so VMs run on QEMU"
-            )),
-            (None, q) => q.map(str::to_owned),
-        };
+        let warning = fallback_warning(kvm_why.as_deref(), qemu.warning());
         Ok::<Selected, String>(Selected {
             backend: Box::new(qemu),
             warning,
@@ -64,5 +73,37 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
             }),
             Err(why) => qemu(Some(why)).await,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fallback_warning;
+
+    #[test]
+    fn a_cause_both_backends_share_is_said_once() {
+        let why = "No /dev/kvm in this container: map the device into it";
+        let q = format!("{why}; QEMU emulates the processor (tcg), so runs work but are very slow");
+        let w = fallback_warning(Some(why), Some(&q)).unwrap();
+        assert_eq!(w.matches("No /dev/kvm").count(), 1, "{w}");
+        assert!(w.starts_with("the KVM backend cannot be used, so VMs run on QEMU; No /dev/kvm"));
+    }
+
+    #[test]
+    fn different_causes_are_both_said() {
+        let w = fallback_warning(
+            Some("KVM internal error"),
+            Some("no usable /dev/kvm (EACCES)"),
+        )
+        .unwrap();
+        assert!(
+            w.contains("(KVM internal error)") && w.ends_with("no usable /dev/kvm (EACCES)"),
+            "{w}"
+        );
+        assert_eq!(fallback_warning(None, None), None);
+        assert_eq!(
+            fallback_warning(Some("x"), None).unwrap(),
+            "the KVM backend cannot be used (x), so VMs run on QEMU"
+        );
     }
 }

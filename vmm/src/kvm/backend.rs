@@ -67,7 +67,7 @@ fn kvm_access_hint() -> String {
 fn check_kvm() -> Result<(), String> {
     {
         let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
-            libc::ENOENT => "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host with hardware virtualisation)".to_string(),
+            libc::ENOENT => crate::config::no_kvm_device().to_string(),
             libc::EACCES | libc::EPERM => kvm_access_hint(),
             _ => format!("/dev/kvm cannot be opened: {e}"),
         })?;

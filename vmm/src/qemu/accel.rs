@@ -39,13 +39,20 @@ pub async fn resolve_accel(
         AccelSetting::Auto if cfg!(target_os = "macos") => fixed(Accel::Hvf),
         AccelSetting::Auto => match kvm_boots(arch, program, store).await {
             Ok(()) => fixed(Accel::Kvm),
-            Err(why) => AccelChoice {
-                accel: Accel::Tcg,
-                warning: Some(format!(
-                    "{why}; QEMU emulates the processor (tcg), so runs work but are very slow. \
-                     Run the sandbox host on a machine with hardware virtualisation to fix this"
-                )),
-            },
+            Err(why) => {
+                // The container's own reason already says what to do.
+                let fix = if why.starts_with("No /dev/kvm in this container") {
+                    ""
+                } else {
+                    ". Run the sandbox host on a machine with hardware virtualisation to fix this"
+                };
+                AccelChoice {
+                    accel: Accel::Tcg,
+                    warning: Some(format!(
+                        "{why}; QEMU emulates the processor (tcg), so runs work but are very slow{fix}"
+                    )),
+                }
+            }
         },
     }
 }
@@ -58,6 +65,9 @@ async fn kvm_boots(arch: Arch, program: &Path, store: &ImageStore) -> Result<(),
         .write(true)
         .open("/dev/kvm")
     {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            return Err(crate::config::no_kvm_device().to_string());
+        }
         return Err(format!("no usable /dev/kvm ({e})"));
     }
     let backend = QemuBackend::with(arch, Accel::Kvm, program.to_path_buf());

@@ -1,0 +1,106 @@
+#!/bin/bash
+# The container's entrypoint. It starts as root only to do what needs root, then runs the sandbox
+# host as the unprivileged user sandbox-host with the group that owns /dev/kvm:
+#   1. finds the group of /dev/kvm (the host's gid, whatever its name is in this image), or logs
+#      `No /dev/kvm in this container` (the service then runs its VMs on QEMU/TCG and says so);
+#   2. gives the user the cgroup parent its VMs' groups go under (scripts/service-cgroup.sh);
+#   3. makes the user's directories and brings the images this container image carries into the
+#      image store (a volume), leaving the images an operator put there alone;
+#   4. execs the service, as the user, with no capability and only its own settings.
+# Any other command than `serve` (health, ls, ...) runs as the user too.
+set -euo pipefail
+
+user=sandbox-host
+rt=/var/lib/sandbox-host
+builtin=/opt/sandbox-host/images
+store=${SANDBOX_HOST_IMAGE_DIR:-$rt/images}
+
+# One JSON object per line, as the service logs.
+log() {
+  level=$1; shift
+  msg=$(printf '%s' "$*" | sed 's/\\/\\\\/g; s/"/\\"/g')
+  printf '{"timestamp":"%s","level":"%s","message":"%s","target":"entrypoint"}\n' \
+    "$(date -u +%Y-%m-%dT%H:%M:%S.%6NZ)" "$level" "$msg" >&2
+}
+
+[ $# -gt 0 ] || set -- serve
+
+if [ "$(id -u)" -ne 0 ]; then
+  # Started as another user (docker run --user, rootless setups): nothing here can be prepared.
+  log WARN "The entrypoint runs as uid $(id -u), not root: it cannot find the group of /dev/kvm or prepare the cgroup; starting the sandbox host as this user"
+  exec /opt/sandbox-host/bin/sandbox-host "$@"
+fi
+
+groups=""
+if [ -c /dev/kvm ]; then
+  gid=$(stat -c %g /dev/kvm)
+  if [ "$gid" -eq 0 ]; then
+    # Root's own group would give the service far more than /dev/kvm.
+    log WARN "/dev/kvm in this container belongs to the group root, which the sandbox host does not take: give /dev/kvm a group of its own on the host (Debian: root:kvm, mode 0660); VMs run on QEMU/TCG meanwhile"
+  else
+    groups=$gid
+  fi
+else
+  # The service, started with SANDBOX_HOST_CONTAINER=1, words its own reason the same way.
+  log WARN "No /dev/kvm in this container: QEMU emulates the processor (TCG), so runs work but are very slow. Map /dev/kvm into the container (docker-compose.yaml does: devices: /dev/kvm)"
+fi
+
+if [ "$1" = serve ]; then
+  # The cgroup parent of the VMs' groups, given to the user.
+  procs=$(sh /opt/sandbox-host/lib/service-cgroup.sh "${SANDBOX_HOST_CGROUP:-sandbox-host}" "$user" |
+            sed -n 's/^SERVICE_CGROUP_PROCS=//p')
+  [ -z "$procs" ] || echo $$ > "$procs"
+
+  install -d -m 0755 -o root -g root "$rt" "$store"
+  install -d -m 0700 -o "$user" -g "$user" "${SANDBOX_HOST_STATE_DIR:-$rt/state}" "${SANDBOX_HOST_CACHE:-$rt/cache}"
+
+  # The images this container image carries: each image's content directory (`.stock-KEY`,
+  # `.vantik-guest-latest-...`) is copied into the store when it is not there yet, then its tag
+  # (`stock`, `vantik-guest/latest`) is switched to it atomically. Content directories no tag
+  # refers to any more, from an earlier container image, are removed; an operator's own images
+  # (tagged in the store, not here) are left as they are.
+  if [ -d "$builtin" ]; then
+    for src in "$builtin"/.[!.]*; do
+      [ -d "$src" ] && [ ! -L "$src" ] || continue
+      name=${src##*/}
+      [ -e "$store/$name" ] && continue
+      log INFO "Copying the image $name into the image store $store"
+      rm -rf "$store/.copy-$name"
+      cp -a "$src" "$store/.copy-$name"
+      # Readable by the service, writable by root alone (image builds make their directories 0700).
+      chown -R root:root "$store/.copy-$name"
+      chmod -R u+rwX,go+rX,go-w "$store/.copy-$name"
+      mv "$store/.copy-$name" "$store/$name"
+    done
+    find "$builtin" -mindepth 1 -maxdepth 2 -type l | while read -r link; do
+      rel=${link#"$builtin"/}
+      mkdir -p "$store/$(dirname "$rel")"
+      ln -sfn "$(readlink "$link")" "$store/$rel.new"
+      mv -T "$store/$rel.new" "$store/$rel"
+    done
+    used=$(find "$store" -mindepth 1 -maxdepth 2 -type l -exec readlink {} \; | sed 's|^\.\./||' | sort -u)
+    while read -r link; do
+      tag=${link#"$builtin"/}
+      for dir in "$store/.${tag%%/*}-"*; do
+        [ -d "$dir" ] && [ ! -L "$dir" ] && [ -f "$dir/manifest.json" ] || continue
+        grep -qxF "${dir##*/}" <<< "$used" && continue
+        log INFO "Removing the image ${dir##*/}, which no tag uses any more"
+        rm -rf "$dir"
+      done
+    done <<< "$(find "$builtin" -mindepth 1 -maxdepth 2 -type l)"
+  fi
+fi
+
+# Only the service's own settings reach it: none of root's environment. (No process substitution
+# here or above: its child would be left to the service, which does not reap what it did not start.)
+keep=()
+while IFS='=' read -r k v; do
+  case "$k" in
+    SANDBOX_HOST_*|PATH|LANG|LC_ALL|TZ|RUST_LOG|RUST_BACKTRACE) keep+=("$k=$v") ;;
+  esac
+done <<< "$(env)"
+# No --no-new-privs and the bounding set kept: the jail of each VM needs newuidmap and newgidmap,
+# which are setuid root. The service itself holds no capability (it is an ordinary uid).
+if [ -n "$groups" ]; then grouparg=(--groups "$groups"); else grouparg=(--clear-groups); fi
+exec setpriv --reuid "$user" --regid "$user" "${grouparg[@]}" -- \
+  env -i "${keep[@]}" HOME="$rt" /opt/sandbox-host/bin/sandbox-host "$@"

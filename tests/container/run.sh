@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# The container deployment, tested as operators run it (docs/operator-guide.md, "On Linux, in a
+# container"), with podman and podman-compose on this machine:
+#   - the base image is made locally (deploy/container/local-bases.sh: no registry is reachable),
+#     the runtime image is assembled from the binaries and stock image the host build made
+#     (deploy/container/build.sh --prebuilt), the server stand-in from its own Containerfile;
+#   - without /dev/kvm mapped: the log says `No /dev/kvm in this container`, the service still runs
+#     sandboxes (QEMU/TCG), and the health's warning says why;
+#   - with the guide's command (`--profile sandbox up -d --no-deps --force-recreate server
+#     sandbox-host`): `Listening on 0.0.0.0:3004` with its backend, no published port;
+#   - in both: the service runs as the user sandbox-host (not root), each VM process under a uid of
+#     its own with every part of the jail (SANDBOX_HOST_JAIL=required), and from the server's
+#     container, over the compose network, a client creates a sandbox, runs an exec, puts and gets
+#     an archive and deletes it; SIGTERM to the container disposes of every sandbox within the
+#     grace period, and the container exits 0.
+# Needs root (podman's root storage, debootstrap). Every wait is bounded.
+#
+#   tests/container/run.sh [--prebuilt-profile release|dev]   (default dev: what bin/test built)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+. "$root/scripts/cache-dir.sh"
+profile=dev
+[ "${1:-}" = --prebuilt-profile ] && profile=$2
+log() { printf '[container-test %s] %s\n' "$(date +%T)" "$*" >&2; }
+fail() { log "FAILED: $*"; exit 1; }
+[ "$(id -u)" -eq 0 ] || { log "skipped: needs root (podman's root storage and debootstrap)"; exit 77; }
+
+bash "$root/scripts/install-deps.sh" --container >&2
+export CONTAINERS_CONF=$root/deploy/container/containers.conf
+compose=$(bash "$root/scripts/podman-compose.sh" --path)
+bash "$root/deploy/container/local-bases.sh" --runtime-only
+image=$(bash "$root/deploy/container/build.sh" --prebuilt --profile "$profile" --tag localhost/sandbox-host:latest)
+if ! podman image exists localhost/sandbox-host-server:latest; then
+  log "building the server stand-in"
+  podman build -q -f "$root/deploy/container/server.Containerfile" -t localhost/sandbox-host-server:latest \
+    "$root/deploy/container" >/dev/null
+fi
+
+project=sbxtest
+work=$(mktemp -d "${TMPDIR:-/tmp}/container-test.XXXXXX")
+cleanup() {
+  (cd "$work" && timeout 120 "$compose" -p "$project" --profile sandbox down -v -t 5 >/dev/null 2>&1) || true
+  podman rm -f -t 5 "$project-nokvm" >/dev/null 2>&1 || true
+  podman volume rm -f "$project-nokvm-state" "$project-nokvm-images" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+cleanup; mkdir -p "$work"
+cp "$root/docker-compose.yaml" "$work/"
+mkdir -p "$work/deploy/container"
+cp "$root/deploy/container/server.Containerfile" "$work/deploy/container/"
+token=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+# The guide's .env, with a memory budget for the two sandboxes a run of this test holds at most,
+# and every part of the jail required (a part the container cannot give fails the test).
+cat > "$work/.env" <<EOF
+SANDBOX_HOST_TOKEN=$token
+SANDBOX_HOST_CONTAINER_URL=http://sandbox-host:3004
+SANDBOX_HOST_JAIL=required
+SANDBOX_HOST_MEMORY_LIMIT_MIB=1024
+SANDBOX_HOST_PROBE_TIMEOUT_S=120
+EOF
+
+# Waits (bounded) until the container's log has a line matching $2; prints that line.
+wait_log() {
+  local ctr=$1 pattern=$2 limit=${3:-240} t=0 line
+  while [ $t -lt "$limit" ]; do
+    line=$(podman logs "$ctr" 2>&1 | grep -m1 -E "$pattern" || true)
+    [ -n "$line" ] && { echo "$line"; return 0; }
+    if [ "$(podman inspect -f '{{.State.Running}}' "$ctr" 2>/dev/null)" != true ]; then
+      podman logs "$ctr" 2>&1 | tail -20 >&2
+      fail "$ctr stopped before logging /$pattern/"
+    fi
+    sleep 2; t=$((t + 2))
+  done
+  podman logs "$ctr" 2>&1 | tail -20 >&2
+  fail "$ctr did not log /$pattern/ within ${limit}s"
+}
+
+# curl from the server's container, over the compose network, with the shared token.
+api() {
+  podman exec -i "$server" curl -sS --max-time 300 -H "Authorization: Bearer $token" "$@"
+}
+
+# The service runs as sandbox-host; its VM processes as uids of their own from its subordinate ids.
+check_users() {
+  local ctr=$1 top
+  top=$(podman top "$ctr" huser user comm)
+  echo "$top" >&2
+  echo "$top" | awk '$3 == "sandbox-host" && $2 == "sandbox-host" { ok = 1 } END { exit !ok }' \
+    || fail "the service in $ctr does not run as the user sandbox-host"
+  # Nothing runs as root but the init (and, for an instant, a health check's setpriv).
+  echo "$top" | awk 'NR > 1 && $2 == "root" && $3 !~ /^(podman-init|catatonit|setpriv)$/ { bad = 1 } END { exit bad }' \
+    || fail "a process in $ctr runs as root"
+  echo "$top" | awk '$3 ~ /^qemu-system/ && $2 !~ /^16000[0-9]+$/ { bad = 1 } $3 ~ /^qemu-system/ { n++ }
+                     END { exit bad || n == 0 }' \
+    || fail "no VM process in $ctr, or one outside the jail's ids (1600000000-1600065535)"
+}
+
+# A sandbox's life from the server's container: create, exec, archive in and out, delete.
+# Leaves one more sandbox running for the SIGTERM check; prints its id.
+exercise() {
+  local ctr=$1 id out kept
+  api "$SANDBOX_HOST_URL/v1/health" | tee "$work/health.json" >&2; echo >&2
+  grep -q '"available":true' "$work/health.json" || fail "the sandbox host in $ctr is not available"
+  grep -q '"missing":\[\]' "$work/health.json" || fail "the jail in $ctr is incomplete"
+  id=$(api -H 'content-type: application/json' -d '{"run_id":"container-test","time_limit_ms":600000,"review":false,"memory_mib":256}' \
+         "$SANDBOX_HOST_URL/v1/sandboxes" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')
+  [ -n "$id" ] || fail "create in $ctr gave no sandbox id"
+  log "created $id in $ctr"
+  check_users "$ctr"
+  out=$(api -H 'content-type: application/json' -d '{"command":"echo hello from $(uname -m); exit 3"}' \
+          "$SANDBOX_HOST_URL/v1/sandboxes/$id/exec")
+  echo "$out" | grep -q "\"stdout\":\"$(printf 'hello from x86_64\n' | base64)\"" || fail "exec output: $out"
+  echo "$out" | grep -q '"exit_code":3' || fail "exec exit: $out"
+  podman exec -i "$server" sh -c 'mkdir -p /tmp/in/sub && echo archived > /tmp/in/sub/file.txt && tar -C /tmp/in -cf /tmp/in.tar .'
+  api -X PUT --data-binary @/tmp/in.tar -H 'content-type: application/x-tar' -o /dev/null -w '%{http_code}\n' \
+    "$SANDBOX_HOST_URL/v1/sandboxes/$id/archive?path=/workspace/put" | grep -qx 204 || fail "archive put"
+  out=$(api -H 'content-type: application/json' -d '{"argv":["cat","/workspace/put/sub/file.txt"]}' \
+          "$SANDBOX_HOST_URL/v1/sandboxes/$id/exec")
+  echo "$out" | grep -q "\"stdout\":\"$(printf 'archived\n' | base64)\"" || fail "the archive's file in the guest: $out"
+  podman exec -i "$server" sh -c "curl -sS --max-time 60 -H 'Authorization: Bearer $token' '$SANDBOX_HOST_URL/v1/sandboxes/$id/archive?path=/workspace/put' -o /tmp/out.tar && tar -xOf /tmp/out.tar sub/file.txt" \
+    | grep -qx archived || fail "archive get"
+  api -X DELETE -o /dev/null -w '%{http_code}\n' "$SANDBOX_HOST_URL/v1/sandboxes/$id" | grep -qx 204 || fail "delete"
+  api "$SANDBOX_HOST_URL/v1/sandboxes/$id" -o /dev/null -w '%{http_code}\n' | grep -qx 404 || fail "the deleted sandbox is still there"
+  log "create, exec, archive in and out, delete: ok in $ctr"
+  kept=$(api -H 'content-type: application/json' -d '{"run_id":"container-test-kept","time_limit_ms":600000,"review":false,"memory_mib":256}' \
+           "$SANDBOX_HOST_URL/v1/sandboxes" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')
+  [ -n "$kept" ] || fail "second create in $ctr"
+  echo "$kept"
+}
+
+# SIGTERM: every sandbox disposed of within the grace period, exit status 0.
+check_stop() {
+  local ctr=$1 kept=$2 start secs code
+  start=$(date +%s)
+  podman stop -t 60 "$ctr" >/dev/null
+  secs=$(( $(date +%s) - start ))
+  code=$(podman inspect -f '{{.State.ExitCode}}' "$ctr")
+  podman logs "$ctr" 2>&1 | grep -E 'Disposed of sandbox' | grep -q "$kept" \
+    || { podman logs "$ctr" 2>&1 | tail -10 >&2; fail "$ctr did not log the disposal of $kept on SIGTERM"; }
+  [ "$code" = 0 ] || fail "$ctr exited with $code on SIGTERM (137: killed at the end of the grace period)"
+  log "SIGTERM: $ctr disposed of $kept and exited 0 in ${secs}s (grace period 60 s)"
+}
+
+# 1. Without /dev/kvm: the same image, on the compose network, no device mapped.
+cd "$work"
+timeout 300 "$compose" -p "$project" up -d --no-build server >&2
+server=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=server")
+[ -n "$server" ] || fail "the server container did not start"
+network=$(podman inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' "$server")
+podman run -d --name "$project-nokvm" --network "$network" --network-alias sandbox-host-nokvm \
+  --env-file "$work/.env" -v "$project-nokvm-images:/var/lib/sandbox-host/images" \
+  -v "$project-nokvm-state:/var/lib/sandbox-host/state" -v /sys/fs/cgroup:/sys/fs/cgroup:rw \
+  --security-opt systempaths=unconfined --init --stop-signal SIGTERM "$image" >/dev/null
+wait_log "$project-nokvm" 'No /dev/kvm in this container' 60 >&2
+line=$(wait_log "$project-nokvm" 'Listening on 0.0.0.0:3004')
+echo "$line" >&2
+echo "$line" | grep -q '"available":true' || fail "not available without /dev/kvm: $line"
+echo "$line" | grep -q 'No /dev/kvm in this container' || fail "the Listening line does not say why it emulates: $line"
+SANDBOX_HOST_URL=http://sandbox-host-nokvm:3004
+kept=$(exercise "$project-nokvm")
+check_stop "$project-nokvm" "$kept"
+
+# 2. The guide's command, with /dev/kvm mapped.
+[ -c /dev/kvm ] || fail "this machine has no /dev/kvm, which docker-compose.yaml maps"
+timeout 300 "$compose" -p "$project" --profile sandbox up -d --no-build --no-deps --force-recreate server sandbox-host >&2
+server=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=server")
+host=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=sandbox-host")
+[ -n "$host" ] && [ -n "$server" ] || fail "compose did not start both services"
+[ -z "$(podman port "$host")" ] || fail "the sandbox-host container publishes a port: $(podman port "$host")"
+line=$(wait_log "$host" 'Listening on 0.0.0.0:3004')
+echo "$line" >&2
+echo "$line" | grep -q '"backend":"' || fail "the Listening line names no backend"
+SANDBOX_HOST_URL=http://sandbox-host:3004
+kept=$(exercise "$host")
+check_stop "$host" "$kept"
+log "passed"
