@@ -19,6 +19,10 @@ start=1
 [ "${1:-}" = --no-start ] && start=0
 
 binary=$(bash "$root/scripts/prepare.sh" | tail -1)
+# The unit's SupplementaryGroups=kvm fails the start (status 216/GROUP) when the group does not
+# exist, as on a machine whose udev never made it: make it, and put the user in it.
+getent group kvm >/dev/null || groupadd --system kvm
+id -nG sandbox-host | grep -qw kvm || usermod -aG kvm sandbox-host
 rt=/var/lib/sandbox-host
 bash "$root/scripts/service-user.sh" "$rt" "$binary" >/dev/null
 
