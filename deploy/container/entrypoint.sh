@@ -34,9 +34,11 @@ fi
 groups=""
 if [ -c /dev/kvm ]; then
   gid=$(stat -c %g /dev/kvm)
-  if [ "$gid" -eq 0 ]; then
-    # Root's own group would give the service far more than /dev/kvm.
-    log WARN "/dev/kvm in this container belongs to the group root, which the sandbox host does not take: give /dev/kvm a group of its own on the host (Debian: root:kvm, mode 0660); VMs run on QEMU/TCG meanwhile"
+  name=$(getent group "$gid" | cut -d: -f1)
+  if [ "$gid" -lt 100 ] || [ "$gid" -eq 65534 ] || { [ -n "$name" ] && [ "$name" != kvm ] && [ "$name" != "$user" ]; }; then
+    # Root's group, another system group of this image (shadow, utmp, ...) or the overflow group
+    # of a user namespace would give the service more than /dev/kvm, or nothing.
+    log WARN "/dev/kvm in this container belongs to the group ${name:-$gid} (gid $gid), which the sandbox host does not take: give /dev/kvm a group of its own on the host (Debian: root:kvm, mode 0660); VMs run on QEMU/TCG meanwhile"
   else
     groups=$gid
   fi
@@ -49,7 +51,12 @@ if [ "$1" = serve ]; then
   # The cgroup parent of the VMs' groups, given to the user.
   procs=$(sh /opt/sandbox-host/lib/service-cgroup.sh "${SANDBOX_HOST_CGROUP:-sandbox-host}" "$user" |
             sed -n 's/^SERVICE_CGROUP_PROCS=//p')
-  [ -z "$procs" ] || echo $$ > "$procs"
+  # On cgroup v2 the service moves into the delegated leaf. That fails in a private cgroup
+  # namespace (podman-compose ignores `cgroup: host`; set cgroupns = "host" in containers.conf):
+  # the service then names the cgroup as missing.
+  if [ -n "$procs" ] && ! echo $$ 2>/dev/null > "$procs"; then
+    log WARN "Cannot move into $procs (a private cgroup namespace?): run the container with the host's cgroup namespace (compose: cgroup: host; podman: cgroupns = \"host\" in containers.conf)"
+  fi
 
   install -d -m 0755 -o root -g root "$rt" "$store"
   install -d -m 0700 -o "$user" -g "$user" "${SANDBOX_HOST_STATE_DIR:-$rt/state}" "${SANDBOX_HOST_CACHE:-$rt/cache}"
@@ -60,6 +67,9 @@ if [ "$1" = serve ]; then
   # refers to any more, from an earlier container image, are removed; an operator's own images
   # (tagged in the store, not here) are left as they are.
   if [ -d "$builtin" ]; then
+    # One start at a time changes a store that containers may share.
+    exec 9>"$store/.entrypoint.lock"
+    flock 9
     for src in "$builtin"/.[!.]*; do
       [ -d "$src" ] && [ ! -L "$src" ] || continue
       name=${src##*/}
@@ -70,7 +80,7 @@ if [ "$1" = serve ]; then
       # Readable by the service, writable by root alone (image builds make their directories 0700).
       chown -R root:root "$store/.copy-$name"
       chmod -R u+rwX,go+rX,go-w "$store/.copy-$name"
-      mv "$store/.copy-$name" "$store/$name"
+      mv -T "$store/.copy-$name" "$store/$name"
     done
     find "$builtin" -mindepth 1 -maxdepth 2 -type l | while read -r link; do
       rel=${link#"$builtin"/}
@@ -88,19 +98,22 @@ if [ "$1" = serve ]; then
         rm -rf "$dir"
       done
     done <<< "$(find "$builtin" -mindepth 1 -maxdepth 2 -type l)"
+    exec 9>&-
   fi
 fi
 
-# Only the service's own settings reach it: none of root's environment. (No process substitution
-# here or above: its child would be left to the service, which does not reap what it did not start.)
+# Only the service's own settings reach it (SANDBOX_HOST_*, and PATH, LANG, LC_ALL, TZ, RUST_LOG,
+# RUST_BACKTRACE, HOME): none of root's environment. Values are passed exactly as they are.
 keep=()
-while IFS='=' read -r k v; do
+for k in $(compgen -e); do
   case "$k" in
-    SANDBOX_HOST_*|PATH|LANG|LC_ALL|TZ|RUST_LOG|RUST_BACKTRACE) keep+=("$k=$v") ;;
+    SANDBOX_HOST_*|PATH|LANG|LC_ALL|TZ|RUST_LOG|RUST_BACKTRACE) keep+=("$k=${!k}") ;;
   esac
-done <<< "$(env)"
-# No --no-new-privs and the bounding set kept: the jail of each VM needs newuidmap and newgidmap,
-# which are setuid root. The service itself holds no capability (it is an ordinary uid).
+done
+# The service keeps in its bounding set only what newuidmap and newgidmap need (their file
+# capabilities, CAP_SETUID and CAP_SETGID, for each VM's id maps); no_new_privs stays off for the
+# same reason. The service itself holds no capability: it is an ordinary uid.
 if [ -n "$groups" ]; then grouparg=(--groups "$groups"); else grouparg=(--clear-groups); fi
-exec setpriv --reuid "$user" --regid "$user" "${grouparg[@]}" -- \
+exec setpriv --reuid "$user" --regid "$user" "${grouparg[@]}" \
+  --inh-caps=-all --bounding-set=-all,+setuid,+setgid -- \
   env -i "${keep[@]}" HOME="$rt" /opt/sandbox-host/bin/sandbox-host "$@"

@@ -28,9 +28,16 @@ bash "$root/scripts/service-user.sh" "$rt" "$binary" >/dev/null
 
 install -d -m 0750 -o root -g sandbox-host /etc/sandbox-host
 if [ ! -f /etc/sandbox-host/env ]; then
-  if grep -qs '^SANDBOX_HOST_TOKEN=' "$root/.env"; then
-    log "writing /etc/sandbox-host/env from $root/.env"
-    install -m 0640 -o root -g sandbox-host "$root/.env" /etc/sandbox-host/env
+  if [ -L "$root/.env" ]; then
+    log "$root/.env is a symbolic link: refusing to copy it; write /etc/sandbox-host/env yourself"; exit 1
+  elif grep -qs '^SANDBOX_HOST_TOKEN=' "$root/.env"; then
+    # The settings only: where the service finds its binaries, images and state is the unit's
+    # (an EnvironmentFile wins over the unit's Environment=), so those keys are left out.
+    log "writing /etc/sandbox-host/env from $root/.env (without path settings)"
+    (umask 027; grep -vE '^(export )?SANDBOX_HOST_(IMAGE_DIR|STATE_DIR|CACHE|VM_BINARY|DOTENV|RUNTIME_DIR)=' "$root/.env" \
+       > /etc/sandbox-host/env.new)
+    chown root:sandbox-host /etc/sandbox-host/env.new
+    mv -f /etc/sandbox-host/env.new /etc/sandbox-host/env
   else
     log "writing /etc/sandbox-host/env with a new SANDBOX_HOST_TOKEN; give the Vantik server the same value"
     (umask 027; echo "SANDBOX_HOST_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')" > /etc/sandbox-host/env)

@@ -30,26 +30,30 @@ export CONTAINERS_CONF=$root/deploy/container/containers.conf
 compose=$(bash "$root/scripts/podman-compose.sh" --path)
 bash "$root/deploy/container/local-bases.sh" --runtime-only
 image=$(bash "$root/deploy/container/build.sh" --prebuilt --profile "$profile" --tag localhost/sandbox-host:latest)
-if ! podman image exists localhost/sandbox-host-server:latest; then
-  log "building the server stand-in"
-  podman build -q -f "$root/deploy/container/server.Containerfile" -t localhost/sandbox-host-server:latest \
-    "$root/deploy/container" >/dev/null
-fi
+# Built every time (podman's layer cache makes an unchanged one instant).
+podman build -q -f "$root/deploy/container/server.Containerfile" -t localhost/sandbox-host-server:latest \
+  "$root/deploy/container" >/dev/null
 
 project=sbxtest
 work=$(mktemp -d "${TMPDIR:-/tmp}/container-test.XXXXXX")
 cleanup() {
-  (cd "$work" && timeout 120 "$compose" -p "$project" --profile sandbox down -v -t 5 >/dev/null 2>&1) || true
+  # By label and name, not through compose: a stale project from a run that died is removed too.
+  podman ps -aq --filter "label=io.podman.compose.project=$project" | xargs -r podman rm -f -t 5 >/dev/null 2>&1 || true
   podman rm -f -t 5 "$project-nokvm" >/dev/null 2>&1 || true
-  podman volume rm -f "$project-nokvm-state" "$project-nokvm-images" >/dev/null 2>&1 || true
+  podman volume rm -f "${project}_sandbox-images" "${project}_sandbox-state" \
+    "$project-nokvm-state" "$project-nokvm-images" >/dev/null 2>&1 || true
+  podman pod rm -f "pod_$project" >/dev/null 2>&1 || true
   rm -rf "$work"
+  # Each run's image replaces the last: drop the untagged ones it leaves.
+  podman image prune -f >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 cleanup; mkdir -p "$work"
 cp "$root/docker-compose.yaml" "$work/"
 mkdir -p "$work/deploy/container"
 cp "$root/deploy/container/server.Containerfile" "$work/deploy/container/"
-token=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+# A base64 token with '=' at its end: the service and the server must see it whole.
+token=$(od -An -tx1 -N30 /dev/urandom | tr -d ' \n')==
 # The guide's .env, with a memory budget for the two sandboxes a run of this test holds at most,
 # and every part of the jail required (a part the container cannot give fails the test).
 cat > "$work/.env" <<EOF
@@ -76,9 +80,10 @@ wait_log() {
   fail "$ctr did not log /$pattern/ within ${limit}s"
 }
 
-# curl from the server's container, over the compose network, with the shared token.
+# curl from the server's container, over the compose network, with the shared token (from the
+# header file the stand-in writes from its environment: never in an argument list).
 api() {
-  podman exec -i "$server" curl -sS --max-time 300 -H "Authorization: Bearer $token" "$@"
+  podman exec -i "$server" curl -sS --max-time 300 -H @/tmp/auth "$@"
 }
 
 # The service runs as sandbox-host; its VM processes as uids of their own from its subordinate ids.
@@ -91,9 +96,15 @@ check_users() {
   # Nothing runs as root but the init (and, for an instant, a health check's setpriv).
   echo "$top" | awk 'NR > 1 && $2 == "root" && $3 !~ /^(podman-init|catatonit|setpriv)$/ { bad = 1 } END { exit bad }' \
     || fail "a process in $ctr runs as root"
-  echo "$top" | awk '$3 ~ /^qemu-system/ && $2 !~ /^16000[0-9]+$/ { bad = 1 } $3 ~ /^qemu-system/ { n++ }
+  # The VM process: QEMU, or sandbox-vm on the KVM backend.
+  echo "$top" | awk '$3 ~ /^(qemu-system|sandbox-vm)/ && $2 !~ /^16000[0-9]+$/ { bad = 1 } $3 ~ /^(qemu-system|sandbox-vm)/ { n++ }
                      END { exit bad || n == 0 }' \
     || fail "no VM process in $ctr, or one outside the jail's ids (1600000000-1600065535)"
+  # The service holds no capability, and its bounding set only what newuidmap/newgidmap need.
+  top=$(podman top "$ctr" comm capeff capbnd)
+  echo "$top" >&2
+  echo "$top" | awk '$1 == "sandbox-host" { n++; if ($2 != "none" || $3 != "SETGID,SETUID") bad = 1 } END { exit bad || n == 0 }' \
+    || fail "the service in $ctr holds capabilities, or more than SETGID,SETUID in its bounding set"
 }
 
 # A sandbox's life from the server's container: create, exec, archive in and out, delete.
@@ -118,7 +129,7 @@ exercise() {
   out=$(api -H 'content-type: application/json' -d '{"argv":["cat","/workspace/put/sub/file.txt"]}' \
           "$SANDBOX_HOST_URL/v1/sandboxes/$id/exec")
   echo "$out" | grep -q "\"stdout\":\"$(printf 'archived\n' | base64)\"" || fail "the archive's file in the guest: $out"
-  podman exec -i "$server" sh -c "curl -sS --max-time 60 -H 'Authorization: Bearer $token' '$SANDBOX_HOST_URL/v1/sandboxes/$id/archive?path=/workspace/put' -o /tmp/out.tar && tar -xOf /tmp/out.tar sub/file.txt" \
+  podman exec -i "$server" sh -c "curl -sS --max-time 60 -H @/tmp/auth '$SANDBOX_HOST_URL/v1/sandboxes/$id/archive?path=/workspace/put' -o /tmp/out.tar && tar -xOf /tmp/out.tar sub/file.txt" \
     | grep -qx archived || fail "archive get"
   api -X DELETE -o /dev/null -w '%{http_code}\n' "$SANDBOX_HOST_URL/v1/sandboxes/$id" | grep -qx 204 || fail "delete"
   api "$SANDBOX_HOST_URL/v1/sandboxes/$id" -o /dev/null -w '%{http_code}\n' | grep -qx 404 || fail "the deleted sandbox is still there"
@@ -132,8 +143,9 @@ exercise() {
 # SIGTERM: every sandbox disposed of within the grace period, exit status 0.
 check_stop() {
   local ctr=$1 kept=$2 start secs code
+  shift 2
   start=$(date +%s)
-  podman stop -t 60 "$ctr" >/dev/null
+  "$@" >/dev/null 2>&1
   secs=$(( $(date +%s) - start ))
   code=$(podman inspect -f '{{.State.ExitCode}}' "$ctr")
   podman logs "$ctr" 2>&1 | grep -E 'Disposed of sandbox' | grep -q "$kept" \
@@ -147,11 +159,13 @@ cd "$work"
 timeout 300 "$compose" -p "$project" up -d --no-build server >&2
 server=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=server")
 [ -n "$server" ] || fail "the server container did not start"
+for _ in $(seq 1 30); do podman exec "$server" test -s /tmp/auth && break; sleep 1; done
 network=$(podman inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' "$server")
 podman run -d --name "$project-nokvm" --network "$network" --network-alias sandbox-host-nokvm \
   --env-file "$work/.env" -v "$project-nokvm-images:/var/lib/sandbox-host/images" \
   -v "$project-nokvm-state:/var/lib/sandbox-host/state" -v /sys/fs/cgroup:/sys/fs/cgroup:rw \
-  --security-opt systempaths=unconfined --init --stop-signal SIGTERM "$image" >/dev/null
+  --security-opt systempaths=unconfined --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,SETPCAP,KILL \
+  --init --stop-signal SIGTERM --stop-timeout 60 "$image" >/dev/null
 wait_log "$project-nokvm" 'No /dev/kvm in this container' 60 >&2
 line=$(wait_log "$project-nokvm" 'Listening on 0.0.0.0:3004')
 echo "$line" >&2
@@ -159,7 +173,7 @@ echo "$line" | grep -q '"available":true' || fail "not available without /dev/kv
 echo "$line" | grep -q 'No /dev/kvm in this container' || fail "the Listening line does not say why it emulates: $line"
 SANDBOX_HOST_URL=http://sandbox-host-nokvm:3004
 kept=$(exercise "$project-nokvm")
-check_stop "$project-nokvm" "$kept"
+check_stop "$project-nokvm" "$kept" podman stop -t 60 "$project-nokvm"
 
 # 2. The guide's command, with /dev/kvm mapped.
 [ -c /dev/kvm ] || fail "this machine has no /dev/kvm, which docker-compose.yaml maps"
@@ -167,11 +181,24 @@ timeout 300 "$compose" -p "$project" --profile sandbox up -d --no-build --no-dep
 server=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=server")
 host=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filter "label=com.docker.compose.service=sandbox-host")
 [ -n "$host" ] && [ -n "$server" ] || fail "compose did not start both services"
+for _ in $(seq 1 30); do podman exec "$server" test -s /tmp/auth && break; sleep 1; done
 [ -z "$(podman port "$host")" ] || fail "the sandbox-host container publishes a port: $(podman port "$host")"
 line=$(wait_log "$host" 'Listening on 0.0.0.0:3004')
 echo "$line" >&2
 echo "$line" | grep -q '"backend":"' || fail "the Listening line names no backend"
 SANDBOX_HOST_URL=http://sandbox-host:3004
+podman healthcheck run "$host" >&2 || fail "the compose health check of $host fails"
 kept=$(exercise "$host")
-check_stop "$host" "$kept"
+# As an operator stops it: compose sends SIGTERM and waits the service's stop_grace_period.
+check_stop "$host" "$kept" timeout 120 "$compose" -p "$project" --profile sandbox stop sandbox-host
+# 3. A second start on the same volumes: the image store is kept (nothing copied again) and the
+# service is available again.
+timeout 300 "$compose" -p "$project" --profile sandbox start sandbox-host >&2
+for _ in $(seq 1 120); do
+  [ "$(podman logs "$host" 2>&1 | grep -c 'Listening on 0.0.0.0:3004')" -ge 2 ] && break; sleep 2
+done
+[ "$(podman logs "$host" 2>&1 | grep -c 'Listening on 0.0.0.0:3004')" -ge 2 ] || fail "$host did not start again"
+[ "$(podman logs "$host" 2>&1 | grep -c 'Copying the image')" -eq 1 ] || fail "the second start copied the images again"
+api "$SANDBOX_HOST_URL/v1/health" | grep -q '"available":true' || fail "not available after a restart"
+log "a restart on the same volumes: available, images kept"
 log "passed"
