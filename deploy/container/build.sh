@@ -63,7 +63,7 @@ else
   copy_tag stock
   [ $guest -eq 0 ] || copy_tag vantik-guest/latest
   log "building $tag with $engine from this machine's $profile binaries and images"
-  "$engine" build -f "$ctx/Containerfile" --build-arg ARTIFACTS=host -t "$tag" "$ctx" >&2
+  "$engine" build -f "$ctx/Containerfile" --target runtime-prebuilt -t "$tag" "$ctx" >&2
 fi
 log "built $tag: $("$engine" image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}')"
 echo "$tag"

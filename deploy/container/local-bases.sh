@@ -53,7 +53,9 @@ if ! podman image exists "$rust"; then
   log "adding Rust $toolchain from $home to $base as $rust"
   ctx=$work/rust-context
   rm -rf "$ctx"; mkdir -p "$ctx/usr/local/rustup/toolchains" "$ctx/usr/local/cargo/bin"
-  cp -a "$home/toolchains/$toolchain" "$ctx/usr/local/rustup/toolchains/"
+  # The toolchain directory itself, not a link to it (rustup names a pinned version by a link to
+  # the channel's directory).
+  cp -a "$(readlink -f "$home/toolchains/$toolchain")" "$ctx/usr/local/rustup/toolchains/$toolchain"
   for b in cargo rustc rustdoc; do
     ln -s "../../rustup/toolchains/$toolchain/bin/$b" "$ctx/usr/local/cargo/bin/$b"
   done
@@ -63,8 +65,9 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
       ca-certificates gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY usr /usr
 ENV RUSTUP_HOME=/usr/local/rustup CARGO_HOME=/usr/local/cargo PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN cargo --version
 FILE
-  podman build --runtime runc --cgroup-manager cgroupfs --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+  podman build \
     -t "$rust" "$ctx" >&2
   rm -rf "$ctx"
 fi
