@@ -2,7 +2,8 @@
 # Makes, on a machine that cannot pull from a container registry, the two base images the
 # Containerfile names, from Debian's packages: `debian:bookworm-slim` (a debootstrap minbase tree)
 # and `rust:<version>-slim-bookworm` (that tree plus this machine's Rust toolchain, laid out as the
-# official image lays it out: /usr/local/rustup, /usr/local/cargo). Imported under the names the
+# official image lays it out: /usr/local/rustup, /usr/local/cargo, and the CA certificates this
+# machine adds, so that cargo reaches the registry through the same proxy). Imported under the names the
 # Containerfile uses, so the same file builds here and where the registry is reachable. Cached:
 # an image already present is kept (remove it with `podman rmi` to make it again).
 #
@@ -59,11 +60,16 @@ if ! podman image exists "$rust"; then
   for b in cargo rustc rustdoc; do
     ln -s "../../rustup/toolchains/$toolchain/bin/$b" "$ctx/usr/local/cargo/bin/$b"
   done
+  # The CA certificates this machine adds to Debian's (a proxy that inspects TLS, as on the CI
+  # machines): cargo in the build stage reaches the crate registry through it.
+  mkdir -p "$ctx/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$ctx/usr/local/share/ca-certificates/" 2>/dev/null || true
   cat > "$ctx/Containerfile" <<FILE
 FROM $base
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       ca-certificates gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY usr /usr
+RUN update-ca-certificates
 ENV RUSTUP_HOME=/usr/local/rustup CARGO_HOME=/usr/local/cargo PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 RUN cargo --version
 FILE
