@@ -36,6 +36,13 @@ fi
 log "systemd $version verifies the unit (${out:+only: $out})"
 for c in memory pids cpu; do rmdir "/sys/fs/cgroup/$c/sandbox-host-unit-test" 2>/dev/null || true; done
 
+# The root-run cgroup step refuses names that would reach outside its subtree.
+for bad in / ../x a/../b . 'a b'; do
+  if sh "$root/scripts/service-cgroup.sh" --v1-only "$bad" sandbox-host 2>/dev/null; then
+    log "FAILED: service-cgroup.sh accepted the cgroup name '$bad'"; exit 1
+  fi
+done
+
 # 2. Under systemd, in a container.
 fail() { log "FAILED: $*"; podman logs sdtest-unit 2>&1 | tail -5 >&2 || true; exit 1; }
 bash "$root/scripts/install-deps.sh" --container >&2
