@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the sandbox-host guest kernel (an uncompressed vmlinux with a PVH entry) from Debian's
-# linux-source-6.12 and caches it keyed by a hash of its config, so a second run is instant.
-#   guest-kernel/build.sh            build (or reuse) and print the path of vmlinux
+# Builds the sandbox-host guest kernel (an uncompressed vmlinux with a PVH entry on x86_64, an
+# uncompressed Image on aarch64) from Debian's linux-source-6.12 and caches it keyed by a hash of
+# its config, so a second run is instant.
+#   guest-kernel/build.sh [VARIANT]  build (or reuse) and print the path of the kernel
 # Environment: SANDBOX_HOST_CACHE (cache root), JOBS (parallel make jobs, default: all cores).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -9,12 +10,28 @@ root=$(cd "$here/.." && pwd)
 . "$root/scripts/cache-dir.sh"
 
 # Variants: x86_64 (the guest kernel), nested-host (the guest kernel plus built-in KVM, for the
-# nested test host of the KVM backend's tests).
+# nested test host of the KVM backend's tests), aarch64 (the guest kernel of QEMU's `virt` machine,
+# cross-built with Debian's gcc-aarch64-linux-gnu on an x86_64 host, natively on an aarch64 one).
 variant=${1:-x86_64}
+make_args=()
+image=vmlinux
 case "$variant" in
   x86_64) fragments=("$here/x86_64.config") ;;
   nested-host) fragments=("$here/x86_64.config" "$here/nested-host.config") ;;
-  *) echo "guest-kernel: unknown variant '$variant' (x86_64 or nested-host); aarch64: see guest-kernel/README.md" >&2; exit 2 ;;
+  aarch64)
+    # The architecture-neutral part of x86_64.config, then what arm64 needs: one list of what a
+    # guest kernel holds, whatever its architecture.
+    neutral=$(mktemp)
+    trap 'rm -f "$neutral"' EXIT
+    grep -v -F -w -f <(grep -v '^#' "$here/aarch64.exclude") "$here/x86_64.config" > "$neutral"
+    fragments=("$neutral" "$here/aarch64.config")
+    make_args=(ARCH=arm64)
+    if [ "$(uname -m)" != aarch64 ]; then
+      command -v aarch64-linux-gnu-gcc >/dev/null || bash "$root/scripts/install-deps.sh" --aarch64 >&2
+      make_args+=(CROSS_COMPILE=aarch64-linux-gnu-)
+    fi
+    image=Image ;;
+  *) echo "guest-kernel: unknown variant '$variant' (x86_64, nested-host or aarch64)" >&2; exit 2 ;;
 esac
 arch=$variant
 tarball=/usr/src/linux-source-6.12.tar.xz
@@ -32,9 +49,9 @@ BUILD_REV=2
 key=$( { cat "${fragments[@]}"; echo "$src_version rev $BUILD_REV"; } | sha256sum | cut -c1-16)
 cache=$(sandbox_cache_dir)
 out="$cache/kernel/$arch-$key"
-if [ -f "$out/vmlinux" ]; then
-  log "cached: $out/vmlinux"
-  echo "$out/vmlinux"
+if [ -f "$out/$image" ]; then
+  log "cached: $out/$image"
+  echo "$out/$image"
   exit 0
 fi
 
@@ -51,9 +68,9 @@ fi
 
 cd "$tree"
 log "configuring: tinyconfig + ${fragments[*]##*/}"
-make -s tinyconfig >/dev/null
+make -s "${make_args[@]}" tinyconfig >/dev/null
 scripts/kconfig/merge_config.sh -m .config "${fragments[@]}" >/dev/null
-make -s olddefconfig >/dev/null
+make -s "${make_args[@]}" olddefconfig >/dev/null
 
 # Every option the fragment asks for must have survived olddefconfig: a silently dropped option
 # (a typo, a missing dependency) would give a kernel that boots but lacks a feature.
@@ -67,10 +84,10 @@ done < <(cat "${fragments[@]}" | grep -E '^CONFIG_')
 [ "$bad" = 0 ] || { log "the config fragments did not apply cleanly; fix ${fragments[*]}"; exit 1; }
 
 jobs=${JOBS:-$(nproc)}
-log "building vmlinux with $jobs jobs (about 3 minutes on 2 cores); progress every 100 objects"
+log "building $image with $jobs jobs (about 5 minutes on 2 cores); progress every 100 objects"
 start=$(date +%s)
 n=0
-make -j"$jobs" vmlinux 2>&1 | while IFS= read -r line; do
+make -j"$jobs" "${make_args[@]}" "$image" 2>&1 | while IFS= read -r line; do
   case "$line" in
     *" CC "*|*" AS "*|*" LD "*|*" AR "*)
       n=$((n + 1))
@@ -78,14 +95,17 @@ make -j"$jobs" vmlinux 2>&1 | while IFS= read -r line; do
     *error*|*Error*|*warning:*) printf '%s\n' "$line" >&2 ;;
   esac
 done
-[ "${PIPESTATUS[0]}" -eq 0 ] || { log "make vmlinux failed"; exit 1; }
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "make $image failed"; exit 1; }
 log "built in $(( $(date +%s) - start ))s"
 
 mkdir -p "$cache/kernel"
 tmp=$(mktemp -d "$cache/kernel/.tmp.XXXXXX")
-cp vmlinux "$tmp/vmlinux"
+case "$image" in
+  vmlinux) cp vmlinux "$tmp/vmlinux" ;;
+  Image) cp arch/arm64/boot/Image "$tmp/Image" ;;
+esac
 cp .config "$tmp/config"
 rm -rf "$out"
 mv "$tmp" "$out"
-log "vmlinux: $out/vmlinux ($(du -h "$out/vmlinux" | cut -f1))"
-echo "$out/vmlinux"
+log "$image: $out/$image ($(du -h "$out/$image" | cut -f1))"
+echo "$out/$image"

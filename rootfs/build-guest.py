@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds the Vantik guest image from rootfs/guest/image.toml and tags it in the image store.
 
-    sudo python3 rootfs/build-guest.py [--config FILE] [--store DIR] [--cache DIR]
+    sudo python3 rootfs/build-guest.py [--arch x86_64|aarch64] [--config FILE] [--store DIR] [--cache DIR]
 
 The image is a directory in the store holding the guest kernel, the initramfs of the stock image
 (its /init turns a read-only ext4 root plus the sandbox's own disk into an overlay root), the
@@ -9,8 +9,14 @@ root file system `rootfs.ext4` and `manifest.json`. `<store>/<name>/<tag>` is a 
 it, swapped with one rename, so a sandbox starting during a build gets the old image or the new
 one, never part of one. The previous build is kept for sandboxes that resolved it just before.
 
-Layers are cached under <cache>/guest: the debootstrap tree (by the [debian] section), and the
-downloads (Debian packages, wheels, npm tarballs). A build whose inputs did not change is a no-op.
+Layers are cached under <cache>/guest: the debootstrap tree (by the [debian] section and the
+architecture), and the downloads (Debian packages, wheels, npm tarballs). A build whose inputs did
+not change is a no-op.
+
+--arch (default: SANDBOX_HOST_ARCH, else this host's) builds for another architecture: the same
+Debian packages, wheels and npm packages for arm64, on an x86_64 host through qemu-user-static
+(binfmt_misc runs the image's arm64 programs for debootstrap's second stage and npm), into that
+architecture's image store (<cache>/images-aarch64), with that architecture's stock image.
 
 Python rather than Rust: it is a build script run by an operator, tomllib reads the config, and it
 keeps the service's dependency tree free of image-building code. Needs root (debootstrap, chroot,
@@ -65,6 +71,55 @@ def cache_dir():
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "sandbox-host"
     return Path.home() / ".cache" / "sandbox-host"
+
+
+# Our name for an architecture (as `uname -m`), Debian's, and the wheels' platform tag.
+ARCHES = {"x86_64": ("amd64", "x86_64"), "aarch64": ("arm64", "aarch64")}
+
+
+def host_arch():
+    m = os.uname().machine
+    return "aarch64" if m in ("aarch64", "arm64") else m
+
+
+def guest_arch(requested):
+    """--arch, else SANDBOX_HOST_ARCH, else the host's; x86_64 or aarch64."""
+    a = requested or os.environ.get("SANDBOX_HOST_ARCH") or "auto"
+    a = {"auto": host_arch(), "amd64": "x86_64", "arm64": "aarch64"}.get(a, a)
+    if a not in ARCHES:
+        die(f"the architecture must be one of auto, x86_64, aarch64, not `{a}` (--arch or SANDBOX_HOST_ARCH)")
+    return a
+
+
+def ensure_binfmt(arch):
+    """Lets this host run the image's programs (debootstrap's second stage, npm in the chroot):
+    nothing to do natively; else qemu-user-static registered with binfmt_misc, with the F flag so
+    that the interpreter works inside the chroot. Registers it when the host has not (a container,
+    or a host without systemd-binfmt), from the registration qemu-user-static ships."""
+    if arch == host_arch():
+        return
+    if arch != "aarch64":
+        die(f"an {arch} image is not built on a {host_arch()} host: only aarch64 images are built for a foreign architecture")
+    conf = Path("/usr/lib/binfmt.d/qemu-aarch64.conf")
+    if not conf.is_file():
+        log("qemu-user-static is missing: installing it")
+        run(["bash", str(ROOT / "scripts" / "install-deps.sh"), "--aarch64"])
+    misc = Path("/proc/sys/fs/binfmt_misc")
+    if not (misc / "register").exists():
+        run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(misc)])
+    entry = misc / "qemu-aarch64"
+    if not entry.exists():
+        log("registering qemu-aarch64 with binfmt_misc (from qemu-user-static)")
+        line = conf.read_text().strip()
+        try:
+            (misc / "register").write_text(line)
+        except OSError as e:
+            die(f"cannot register qemu-aarch64 with binfmt_misc ({e}); on a host with systemd: "
+                "systemctl restart systemd-binfmt")
+    status = entry.read_text()
+    if not status.startswith("enabled") or "flags: " not in status or "F" not in status.split("flags: ")[1].split()[0]:
+        die(f"binfmt_misc's qemu-aarch64 is not enabled with the F flag ({status.splitlines()[:3]}); "
+            "remove it (echo -1 > /proc/sys/fs/binfmt_misc/qemu-aarch64) and build again")
 
 
 def digest(*parts):
@@ -173,34 +228,45 @@ def chroot(tree, command, env=None):
     run(["chroot", str(tree), "/bin/sh", "-c", command], env=base)
 
 
-def build_base(cfg, cache, debs):
-    """The debootstrap tree, cached by the [debian] section; Debian packages kept in `debs`."""
+def base_prefix(arch):
+    """The cached base's name before its key: `base-` on x86_64 (as before aarch64 existed, so
+    that cache stays valid), `base-arm64-` on aarch64."""
+    return "base-" if arch == "x86_64" else f"base-{ARCHES[arch][0]}-"
+
+
+def build_base(cfg, cache, debs, arch):
+    """The debootstrap tree, cached by the [debian] section and the architecture; Debian packages
+    kept in `debs`."""
     deb = cfg["debian"]
     key = digest(json.dumps(deb, sort_keys=True))
-    base = cache / f"base-{key}"
+    prefix = base_prefix(arch)
+    base = cache / f"{prefix}{key}"
     if (base / "etc" / "debian_version").exists():
-        log(f"Debian {deb['suite']} base: cached ({base})")
+        log(f"Debian {deb['suite']} {ARCHES[arch][0]} base: cached ({base})")
         return base
-    log(f"Debian {deb['suite']} base: debootstrap {deb['variant']} with {len(deb['packages'])} packages")
+    log(f"Debian {deb['suite']} {ARCHES[arch][0]} base: debootstrap {deb['variant']} with {len(deb['packages'])} packages")
     debs.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=cache))
     try:
-        run(["debootstrap", f"--variant={deb['variant']}", "--components=main",
+        run(["debootstrap", f"--arch={ARCHES[arch][0]}", f"--variant={deb['variant']}", "--components=main",
              f"--include={','.join(deb['packages'])}", f"--cache-dir={debs}",
              deb["suite"], str(tmp), deb["mirror"]])
         shutil.rmtree(tmp / "var" / "cache" / "apt" / "archives", ignore_errors=True)
         (tmp / "var" / "cache" / "apt" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-        for old in cache.glob("base-*"):
-            remove_tree(old)
+        # Older bases of this architecture only (a key is 16 hex digits).
+        for old in cache.glob(f"{prefix}*"):
+            if len(old.name) == len(prefix) + 16:
+                remove_tree(old)
         tmp.rename(base)
     finally:
         remove_tree(tmp)
     return base
 
 
-def fetch_wheel(spec, cache):
-    """Downloads (once) the pinned wheel for x86_64 Linux and returns its path."""
-    wheels = cache / "wheels"
+def fetch_wheel(spec, cache, arch):
+    """Downloads (once) the pinned wheel for Linux on `arch` and returns its path."""
+    # x86_64's wheels stay where they were before aarch64 existed.
+    wheels = cache / "wheels" if arch == "x86_64" else cache / "wheels" / arch
     wheels.mkdir(parents=True, exist_ok=True)
     name, version = spec["name"], spec["version"]
     norm = name.replace("-", "_").lower()
@@ -209,7 +275,7 @@ def fetch_wheel(spec, cache):
         return found[0]
     log(f"downloading wheel {name}=={version}")
     run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-         "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+         "--platform", f"manylinux_2_28_{arch}", "--platform", f"manylinux_2_17_{arch}",
          "--python-version", "3.11", "-d", str(wheels), f"{name}=={version}"])
     found = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(f"{norm}-{version}-")]
     if not found:
@@ -253,9 +319,10 @@ def make_ext4(tree, out, label):
     return size
 
 
-def stock_image():
+def stock_image(arch):
+    env = dict(os.environ, SANDBOX_HOST_ARCH=arch)
     r = subprocess.run(["bash", str(ROOT / "rootfs" / "build-stock.sh")], capture_output=True,
-                       text=True)
+                       text=True, env=env)
     sys.stderr.write(r.stderr)
     if r.returncode != 0:
         die("building the stock image (kernel, agent, initramfs) failed")
@@ -265,8 +332,10 @@ def stock_image():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", help="x86_64 or aarch64 (default: SANDBOX_HOST_ARCH, else this host's)")
     ap.add_argument("--config", type=Path, default=ROOT / "rootfs" / "guest" / "image.toml")
-    ap.add_argument("--store", type=Path, help="image store (default: SANDBOX_HOST_IMAGE_DIR or <cache>/images)")
+    ap.add_argument("--store", type=Path, help="image store (default: SANDBOX_HOST_IMAGE_DIR, else "
+                    "<cache>/images for this host's architecture and <cache>/images-<arch> for another)")
     ap.add_argument("--cache", type=Path, help="layer cache (default: <cache>/guest)")
     ap.add_argument("--download-cache", type=Path,
                     help="where Debian packages, wheels and npm tarballs are kept (default: the layer cache)")
@@ -284,9 +353,12 @@ def main():
             if not shutil.which(tool):
                 die(f"{tool} is still missing; install Debian's {pkg}")
 
+    arch = guest_arch(args.arch)
+    ensure_binfmt(arch)
     cfg = load_config(args.config)
     name, tag = cfg["name"], cfg["tag"]
-    store = args.store or Path(os.environ.get("SANDBOX_HOST_IMAGE_DIR") or cache_dir() / "images")
+    default_store = cache_dir() / ("images" if arch == host_arch() else f"images-{arch}")
+    store = args.store or Path(os.environ.get("SANDBOX_HOST_IMAGE_DIR") or default_store)
     cache = args.cache or cache_dir() / "guest"
     downloads = args.download_cache or cache
     cache.mkdir(parents=True, exist_ok=True)
@@ -302,7 +374,9 @@ def main():
     for stale in store.glob(f".tmp-{name}-*"):
         log(f"removing {stale.name}, left by an interrupted build")
         remove_tree(stale)
-    stock_dir, stock = stock_image()
+    stock_dir, stock = stock_image(arch)
+    if stock.get("arch", "x86_64") != arch:
+        die(f"the stock image {stock_dir} is {stock.get('arch', 'x86_64')}, not {arch}")
     files = sorted(cfg.get("files", {}).items())
     file_bytes = [(ROOT / src).read_bytes() for src, _ in files]
     key = digest(args.config.read_bytes(), Path(__file__).read_bytes(), stock["key"], *file_bytes)
@@ -316,13 +390,13 @@ def main():
 
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
     try:
-        base = build_base(cfg, cache, downloads / "debs")
+        base = build_base(cfg, cache, downloads / "debs", arch)
         tree = work / "tree"
         log("copying the base")
         run(["cp", "-a", "--reflink=auto", str(base), str(tree)])
 
         for spec in cfg.get("wheels", []):
-            wheel = fetch_wheel(spec, downloads)
+            wheel = fetch_wheel(spec, downloads, arch)
             log(f"unpacking {wheel.name}")
             unpack_wheel(wheel, spec["unpack"], tree)
         for link_path, target in cfg.get("links", {}).items():
@@ -368,7 +442,7 @@ def main():
         vantik.mkdir(parents=True, exist_ok=True)
         (vantik / "pi-version").write_text(harness_version + "\n")
         record = {
-            "name": name, "tag": tag, "key": key,
+            "name": name, "tag": tag, "key": key, "arch": arch,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "debian": cfg["debian"]["suite"],
             "harness": {"package": harness_pkg, "version": harness_version},
@@ -387,10 +461,11 @@ def main():
         log("making rootfs.ext4")
         size = make_ext4(tree, work / "rootfs.ext4", name[:16])
         remove_tree(tree)
-        for f in ["vmlinux", "initramfs.cpio"]:
+        kernel = stock["kernel"]
+        for f in [kernel, "initramfs.cpio"]:
             shutil.copy(stock_dir / f, work / f)
         manifest = {
-            "name": f"{name}:{tag}", "kind": "disk", "kernel": "vmlinux",
+            "name": f"{name}:{tag}", "arch": arch, "kind": "disk", "kernel": kernel,
             "initrd": "initramfs.cpio", "rootfs": "rootfs.ext4",
             "agent_version": stock.get("agent_version"), "harness_version": harness_version,
             "key": key, "built_at": record["built_at"],

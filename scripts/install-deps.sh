@@ -5,9 +5,18 @@
 # contract test). Safe to run again: it adds only what is missing.
 # --container: also podman and what it needs here (runc, catatonit for --init, the CNI plugins with
 # name resolution between containers), for the container test (tests/container/run.sh).
+# --aarch64: also what aarch64 guests need on this host: qemu-system-aarch64, qemu-user-static (to
+# build the arm64 guest image) and, on a host that is not aarch64, the cross compiler of the kernel.
 set -euo pipefail
 container=0
-[ "${1:-}" = --container ] && container=1
+aarch64=0
+for arg in "$@"; do
+  case "$arg" in
+    --container) container=1 ;;
+    --aarch64) aarch64=1 ;;
+    *) echo "install-deps: unknown option $arg (--container, --aarch64)" >&2; exit 2 ;;
+  esac
+done
 
 need=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
@@ -21,6 +30,17 @@ if [ $container -eq 1 ]; then
   for p in podman runc catatonit containernetworking-plugins golang-github-containernetworking-plugin-dnsname; do
     have "$p" || need+=("$p")
   done
+fi
+if [ $aarch64 -eq 1 ]; then
+  for p in qemu-system-arm qemu-user-static; do
+    have "$p" || need+=("$p")
+  done
+  # The kernel's cross compiler, and a static libc for the tests' guest helper (tests/build.rs).
+  if [ "$(uname -m)" != aarch64 ]; then
+    for p in gcc-aarch64-linux-gnu libc6-dev-arm64-cross; do
+      have "$p" || need+=("$p")
+    done
+  fi
 fi
 # The guest kernel source lives in bookworm-backports (linux-source-6.12).
 have linux-source-6.12 || need+=(linux-source-6.12)
@@ -46,8 +66,19 @@ service_user() {
   fi
 }
 
+# The arm64 busybox-static of the aarch64 stock image comes from Debian like the host's: dpkg must
+# know the architecture for `apt-get download busybox-static:arm64`.
+foreign_arm64() {
+  [ $aarch64 -eq 1 ] && [ "$(uname -m)" != aarch64 ] || return 0
+  dpkg --print-foreign-architectures | grep -qx arm64 && return 0
+  echo "install-deps: adding arm64 to dpkg's architectures (for busybox-static:arm64)"
+  $sudo dpkg --add-architecture arm64
+  $sudo apt-get update -q
+}
+
 if [ ${#need[@]} -eq 0 ]; then
   echo "install-deps: every Debian package is present"
+  foreign_arm64
   service_user
   exit 0
 fi
@@ -63,11 +94,11 @@ $sudo apt-get update -q
 src=()
 [ "${VERSION_CODENAME:-}" = bookworm ] && src=(-t bookworm-backports)
 # On bookworm, QEMU and the kernel source come from backports (QEMU 10, linux-source-6.12), so that
-# qemu-system-x86 matches a qemu-utils that may already be there from backports; the rest from main.
+# qemu-system-* matches a qemu-utils that may already be there from backports; the rest from main.
 main=(); bpo=()
 for p in "${need[@]}"; do
   case "$p" in
-    linux-source-6.12|qemu-system-x86|qemu-utils) bpo+=("$p") ;;
+    linux-source-6.12|qemu-system-x86|qemu-system-arm|qemu-user-static|qemu-utils) bpo+=("$p") ;;
     *) main+=("$p") ;;
   esac
 done
@@ -78,3 +109,4 @@ if [ ${#bpo[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${src[@]}" "${bpo[@]}"
 fi
 service_user
+foreign_arm64

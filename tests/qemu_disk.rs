@@ -30,14 +30,18 @@ async fn raw_disks_read_and_write() {
     };
     let c = &vm.sandbox.client;
 
+    // Disks are found by their virtio serial, as the guest's init does: the order of the
+    // /dev/vdX names is the machine's (x86_64 microvm and KVM name them in order, aarch64 virt
+    // in reverse).
+    let (ro_dev, rw_dev) = (dev_of(c, "disk0").await, dev_of(c, "disk1").await);
     let out = sh(
         c,
-        "cat /sys/block/vda/size /sys/block/vda/ro /sys/block/vdb/ro",
+        &format!("cat /sys/block/{ro_dev}/size /sys/block/{ro_dev}/ro /sys/block/{rw_dev}/ro"),
     )
     .await;
     assert_eq!(out.stdout_str(), "16384\n1\n0\n");
     let back = c
-        .get_file("/dev/vda")
+        .get_file(&format!("/dev/{ro_dev}"))
         .await
         .unwrap()
         .collect()
@@ -45,14 +49,18 @@ async fn raw_disks_read_and_write() {
         .unwrap();
     assert_eq!(sha256_hex(&back), sha256_hex(&content));
 
-    let out = sh(c, "echo x | dd of=/dev/vda conv=fsync 2>&1; echo rc=$?").await;
+    let out = sh(
+        c,
+        &format!("echo x | dd of=/dev/{ro_dev} conv=fsync 2>&1; echo rc=$?"),
+    )
+    .await;
     assert!(
         out.stdout_str().ends_with("rc=1\n"),
         "a write to the read-only disk succeeded: {}",
         out.stdout_str()
     );
 
-    let out = sh(c, "printf 'written by the guest' | dd of=/dev/vdb bs=512 seek=3 conv=fsync 2>/dev/null; sync; echo $?").await;
+    let out = sh(c, &format!("printf 'written by the guest' | dd of=/dev/{rw_dev} bs=512 seek=3 conv=fsync 2>/dev/null; sync; echo $?")).await;
     assert_eq!(out.stdout_str(), "0\n");
     vm.sandbox.stop().await;
 
@@ -79,4 +87,21 @@ async fn raw_disks_read_and_write() {
         content,
         "the read-only disk changed"
     );
+}
+
+/// The block device (`vda`, ...) whose virtio serial is `serial`.
+async fn dev_of(c: &sandbox_protocol::client::Client, serial: &str) -> String {
+    let out = sh(
+        c,
+        &format!(
+            "for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = {serial} ] && echo ${{d##*/}}; done"
+        ),
+    )
+    .await;
+    let dev = out.stdout_str().trim().to_string();
+    assert!(
+        dev.starts_with("vd"),
+        "no disk with serial {serial}: {out:?}"
+    );
+    dev
 }

@@ -25,6 +25,15 @@ async fn exec_behaves() {
         vm.sandbox.boot_time
     );
 
+    // The guest is of the architecture asked for (SANDBOX_HOST_ARCH runs this very test on the
+    // aarch64 guest under emulation).
+    let out = sh(c, "uname -m").await;
+    assert_eq!(
+        out.stdout_str().trim(),
+        sandbox_vmm::arch::Arch::guest().as_str(),
+        "{out:?}"
+    );
+
     // echo, through argv (no shell)
     let out = run(
         c,

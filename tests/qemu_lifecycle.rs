@@ -127,7 +127,12 @@ async fn a_frozen_agent_is_killed_and_its_waiters_told_why() {
     )
     .await
     .unwrap();
-    let out = sandbox_e2e::sh(c, "/freeze stop-agent; echo started").await;
+    // A line on the guest's console, which the exit must carry.
+    let out = sandbox_e2e::sh(
+        c,
+        "echo 'freezing the agent now' >/dev/console; /freeze stop-agent; echo started",
+    )
+    .await;
     assert_eq!(out.stdout_str(), "started\n", "{out:?}");
     let frozen_at = Instant::now();
     // An exec without a timeout, started as the agent freezes: it must end, not hang.
@@ -160,7 +165,13 @@ async fn a_frozen_agent_is_killed_and_its_waiters_told_why() {
     // A bound, not a speed: the freeze (1 s), a ping interval (1 s), the timeout (5 s), and room
     // for an emulated machine.
     assert!(detected < Duration::from_secs(40), "{detected:?}");
-    assert!(!exit.console.is_empty(), "the exit carries the console");
+    assert!(
+        exit.console
+            .iter()
+            .any(|l| l.contains("freezing the agent now")),
+        "the exit carries the console: {:?}",
+        exit.console
+    );
     assert!(!exit.requested, "{exit:?}");
     assert!(
         exit.reason.contains("stopped answering")
@@ -190,8 +201,10 @@ async fn a_guest_that_never_becomes_ready_is_stopped_and_reported() {
     let tmp = tempfile::tempdir_in("/tmp").unwrap();
     let state_dir = tmp.path().join("vm");
     let mut spec = image.vm_spec("never-ready".into(), 256, 1, 0, state_dir.clone());
-    // Init is `cat` reading the console: the kernel runs, the agent never starts.
+    // Init is `cat` reading the console: the kernel runs, the agent never starts. loglevel=7
+    // (after `quiet`) has the kernel say so on the console, which the error must carry.
     spec.cmdline.push("rdinit=/bin/cat".into());
+    spec.cmdline.push("loglevel=7".into());
     let limit = Duration::from_secs(20);
     let t = Instant::now();
     let booted = bounded(
@@ -213,7 +226,7 @@ async fn a_guest_that_never_becomes_ready_is_stopped_and_reported() {
         "{e}"
     );
     assert!(
-        e.contains("Last console lines:"),
+        e.contains("Last console lines:") && e.contains("Run /bin/cat as init process"),
         "the error carries the console: {e}"
     );
     assert!(!state_dir.exists(), "the VM's files are gone");

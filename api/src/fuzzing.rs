@@ -21,6 +21,7 @@ pub fn router(token: &str, dir: &Path) -> Router {
         reason: Some("fuzzing: no microVM backend".into()),
         backend: "none".into(),
         accel: "none".into(),
+        arch: sandbox_vmm::arch::Arch::host().to_string(),
         warning: None,
     };
     crate::routes::app(AppState::new(cfg, availability, None))

@@ -103,6 +103,7 @@ pub async fn serve() -> ExitCode {
         reason = availability.reason.as_deref(),
         backend = %availability.backend,
         accel = %availability.accel,
+        arch = %availability.arch,
         warning = availability.warning.as_deref(),
         jail = %crate::routes::health::jail_report(),
         "Listening on {}:{}",
@@ -199,6 +200,7 @@ fn jail_instance(state_dir: &Path) -> String {
 
 /// Can this host start a microVM? The backend must be usable and the stock image present.
 async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandbox_vmm::Backend>>) {
+    let arch = sandbox_vmm::arch::Arch::guest().to_string();
     match backend_select::select(store).await {
         Ok(sel) => {
             let (backend, accel) = (sel.backend.name().to_string(), sel.backend.accel());
@@ -209,6 +211,7 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
                         reason: None,
                         backend,
                         accel,
+                        arch: arch.clone(),
                         warning: sel.warning,
                     },
                     Some(Arc::from(sel.backend)),
@@ -219,6 +222,7 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
                         reason: Some(e.to_string()),
                         backend,
                         accel,
+                        arch: arch.clone(),
                         warning: sel.warning,
                     },
                     None,
@@ -231,6 +235,7 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
                 reason: Some(reason),
                 backend: "qemu".into(),
                 accel: "none".into(),
+                arch,
                 warning: None,
             },
             None,

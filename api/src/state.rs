@@ -22,6 +22,8 @@ pub struct Availability {
     pub backend: String,
     /// The accelerator.
     pub accel: String,
+    /// The guests' architecture (`x86_64`, `aarch64`): the host's, or `SANDBOX_HOST_ARCH`.
+    pub arch: String,
     /// A slow fallback the operator should know about.
     pub warning: Option<String>,
 }

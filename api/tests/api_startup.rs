@@ -270,7 +270,7 @@ fn the_hand_over_refuses_a_foreign_runtime_directory_and_writable_images() {
     std::fs::create_dir_all(store.join("img")).unwrap();
     std::fs::write(store.join("img/manifest.json"), "{}").unwrap();
     std::fs::set_permissions(
-        &store.join("img/manifest.json"),
+        store.join("img/manifest.json"),
         std::fs::Permissions::from_mode(0o644),
     )
     .unwrap();
@@ -286,7 +286,7 @@ fn the_hand_over_refuses_a_foreign_runtime_directory_and_writable_images() {
     // A world-writable image file.
     let rt = tmp.path().join("rt");
     std::fs::set_permissions(
-        &store.join("img/manifest.json"),
+        store.join("img/manifest.json"),
         std::fs::Permissions::from_mode(0o666),
     )
     .unwrap();
@@ -300,7 +300,7 @@ fn the_hand_over_refuses_a_foreign_runtime_directory_and_writable_images() {
     assert!(!rt.join("images").exists(), "the store was not handed over");
     // The same store, fixed, is handed over.
     std::fs::set_permissions(
-        &store.join("img/manifest.json"),
+        store.join("img/manifest.json"),
         std::fs::Permissions::from_mode(0o644),
     )
     .unwrap();

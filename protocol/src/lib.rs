@@ -29,5 +29,9 @@ pub const DATA_CHUNK: usize = 64 * 1024;
 /// Name of the virtio-serial port the agent listens on (QEMU backend).
 pub const SERIAL_PORT_NAME: &str = "sandbox.agent";
 
+/// Name of the virtio-serial port that carries the boot marker where there is no I/O port to
+/// write it to (QEMU's `virt` machine on aarch64).
+pub const MARKER_PORT_NAME: &str = "sandbox.marker";
+
 /// Vsock port the agent listens on (KVM backend).
 pub const VSOCK_PORT: u32 = 1024;

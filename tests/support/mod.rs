@@ -369,14 +369,21 @@ pub fn nested(args: &[&std::ffi::OsStr], command: &str) -> (Option<i32>, String,
 /// The static hostile helper of `tests/guest/freeze.c` (see there), or `None` after saying why
 /// it cannot be used.
 pub fn freeze_binary() -> Option<&'static [u8]> {
-    static FREEZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/freeze"));
-    if FREEZE.is_empty() {
-        skip(
-            "tests/guest/freeze.c was not built (no C compiler with a static libc when the tests were built; install gcc and libc6-dev)",
-        );
+    static NATIVE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/freeze"));
+    static AARCH64: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/freeze-aarch64"));
+    let arch = sandbox_vmm::arch::Arch::guest();
+    let (freeze, install) = if arch.is_native() {
+        (NATIVE, "gcc and libc6-dev")
+    } else {
+        (AARCH64, "gcc-aarch64-linux-gnu and libc6-dev-arm64-cross")
+    };
+    if freeze.is_empty() {
+        skip(&format!(
+            "tests/guest/freeze.c was not built for {arch} (no C compiler with a static libc when the tests were built; install {install})"
+        ));
         return None;
     }
-    Some(FREEZE)
+    Some(freeze)
 }
 
 /// Hex SHA-256.

@@ -170,7 +170,8 @@ pub trait Vm: Send + Sync {
         None
     }
     /// From the VM's start to the guest's boot marker (userspace up), where the backend
-    /// records it: our marker device on KVM, QEMU's isa-debugcon on x86_64 (not on aarch64).
+    /// records it: our marker device on KVM, QEMU's isa-debugcon on x86_64, a virtio-serial
+    /// port on aarch64.
     fn boot_marker(&self) -> Option<Duration> {
         None
     }

@@ -29,10 +29,21 @@ pub fn cache_dir() -> PathBuf {
     PathBuf::from(home).join(".cache/sandbox-host")
 }
 
-/// The image store: `SANDBOX_HOST_IMAGE_DIR`, else `<cache>/images`.
+/// The image store: `SANDBOX_HOST_IMAGE_DIR`, else `<cache>/images` for guests of the host's
+/// architecture and `<cache>/images-<arch>` for emulated ones (`SANDBOX_HOST_ARCH`), so that an
+/// x86_64 and an aarch64 stock image never replace each other (as `scripts/cache-dir.sh`).
 pub fn image_dir() -> PathBuf {
-    non_empty_env("SANDBOX_HOST_IMAGE_DIR")
-        .map_or_else(|| cache_dir().join("images"), PathBuf::from)
+    non_empty_env("SANDBOX_HOST_IMAGE_DIR").map_or_else(
+        || {
+            let arch = crate::arch::Arch::guest();
+            if arch.is_native() {
+                cache_dir().join("images")
+            } else {
+                cache_dir().join(format!("images-{arch}"))
+            }
+        },
+        PathBuf::from,
+    )
 }
 
 /// Where running sandboxes keep their files: `SANDBOX_HOST_STATE_DIR`, else `<cache>/state`.

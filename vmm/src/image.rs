@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::arch::Arch;
 use crate::backend::{Disk, VmSpec};
 use thiserror::Error;
 
@@ -38,6 +39,20 @@ pub enum ImageError {
         /// What is wrong.
         why: String,
     },
+    /// The image was built for another architecture than the guests this host runs.
+    #[error(
+        "image `{name}` is built for {image_arch}, but this sandbox host runs {guest_arch} guests \
+         (SANDBOX_HOST_ARCH); build it for {guest_arch} (SANDBOX_HOST_ARCH={guest_arch} bash rootfs/build-stock.sh, \
+         or rootfs/build-guest.py --arch {guest_arch}), or point SANDBOX_HOST_IMAGE_DIR at a store of {guest_arch} images"
+    )]
+    WrongArch {
+        /// The image.
+        name: String,
+        /// What its manifest says.
+        image_arch: String,
+        /// What the host runs.
+        guest_arch: Arch,
+    },
     /// The name cannot be an image name.
     #[error(
         "`{0}` is not a valid image name (letters, digits, `.`, `_`, `-` and one `:` for a tag)"
@@ -47,12 +62,19 @@ pub enum ImageError {
 
 #[derive(Debug, Deserialize)]
 struct Manifest {
+    /// Absent in manifests written before aarch64 images existed, which are all x86_64.
+    #[serde(default = "x86_64")]
+    arch: String,
     kind: String,
     kernel: String,
     initrd: Option<String>,
     rootfs: Option<String>,
     agent_version: Option<String>,
     harness_version: Option<String>,
+}
+
+fn x86_64() -> String {
+    Arch::X86_64.as_str().into()
 }
 
 /// A resolved image: absolute paths of what to boot.
@@ -115,16 +137,26 @@ impl Image {
     }
 }
 
-/// A directory of images.
+/// A directory of images, for guests of one architecture.
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     dir: PathBuf,
+    arch: Arch,
 }
 
 impl ImageStore {
-    /// The store at `dir` (it need not exist yet).
+    /// The store at `dir` (it need not exist yet), for the guest architecture of
+    /// `SANDBOX_HOST_ARCH`.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        ImageStore { dir: dir.into() }
+        Self::with_arch(dir, Arch::guest())
+    }
+
+    /// The store at `dir`, for guests of `arch`.
+    pub fn with_arch(dir: impl Into<PathBuf>, arch: Arch) -> Self {
+        ImageStore {
+            dir: dir.into(),
+            arch,
+        }
     }
 
     /// The store's directory.
@@ -172,6 +204,13 @@ impl ImageStore {
         };
         let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
         let m: Manifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if m.arch != self.arch.as_str() {
+            return Err(ImageError::WrongArch {
+                name: name.into(),
+                image_arch: m.arch,
+                guest_arch: self.arch,
+            });
+        }
         let file = |rel: &str| -> Result<PathBuf, ImageError> {
             if rel.contains('/') {
                 return Err(bad(format!("file name `{rel}` must be a plain name")));
@@ -216,7 +255,9 @@ mod tests {
             "stock",
             r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio","agent_version":"0.1.0"}"#,
         );
-        let img = ImageStore::new(t.path()).resolve("stock").unwrap();
+        let img = ImageStore::with_arch(t.path(), Arch::X86_64)
+            .resolve("stock")
+            .unwrap();
         assert!(img.dir.ends_with(".stock-1"));
         assert_eq!(img.initrd.unwrap().file_name().unwrap(), "initramfs.cpio");
     }
@@ -240,7 +281,7 @@ mod tests {
             t.path().join("vantik-guest/latest"),
         )
         .unwrap();
-        let store = ImageStore::new(t.path());
+        let store = ImageStore::with_arch(t.path(), Arch::X86_64);
         let img = store.resolve("vantik-guest:latest").unwrap();
         assert_eq!(store.resolve("vantik-guest").unwrap().dir, img.dir);
         assert_eq!(img.harness_version.as_deref(), Some("0.73.1"));
@@ -266,7 +307,7 @@ mod tests {
     #[test]
     fn missing_and_bad_images_say_what_to_do() {
         let t = tempfile::tempdir().unwrap();
-        let store = ImageStore::new(t.path());
+        let store = ImageStore::with_arch(t.path(), Arch::X86_64);
         let e = store.resolve("stock").unwrap_err().to_string();
         assert!(e.contains("build-stock.sh"), "{e}");
         assert!(matches!(
@@ -286,5 +327,39 @@ mod tests {
                 .to_string()
                 .contains("plain name")
         );
+    }
+
+    #[test]
+    fn an_image_of_another_architecture_is_refused_by_name() {
+        let t = tempfile::tempdir().unwrap();
+        make(
+            t.path(),
+            "stock",
+            r#"{"arch":"aarch64","kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio"}"#,
+        );
+        let e = ImageStore::with_arch(t.path(), Arch::X86_64)
+            .resolve("stock")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("built for aarch64") && e.contains("runs x86_64 guests"),
+            "{e}"
+        );
+        assert!(
+            ImageStore::with_arch(t.path(), Arch::Aarch64)
+                .resolve("stock")
+                .is_ok()
+        );
+        // A manifest from before aarch64 images is x86_64.
+        make(
+            t.path(),
+            "old",
+            r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio"}"#,
+        );
+        let e = ImageStore::with_arch(t.path(), Arch::Aarch64)
+            .resolve("old")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("built for x86_64"), "{e}");
     }
 }

@@ -2,6 +2,7 @@
 //! `SANDBOX_HOST_QEMU_ACCEL`): `auto` takes the in-process KVM backend whenever it proves it can
 //! boot a guest here, else QEMU; `kvm` and `qemu` force one.
 
+use crate::arch::Arch;
 use crate::backend::Backend;
 use crate::config::{AccelSetting, VmmSetting};
 use crate::image::ImageStore;
@@ -44,6 +45,7 @@ fn fallback_warning(kvm_why: Option<&str>, qemu: Option<&str>) -> Option<String>
 pub async fn select(store: &ImageStore) -> Result<Selected, String> {
     let vmm = VmmSetting::from_env().map_err(|e| e.to_string())?;
     let accel = AccelSetting::from_env().map_err(|e| e.to_string())?;
+    let arch = Arch::from_env().map_err(|e| e.to_string())?;
     let qemu = |kvm_why: Option<String>| async move {
         let qemu = QemuBackend::new(accel, store)
             .await
@@ -54,6 +56,18 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
             warning,
         })
     };
+    // The KVM backend runs x86_64 guests on an x86_64 host only; anywhere else QEMU is the
+    // backend of the architecture, not a fallback, so it gets no warning of its own.
+    if !(arch == Arch::X86_64 && arch.is_native()) {
+        return match vmm {
+            VmmSetting::Kvm => Err(format!(
+                "SANDBOX_HOST_VMM=kvm but the KVM backend runs x86_64 guests on x86_64 hosts, and the \
+                 guest here is {arch} on this {} host. Set SANDBOX_HOST_VMM=auto (or qemu) to use QEMU",
+                Arch::host()
+            )),
+            VmmSetting::Auto | VmmSetting::Qemu => qemu(None).await,
+        };
+    }
     match vmm {
         VmmSetting::Kvm => match kvm_usable(store).await {
             Ok(k) => Ok(Selected {

@@ -30,6 +30,7 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
         "reason": a.reason,
         "backend": a.backend,
         "accel": a.accel,
+        "arch": a.arch,
         "warning": a.warning,
         "version": env!("CARGO_PKG_VERSION"),
         "image": { "name": image, "stock": stock },

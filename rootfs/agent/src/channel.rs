@@ -91,7 +91,7 @@ pub fn open(spec: &ChannelSpec) -> io::Result<Conn> {
     }
 }
 
-fn find_serial_port(name: &str) -> io::Result<Option<PathBuf>> {
+pub(crate) fn find_serial_port(name: &str) -> io::Result<Option<PathBuf>> {
     let dir = match std::fs::read_dir("/sys/class/virtio-ports") {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),

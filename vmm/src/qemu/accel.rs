@@ -36,6 +36,14 @@ pub async fn resolve_accel(
             accel: Accel::Tcg,
             warning: Some("SANDBOX_HOST_QEMU_ACCEL=tcg: QEMU emulates the processor, so runs work but are very slow".into()),
         },
+        // An emulated architecture has no accelerator (QemuBackend::new refuses kvm and hvf).
+        AccelSetting::Auto if !arch.is_native() => AccelChoice {
+            accel: Accel::Tcg,
+            warning: Some(format!(
+                "SANDBOX_HOST_ARCH={arch} on this {} host: QEMU emulates the processor (tcg), so runs work but are very slow",
+                Arch::host()
+            )),
+        },
         AccelSetting::Auto if cfg!(target_os = "macos") => fixed(Accel::Hvf),
         AccelSetting::Auto => match kvm_boots(arch, program, store).await {
             Ok(()) => fixed(Accel::Kvm),

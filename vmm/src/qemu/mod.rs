@@ -31,9 +31,19 @@ pub struct QemuBackend {
 }
 
 impl QemuBackend {
-    /// Finds QEMU and picks the accelerator for `setting` (probing KVM for `auto`).
+    /// Finds QEMU for the guest architecture (`SANDBOX_HOST_ARCH`) and picks the accelerator
+    /// for `setting` (probing KVM for `auto`). A foreign architecture is emulated: asking for a
+    /// hardware accelerator for it is an error, not a VM that fails later.
     pub async fn new(setting: AccelSetting, store: &ImageStore) -> Result<QemuBackend, VmError> {
-        let arch = Arch::host();
+        let arch = Arch::from_env().map_err(|e| VmError::InvalidSpec(e.to_string()))?;
+        if !arch.is_native() && matches!(setting, AccelSetting::Kvm | AccelSetting::Hvf) {
+            return Err(VmError::InvalidSpec(format!(
+                "SANDBOX_HOST_ARCH={arch} on this {} host runs only under emulation, but \
+                 SANDBOX_HOST_QEMU_ACCEL asks for a hardware accelerator; set SANDBOX_HOST_QEMU_ACCEL=auto \
+                 (or tcg), or leave SANDBOX_HOST_ARCH unset",
+                Arch::host()
+            )));
+        }
         let program = find_qemu(arch)?;
         let choice = resolve_accel(setting, arch, &program, store).await;
         Ok(QemuBackend {
@@ -63,15 +73,24 @@ impl QemuBackend {
     pub fn accel_kind(&self) -> Accel {
         self.accel
     }
+
+    /// The guest architecture.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
 }
 
 /// Finds `qemu-system-<arch>` and `qemu-img` on PATH, or says, in the operator guide's words,
 /// that they are missing.
 pub fn find_qemu(arch: Arch) -> Result<PathBuf, VmError> {
+    let debian = match arch {
+        Arch::X86_64 => "qemu-system-x86",
+        Arch::Aarch64 => "qemu-system-arm",
+    };
     let missing = |what: &str| {
         VmError::MissingProgram(format!(
             "the sandbox host has no {what} on its PATH. Install QEMU on the machine of the sandbox host \
-             (Debian: apt-get install qemu-system-x86 qemu-utils; macOS: brew install qemu), \
+             (Debian: apt-get install {debian} qemu-utils; macOS: brew install qemu), \
              then stop the sandbox host and start it again"
         ))
     };

@@ -30,7 +30,7 @@ pub struct QemuVm {
     /// Set by `kill`: the reason the host gave up on the VM, reported as its exit.
     kill_reason: Arc<Mutex<Option<String>>>,
     state_dir: PathBuf,
-    /// From spawning QEMU to the guest's boot marker, once it came (x86_64).
+    /// From spawning QEMU to the guest's boot marker, once it came.
     marker: Arc<std::sync::OnceLock<Duration>>,
 }
 
@@ -61,12 +61,8 @@ pub async fn spawn(
     use std::os::fd::OwnedFd;
     let jailer = sandbox_jail::global();
     let (agent_host, agent_vm) = socket_pair("agent")?;
-    // The boot marker is an I/O port write, x86_64 only.
-    let marker = if arch == super::Arch::X86_64 {
-        Some(socket_pair("boot marker")?)
-    } else {
-        None
-    };
+    // The boot marker: an I/O port on x86_64, a virtio-serial port on aarch64 (see args).
+    let marker = Some(socket_pair("boot marker")?);
     let net = match &spec.net {
         Some(n) => Some((socket_pair("network")?, n.link.clone())),
         None => None,
