@@ -10,7 +10,12 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
 log() { printf '[prepare %s] %s\n' "$(date +%T)" "$*" >&2; }
 
 command -v cargo >/dev/null || { log "cargo is not installed: install Rust (https://rustup.rs) and run this again"; exit 1; }
-bash "$root/scripts/install-deps.sh" >&2
+# SANDBOX_HOST_ARCH=aarch64 on an x86_64 host: the cross compilers and QEMU of that guest too.
+if [ "$(sandbox_guest_arch)" = "$(SANDBOX_HOST_ARCH=auto sandbox_guest_arch)" ]; then
+  bash "$root/scripts/install-deps.sh" >&2
+else
+  bash "$root/scripts/install-deps.sh" --aarch64 >&2
+fi
 bash "$root/rootfs/build-stock.sh" >/dev/null
 # The default image of a create request; building it needs root (debootstrap, chroot, mounts).
 if [ "$(id -u)" -eq 0 ]; then

@@ -29,7 +29,7 @@ id "$user" >/dev/null 2>&1 || { say "no user $user: run scripts/install-deps.sh 
 vm=$(dirname "$binary")/sandbox-vm
 [ -x "$vm" ] || { say "no sandbox-vm beside $binary: cargo build -p sandbox-vmm --bins"; exit 1; }
 . "$(dirname "$0")/cache-dir.sh"
-store=${SANDBOX_HOST_IMAGE_DIR:-$(sandbox_cache_dir)/images}
+store=$(sandbox_image_dir)
 
 # Made first, then checked: a directory somebody else made (or a link) is refused, never adopted.
 mkdir -m 0755 "$rt" 2>/dev/null || true

@@ -134,36 +134,7 @@ async fn guest_image_builds_boots_and_grows_to_its_disk() {
         }
     }
     let pi = image.harness_version.clone().expect("harness version");
-    for (command, expect) in [
-        ("node -e 'console.log(6 * 7)'", "42".to_string()),
-        ("npm --version", String::new()),
-        ("python3 -c 'print(6 * 7)'", "42".into()),
-        ("uv --version", "uv ".into()),
-        ("rg --version", "ripgrep".into()),
-        ("fd --version", "fd".into()),
-        ("echo '{\"a\":[1,2]}' | jq -c .a", "[1,2]".into()),
-        ("sg --version", "ast-grep".into()),
-        ("tsc --version", "Version 5.9.3".into()),
-        ("typescript-language-server --version", String::new()),
-        ("pyright --version", "pyright 1.1.414".into()),
-        // pi prints its version on stderr.
-        ("pi --version 2>&1", pi.clone()),
-        ("cat /opt/vantik/pi-version", pi.clone()),
-        ("ssh -V 2>&1", "OpenSSH".into()),
-        ("curl --version", "curl".into()),
-        (
-            "cd /workspace && mkdir repo && cd repo && git init -q && echo hi > a && git add a \
-             && git commit -qm first && git log --oneline | wc -l",
-            "1".into(),
-        ),
-    ] {
-        let out = ok(&vm, command).await;
-        assert!(
-            out.contains(&expect),
-            "`{command}` printed {out:?}, expected {expect:?}"
-        );
-        println!("guest: {command} -> {}", out.lines().next().unwrap_or(""));
-    }
+    check_tools(&vm, &pi).await;
     let df = ok(&vm, "df -m /workspace | tail -n 1").await;
     let size_mib: u64 = df.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert!(
@@ -219,6 +190,81 @@ async fn guest_image_builds_boots_and_grows_to_its_disk() {
     vm.sandbox.stop().await;
 
     rebuild_while_resolving(&cfg, &store_dir, &cache).await;
+}
+
+/// Every tool of the image runs and is the version `image.toml` pins.
+async fn check_tools(vm: &TestVm, pi: &str) {
+    for (command, expect) in [
+        ("node -e 'console.log(6 * 7)'", "42".to_string()),
+        ("npm --version", String::new()),
+        ("python3 -c 'print(6 * 7)'", "42".into()),
+        ("uv --version", "uv ".into()),
+        ("rg --version", "ripgrep".into()),
+        ("fd --version", "fd".into()),
+        ("echo '{\"a\":[1,2]}' | jq -c .a", "[1,2]".into()),
+        ("sg --version", "ast-grep".into()),
+        ("tsc --version", "Version 5.9.3".into()),
+        ("typescript-language-server --version", String::new()),
+        ("pyright --version", "pyright 1.1.414".into()),
+        // pi prints its version on stderr.
+        ("pi --version 2>&1", pi.to_string()),
+        ("cat /opt/vantik/pi-version", pi.to_string()),
+        ("ssh -V 2>&1", "OpenSSH".into()),
+        ("curl --version", "curl".into()),
+        (
+            "cd /workspace && mkdir repo && cd repo && git init -q && echo hi > a && git add a \
+             && git commit -qm first && git log --oneline | wc -l",
+            "1".into(),
+        ),
+    ] {
+        let out = ok(vm, command).await;
+        assert!(
+            out.contains(&expect),
+            "`{command}` printed {out:?}, expected {expect:?}"
+        );
+        println!("guest: {command} -> {}", out.lines().next().unwrap_or(""));
+    }
+}
+
+/// The guest image of the guest architecture (`SANDBOX_HOST_ARCH`: the arm64 image, under
+/// emulation, in bin/test's aarch64 run), as bin/test builds it into that architecture's image
+/// store: it boots on the selected backend, is that architecture, and carries every tool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_image_of_the_guest_arch_has_every_tool() {
+    let _one_at_a_time = SERIAL.lock().await;
+    let arch = sandbox_vmm::arch::Arch::guest();
+    let store = ImageStore::new(config::image_dir());
+    let Ok(image) = store.resolve(IMAGE) else {
+        let why = format!(
+            "no {arch} vantik-guest:latest in the image store {}; build it with `sudo python3 rootfs/build-guest.py --arch {arch}`",
+            store.dir().display()
+        );
+        let root = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+        assert!(
+            !(root && std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() == Ok("1")),
+            "{why} (bin/test builds it as root)"
+        );
+        skip(&why);
+        return;
+    };
+    let t = Instant::now();
+    let Some(vm) = boot_image(&image, 2048, 2, 4096, vec![]).await else {
+        return;
+    };
+    println!(
+        "figures: {arch} guest image ready in {} ms",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(ok(&vm, "uname -m").await.trim(), arch.as_str());
+    let recorded = ok(&vm, "cat /opt/vantik/image.json").await;
+    assert!(
+        recorded.contains(&format!("\"arch\": \"{arch}\"")),
+        "{recorded}"
+    );
+    let pi = image.harness_version.clone().expect("harness version");
+    check_tools(&vm, &pi).await;
+    vm.sandbox.stop().await;
+    assert!(!vm.state_dir.exists());
 }
 
 /// A rebuild with a changed config, while readers resolve the tag and a sandbox boots: every

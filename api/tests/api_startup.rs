@@ -109,6 +109,11 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
     );
     assert_eq!(line["available"], true, "{first}");
     assert_eq!(line["backend"], "qemu");
+    assert_eq!(
+        line["arch"],
+        sandbox_vmm::arch::Arch::host().as_str(),
+        "{first}"
+    );
     // No full guest image in the store: the warning says what that means.
     let warn = h.wait_log("is not in the image store", Duration::from_secs(5));
     assert_eq!(warn["level"], "WARN");
@@ -121,6 +126,7 @@ async fn first_lines_say_where_it_listens_and_whether_it_can_start_microvms() {
     let (s, v) = h.json("GET", "/v1/health", None).await;
     assert_eq!(s, 200);
     assert_eq!(v["available"], true);
+    assert_eq!(v["arch"], line["arch"]);
     // The jail, in the start-up line and in health alike; CI's host applies all of it.
     let jail: serde_json::Value = serde_json::from_str(line["jail"].as_str().unwrap_or("null"))
         .unwrap_or(serde_json::Value::Null);
@@ -213,6 +219,70 @@ async fn without_qemu_it_starts_unavailable_and_refuses_creates() {
     assert_eq!(s, 503, "{v}");
     assert_eq!(v["code"], "unavailable");
     assert!(v["error"].as_str().unwrap().contains("qemu-system-x86_64"));
+}
+
+/// `SANDBOX_HOST_ARCH` for a guest this host does not run natively: the start-up line names the
+/// architecture and the emulation; a store without that architecture's stock image says how to
+/// build it; a hardware accelerator asked for it is refused by name, not left to fail at a boot.
+#[tokio::test]
+async fn a_foreign_guest_architecture_is_named_and_its_missing_pieces_said() {
+    use sandbox_vmm::arch::Arch;
+    let foreign = match Arch::host() {
+        Arch::X86_64 => Arch::Aarch64,
+        Arch::Aarch64 => Arch::X86_64,
+    };
+    let empty = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(
+        empty.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let store = empty.path().to_str().unwrap();
+    let h = start(&[
+        ("SANDBOX_HOST_ARCH", foreign.as_str()),
+        ("SANDBOX_HOST_IMAGE_DIR", store),
+    ]);
+    let first = h.logs.lock().unwrap()[0].clone();
+    let line: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(line["arch"], foreign.as_str(), "{first}");
+    assert_eq!(line["backend"], "qemu", "{first}");
+    assert_eq!(line["accel"], "tcg", "{first}");
+    assert_eq!(line["available"], false, "{first}");
+    let reason = line["reason"].as_str().unwrap();
+    assert!(
+        reason.contains(&format!(
+            "SANDBOX_HOST_ARCH={foreign} bash rootfs/build-stock.sh"
+        )),
+        "{reason}"
+    );
+    let warning = line["warning"].as_str().unwrap_or("");
+    assert!(warning.contains("QEMU emulates the processor"), "{first}");
+    let (_, v) = h.json("GET", "/v1/health", None).await;
+    assert_eq!(v["arch"], foreign.as_str());
+    drop(h);
+
+    let h = start(&[
+        ("SANDBOX_HOST_ARCH", foreign.as_str()),
+        ("SANDBOX_HOST_QEMU_ACCEL", "kvm"),
+    ]);
+    let line: serde_json::Value = serde_json::from_str(&h.logs.lock().unwrap()[0]).unwrap();
+    assert_eq!(line["available"], false);
+    let reason = line["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("runs only under emulation") && reason.contains("SANDBOX_HOST_QEMU_ACCEL"),
+        "{reason}"
+    );
+
+    let h = start(&[("SANDBOX_HOST_ARCH", "riscv64")]);
+    let line: serde_json::Value = serde_json::from_str(&h.logs.lock().unwrap()[0]).unwrap();
+    assert_eq!(line["available"], false);
+    assert!(
+        line["reason"]
+            .as_str()
+            .unwrap()
+            .contains("SANDBOX_HOST_ARCH must be one of auto, x86_64, aarch64"),
+        "{line}"
+    );
 }
 
 #[test]

@@ -163,3 +163,49 @@ fn stale_run_directories_are_removed() {
     assert!(!dead.exists(), "the dead run's directory is still there");
     assert!(alive.exists(), "a live run's directory was removed");
 }
+
+/// `run` on the aarch64 guest (`SANDBOX_HOST_ARCH=aarch64`): QEMU's `virt` machine, emulated on an
+/// x86_64 host, native on an aarch64 one, from that architecture's image store.
+#[test]
+fn run_boots_the_aarch64_guest() {
+    use sandbox_vmm::arch::Arch;
+    let store = sandbox_vmm::config::image_dir_for(Arch::Aarch64);
+    if !store.join("stock/manifest.json").is_file() {
+        let why = format!(
+            "no aarch64 stock image in {}; run `SANDBOX_HOST_ARCH=aarch64 bash rootfs/build-stock.sh`",
+            store.display()
+        );
+        assert!(
+            std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"),
+            "{why} (bin/test builds it)"
+        );
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let out = bin()
+        .env("SANDBOX_HOST_STATE_DIR", state.path())
+        .env("SANDBOX_HOST_ARCH", "aarch64")
+        .env("SANDBOX_HOST_LOG", "info")
+        .args([
+            "run",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "1",
+            "--",
+            "uname",
+            "-m",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "aarch64\n",
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("backend selected"), "{stderr}");
+    assert_eq!(std::fs::read_dir(state.path()).unwrap().count(), 0);
+}

@@ -7,6 +7,7 @@
 
 pub mod boot_marker;
 pub mod console_log;
+#[cfg(target_os = "linux")]
 pub mod virtio;
 
 pub use boot_marker::BootMarker;

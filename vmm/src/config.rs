@@ -33,17 +33,17 @@ pub fn cache_dir() -> PathBuf {
 /// architecture and `<cache>/images-<arch>` for emulated ones (`SANDBOX_HOST_ARCH`), so that an
 /// x86_64 and an aarch64 stock image never replace each other (as `scripts/cache-dir.sh`).
 pub fn image_dir() -> PathBuf {
-    non_empty_env("SANDBOX_HOST_IMAGE_DIR").map_or_else(
-        || {
-            let arch = crate::arch::Arch::guest();
-            if arch.is_native() {
-                cache_dir().join("images")
-            } else {
-                cache_dir().join(format!("images-{arch}"))
-            }
-        },
-        PathBuf::from,
-    )
+    non_empty_env("SANDBOX_HOST_IMAGE_DIR")
+        .map_or_else(|| image_dir_for(crate::arch::Arch::guest()), PathBuf::from)
+}
+
+/// The default image store of guests of `arch` (`SANDBOX_HOST_IMAGE_DIR` aside).
+pub fn image_dir_for(arch: crate::arch::Arch) -> PathBuf {
+    if arch.is_native() {
+        cache_dir().join("images")
+    } else {
+        cache_dir().join(format!("images-{arch}"))
+    }
 }
 
 /// Where running sandboxes keep their files: `SANDBOX_HOST_STATE_DIR`, else `<cache>/state`.

@@ -27,7 +27,7 @@ pub enum ImageError {
         /// The store.
         store: PathBuf,
         /// What to do about it.
-        hint: &'static str,
+        hint: String,
     },
     /// The manifest could not be read.
     #[error("the manifest of image `{name}` ({path}) is unreadable: {why}; build the image again")]
@@ -184,10 +184,13 @@ impl ImageStore {
         let dir = match std::fs::canonicalize(&link) {
             Ok(d) => d,
             Err(_) => {
-                let hint = if name == STOCK {
-                    ": build it with `bash rootfs/build-stock.sh` (bin/sandbox-host does this on first use)"
-                } else {
-                    ""
+                let hint = match (name == STOCK, self.arch.is_native()) {
+                    (true, true) => ": build it with `bash rootfs/build-stock.sh` (bin/sandbox-host does this on first use)".into(),
+                    (true, false) => format!(
+                        ": build the {0} stock image with `SANDBOX_HOST_ARCH={0} bash rootfs/build-stock.sh`",
+                        self.arch
+                    ),
+                    (false, _) => String::new(),
                 };
                 return Err(ImageError::Missing {
                     name: name.into(),

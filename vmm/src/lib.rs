@@ -10,6 +10,7 @@ pub mod backend;
 pub mod config;
 pub mod host;
 pub mod image;
+#[cfg(target_os = "linux")]
 pub mod kvm;
 pub mod net;
 pub mod probe;

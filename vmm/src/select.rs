@@ -6,6 +6,7 @@ use crate::arch::Arch;
 use crate::backend::Backend;
 use crate::config::{AccelSetting, VmmSetting};
 use crate::image::ImageStore;
+#[cfg(target_os = "linux")]
 use crate::kvm::KvmBackend;
 use crate::qemu::QemuBackend;
 
@@ -18,10 +19,23 @@ pub struct Selected {
 }
 
 /// Whether the KVM backend boots the stock image here (cached per host boot).
+#[cfg(target_os = "linux")]
 pub async fn kvm_usable(store: &ImageStore) -> Result<KvmBackend, String> {
     let kvm = KvmBackend::new()?;
     crate::probe::boots_cached(&kvm, "the KVM backend", "kvm-backend", &[], store).await?;
     Ok(kvm)
+}
+
+/// The KVM backend, when it boots the stock image here.
+#[cfg(target_os = "linux")]
+async fn kvm_backend(store: &ImageStore) -> Result<Box<dyn Backend>, String> {
+    Ok(Box::new(kvm_usable(store).await?))
+}
+
+/// The KVM backend is Linux's; `select` never asks for it elsewhere.
+#[cfg(not(target_os = "linux"))]
+async fn kvm_backend(_: &ImageStore) -> Result<Box<dyn Backend>, String> {
+    Err("the KVM backend runs on Linux only".into())
 }
 
 /// The operator's warning when VMs run on QEMU: why the KVM backend is not used, and QEMU's own
@@ -56,22 +70,23 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
             warning,
         })
     };
-    // The KVM backend runs x86_64 guests on an x86_64 host only; anywhere else QEMU is the
+    // The KVM backend runs x86_64 guests on x86_64 Linux hosts only; anywhere else QEMU is the
     // backend of the architecture, not a fallback, so it gets no warning of its own.
-    if !(arch == Arch::X86_64 && arch.is_native()) {
+    if !(cfg!(target_os = "linux") && arch == Arch::X86_64 && arch.is_native()) {
         return match vmm {
             VmmSetting::Kvm => Err(format!(
-                "SANDBOX_HOST_VMM=kvm but the KVM backend runs x86_64 guests on x86_64 hosts, and the \
-                 guest here is {arch} on this {} host. Set SANDBOX_HOST_VMM=auto (or qemu) to use QEMU",
-                Arch::host()
+                "SANDBOX_HOST_VMM=kvm but the KVM backend runs x86_64 guests on x86_64 Linux hosts, and \
+                 the guest here is {arch} on this {} {} host. Set SANDBOX_HOST_VMM=auto (or qemu) to use QEMU",
+                Arch::host(),
+                std::env::consts::OS
             )),
             VmmSetting::Auto | VmmSetting::Qemu => qemu(None).await,
         };
     }
     match vmm {
-        VmmSetting::Kvm => match kvm_usable(store).await {
-            Ok(k) => Ok(Selected {
-                backend: Box::new(k),
+        VmmSetting::Kvm => match kvm_backend(store).await {
+            Ok(backend) => Ok(Selected {
+                backend,
                 warning: None,
             }),
             Err(why) => Err(format!(
@@ -80,9 +95,9 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
             )),
         },
         VmmSetting::Qemu => qemu(None).await,
-        VmmSetting::Auto => match kvm_usable(store).await {
-            Ok(k) => Ok(Selected {
-                backend: Box::new(k),
+        VmmSetting::Auto => match kvm_backend(store).await {
+            Ok(backend) => Ok(Selected {
+                backend,
                 warning: None,
             }),
             Err(why) => qemu(Some(why)).await,

@@ -2,27 +2,19 @@
 //! console comes through, reading that console into the bounded log, removing the VM's files,
 //! and the exit of a VM that ended without saying why.
 
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use sandbox_devices::ConsoleLog;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use crate::backend::{VmError, VmExit};
+use crate::backend::VmError;
 
 /// A pipe (read end, write end), both close-on-exec; `what` names it in the error.
 pub(crate) fn pipe(what: &str) -> Result<(OwnedFd, OwnedFd), VmError> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into our array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(VmError::io(
-            format!("making the {what} pipe"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    // SAFETY: two new descriptors that nothing else owns.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    let (r, w) = std::io::pipe().map_err(|e| VmError::io(format!("making the {what} pipe"), e))?;
+    Ok((r.into(), w.into()))
 }
 
 /// Reads a VM process's output into its console log until the pipe closes, starting each line
@@ -62,8 +54,9 @@ pub(crate) fn remove_state_dir(dir: &Path) {
 }
 
 /// The exit of a VM whose end was not recorded (its watcher is gone).
-pub(crate) fn unknown_exit() -> VmExit {
-    VmExit {
+#[cfg(target_os = "linux")]
+pub(crate) fn unknown_exit() -> crate::backend::VmExit {
+    crate::backend::VmExit {
         reason: "the VM ended without a recorded reason".into(),
         requested: false,
         console: Vec::new(),

@@ -1,0 +1,262 @@
+//! The service's jailer on Linux: what this host allows, proved at start-up, and the thread that
+//! starts every jailed process.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, mpsc};
+
+use crate::cgroup::{Cgroups, Limits};
+use crate::ids::{IdMode, IdPool};
+use crate::spawn::{self, Command, Jailed, Root, SpawnError};
+use crate::{Mode, Settings, Status, filter};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Starts jailed processes for this service.
+pub struct Jailer {
+    namespaces: bool,
+    ids: Arc<IdPool>,
+    cgroups: Option<Cgroups>,
+    filters: Vec<seccompiler::BpfProgram>,
+    usr_links: Vec<(PathBuf, PathBuf)>,
+    system_dirs: Vec<PathBuf>,
+    status: Status,
+    spawner: Mutex<mpsc::Sender<Job>>,
+}
+
+impl std::fmt::Debug for Jailer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Jailer")
+            .field("status", &self.status)
+            .finish()
+    }
+}
+
+impl Jailer {
+    /// Works out what this host allows and proves it by jailing a process that does nothing.
+    pub fn new(settings: &Settings) -> Jailer {
+        let mut missing = vec![];
+        let (pool, id_warning) = match IdPool::for_this_process(settings.ids.as_deref()) {
+            Ok(p) => p,
+            Err(e) => {
+                missing.push(e.to_string());
+                // SAFETY: getuid/getgid cannot fail.
+                let (u, g) = unsafe { (libc::getuid(), libc::getgid()) };
+                (IdPool::new(IdMode::Shared, u, g, 1), None)
+            }
+        };
+        missing.extend(id_warning);
+        let (cgroups, cg_missing) = if settings.mode == Mode::Off {
+            (None, vec![])
+        } else {
+            match Cgroups::discover(&settings.cgroup_parent, &settings.instance) {
+                Ok((c, m)) => {
+                    c.remove_dead_instances();
+                    (
+                        Some(c),
+                        m.into_iter()
+                            .map(|m| format!("cgroup controller {m}"))
+                            .collect(),
+                    )
+                }
+                Err(e) => (
+                    None,
+                    vec![format!(
+                        "no cgroup per VM ({e}): a guest's memory, processes and CPU are limited \
+                         only by its VM size; see \"The jail\" in the operator guide"
+                    )],
+                ),
+            }
+        };
+        missing.extend(cg_missing);
+        let filters = match filter::programs() {
+            Ok(f) => f,
+            Err(e) => {
+                missing.push(format!("no seccomp filter ({e})"));
+                vec![]
+            }
+        };
+        let (usr_links, system_dirs) = system_layout();
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("jail-spawner".into())
+            .spawn(move || {
+                // This thread is the parent of every jailed process and lives as long as the
+                // service: their parent-death signal fires when the process ends, not earlier.
+                while let Ok(job) = rx.recv() {
+                    job();
+                }
+            })
+            .expect("starting the jail's spawner thread");
+        let mut jailer = Jailer {
+            namespaces: settings.mode != Mode::Off,
+            ids: Arc::new(pool),
+            cgroups,
+            filters,
+            usr_links,
+            system_dirs,
+            status: Status {
+                namespaces: false,
+                ids: "none",
+                cgroup: None,
+                missing: vec![],
+                refusal: None,
+            },
+            spawner: Mutex::new(tx),
+        };
+        if settings.mode == Mode::Off {
+            missing.push(
+                "SANDBOX_HOST_JAIL=off: VM processes run as the sandbox host's own user, without \
+                 namespaces, seccomp or cgroups"
+                    .into(),
+            );
+        } else if let Err(e) = jailer.probe() {
+            missing.push(format!(
+                "the jail cannot be applied here ({e}): VM processes run without namespaces, \
+                 their own ids or seccomp; see \"The jail\" in the operator guide"
+            ));
+            jailer.namespaces = false;
+        }
+        jailer.status = Status {
+            namespaces: jailer.namespaces,
+            ids: match (jailer.namespaces, jailer.ids.mode()) {
+                (false, _) => "none",
+                (true, IdMode::Shared) => "shared",
+                (true, _) => "per-vm",
+            },
+            cgroup: jailer.cgroups.as_ref().map(Cgroups::version),
+            refusal: (settings.mode == Mode::Required && !missing.is_empty())
+                .then(|| format!("SANDBOX_HOST_JAIL=required, but {}", missing.join("; "))),
+            missing,
+        };
+        jailer
+    }
+
+    fn probe(&self) -> Result<(), String> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("sandbox-jail-probe-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let r = self
+            .spawn_now(Command {
+                name: format!("probe-{}", std::process::id()),
+                program: None,
+                args: vec![],
+                fds: vec![],
+                root: Some(Root {
+                    staging: dir.clone(),
+                    system: true,
+                    ..Root::default()
+                }),
+                limits: Limits {
+                    memory_bytes: 64 << 20,
+                    pids: 8,
+                    cpu_weight: 100,
+                },
+                nofile: 64,
+                fsize: Some(0),
+                keep_groups: vec![],
+                seccomp: true,
+            })
+            .map_err(|e| e.to_string())
+            .and_then(|j| {
+                // Ends at once; bounded anyway.
+                for _ in 0..500 {
+                    if let Some(e) = j.try_wait() {
+                        return match e.code() {
+                            Some(0) => Ok(()),
+                            _ => Err(format!(
+                                "the probe process ended with status {:#x}",
+                                e.status
+                            )),
+                        };
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err("the probe process did not end within 5 s".into())
+            });
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    }
+
+    /// What is applied, and what is missing.
+    pub fn status(&self) -> &Status {
+        &self.status
+    }
+
+    /// Whether jailed processes get their own mount namespace (so paths given to them must be
+    /// their paths in the jail, see [`Root`]).
+    pub fn namespaces(&self) -> bool {
+        self.namespaces
+    }
+
+    /// Removes what a previous run of this instance left (cgroups of VMs that outlived it).
+    pub fn remove_stale(&self) -> usize {
+        self.cgroups.as_ref().map_or(0, Cgroups::remove_stale)
+    }
+
+    /// Starts `cmd` jailed (blocking for the few milliseconds it takes: call it from a blocking
+    /// context). Without namespaces (`SANDBOX_HOST_JAIL=off`, or a host that cannot), `cmd.root`
+    /// is ignored and the program runs as the service's user with its descriptors, rlimits,
+    /// cgroup and `no_new_privs`.
+    pub fn spawn(&self, cmd: Command) -> Result<Jailed, SpawnError> {
+        if let Some(r) = &self.status.refusal {
+            return Err(SpawnError::Invalid(r.clone()));
+        }
+        self.spawn_now(cmd)
+    }
+
+    fn spawn_now(&self, mut cmd: Command) -> Result<Jailed, SpawnError> {
+        let lease = self.ids.lease()?;
+        if !self.namespaces {
+            cmd.root = None;
+        }
+        let namespaces = self.namespaces;
+        let ids = self.ids.mode().clone();
+        let cgroups = self.cgroups.clone();
+        let filters = self.filters.clone();
+        let usr_links = self.usr_links.clone();
+        let system_dirs = self.system_dirs.clone();
+        let (tx, rx) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move || {
+            let host = spawn::Host {
+                namespaces,
+                ids: &ids,
+                cgroups: cgroups.as_ref(),
+                filters: &filters,
+                usr_links: &usr_links,
+                system_dirs: &system_dirs,
+            };
+            let _ = tx.send(spawn::spawn(cmd, lease, &host));
+        });
+        self.spawner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job)
+            .map_err(|_| SpawnError::Invalid("the jail's spawner thread is gone".into()))?;
+        rx.recv()
+            .map_err(|_| SpawnError::Invalid("the jail's spawner thread is gone".into()))?
+    }
+}
+
+/// The top-level entries that lead into `/usr` (`/lib -> usr/lib` on a merged-/usr system) and
+/// the ones that are directories of their own (an older layout), for a dynamically linked
+/// program's loader and libraries.
+fn system_layout() -> (Vec<(PathBuf, PathBuf)>, Vec<PathBuf>) {
+    let mut links = vec![];
+    let mut dirs = vec![];
+    for name in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
+        let p = PathBuf::from("/").join(name);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                if let Ok(t) = std::fs::read_link(&p) {
+                    links.push((p, t));
+                }
+            }
+            Ok(m) if m.is_dir() => dirs.push(p),
+            _ => {}
+        }
+    }
+    (links, dirs)
+}
