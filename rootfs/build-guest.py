@@ -110,7 +110,8 @@ def ensure_binfmt(arch):
     entry = misc / "qemu-aarch64"
     if not entry.exists():
         log("registering qemu-aarch64 with binfmt_misc (from qemu-user-static)")
-        line = conf.read_text().strip()
+        line = next((l.strip() for l in conf.read_text().splitlines()
+                     if l.strip() and not l.lstrip().startswith("#")), "")
         try:
             (misc / "register").write_text(line)
         except OSError as e:
@@ -354,7 +355,6 @@ def main():
                 die(f"{tool} is still missing; install Debian's {pkg}")
 
     arch = guest_arch(args.arch)
-    ensure_binfmt(arch)
     cfg = load_config(args.config)
     name, tag = cfg["name"], cfg["tag"]
     default_store = cache_dir() / ("images" if arch == host_arch() else f"images-{arch}")
@@ -388,6 +388,8 @@ def main():
         print(link)
         return
 
+    # Only a build that runs the image's programs needs them runnable (a cached build does not).
+    ensure_binfmt(arch)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
     try:
         base = build_base(cfg, cache, downloads / "debs", arch)

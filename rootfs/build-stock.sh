@@ -40,7 +40,9 @@ else
     log "fetching busybox-static:arm64 $version"
     tmpd=$(mktemp -d)
     chmod 755 "$tmpd"  # apt-get download writes as _apt when run as root
-    (cd "$tmpd" && apt-get download -q "busybox-static:arm64=$version" >&2 && dpkg-deb -x busybox-static_*_arm64.deb x)
+    # The host's version; when the archive no longer has it, the archive's own.
+    (cd "$tmpd" && { apt-get download -q "busybox-static:arm64=$version" >&2 \
+        || apt-get download -q "busybox-static:arm64" >&2; } && dpkg-deb -x busybox-static_*_arm64.deb x)
     mkdir -p "${busybox%/*}"
     install -m 0755 "$tmpd/x/bin/busybox" "$busybox"
     rm -rf "$tmpd"

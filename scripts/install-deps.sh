@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages sandbox-host needs to build its guest kernel and images and to run
-# its QEMU backend, and the user `sandbox-host` that the service runs as in the documented setup
-# (with subordinate ids for its VMs' jails), and python3-venv for scripts/schemathesis.sh (the API
-# contract test). Safe to run again: it adds only what is missing.
+# its QEMU backend (python3-pip: rootfs/build-guest.py downloads its wheels with pip), and the
+# user `sandbox-host` that the service runs as in the documented setup (with subordinate ids for
+# its VMs' jails), and python3-venv for scripts/schemathesis.sh (the API contract test). Safe to run again: it adds only what is missing.
 # --container: also podman and what it needs here (runc, catatonit for --init, the CNI plugins with
 # name resolution between containers), for the container test (tests/container/run.sh).
 # --aarch64: also what aarch64 guests need on this host: qemu-system-aarch64, qemu-user-static (to
@@ -22,8 +22,13 @@ need=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
 # Packages from the main suite.
-for p in qemu-system-x86 qemu-utils seabios busybox-static cpio flex bison bc make gcc libelf-dev libssl-dev \
-         xz-utils e2fsprogs python3 python3-venv git debootstrap openssl uidmap; do
+# QEMU for this host's guests: x86_64 guests on x86_64, aarch64 guests (virt) on aarch64.
+case "$(uname -m)" in
+  aarch64|arm64) qemu_system=qemu-system-arm ;;
+  *) qemu_system=qemu-system-x86 ;;
+esac
+for p in $qemu_system qemu-utils seabios busybox-static cpio flex bison bc make gcc libelf-dev libssl-dev \
+         xz-utils e2fsprogs python3 python3-venv python3-pip git debootstrap openssl uidmap; do
   have "$p" || need+=("$p")
 done
 if [ $container -eq 1 ]; then

@@ -10,18 +10,29 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
 log() { printf '[prepare %s] %s\n' "$(date +%T)" "$*" >&2; }
 
 command -v cargo >/dev/null || { log "cargo is not installed: install Rust (https://rustup.rs) and run this again"; exit 1; }
-# SANDBOX_HOST_ARCH=aarch64 on an x86_64 host: the cross compilers and QEMU of that guest too.
-if [ "$(sandbox_guest_arch)" = "$(SANDBOX_HOST_ARCH=auto sandbox_guest_arch)" ]; then
-  bash "$root/scripts/install-deps.sh" >&2
+if [ "$(uname -s)" = Darwin ]; then
+  # macOS: Homebrew's QEMU runs the guests (HVF); the kernel and images are Linux builds, made in
+  # a Linux container when they are missing (scripts/build-images-in-container.sh again rebuilds).
+  command -v qemu-system-aarch64 >/dev/null && command -v qemu-img >/dev/null \
+    || { log "QEMU is missing: brew install qemu"; exit 1; }
+  store=$(sandbox_image_dir)
+  if [ ! -f "$store/stock/manifest.json" ] || [ ! -f "$store/vantik-guest/latest/manifest.json" ]; then
+    bash "$root/scripts/build-images-in-container.sh" >&2
+  fi
 else
-  bash "$root/scripts/install-deps.sh" --aarch64 >&2
-fi
-bash "$root/rootfs/build-stock.sh" >/dev/null
-# The default image of a create request; building it needs root (debootstrap, chroot, mounts).
-if [ "$(id -u)" -eq 0 ]; then
-  python3 "$root/rootfs/build-guest.py" >/dev/null
-else
-  log "not root, so the guest image vantik-guest:latest is not built and sandboxes get the stock image; build it with: sudo python3 rootfs/build-guest.py"
+  # SANDBOX_HOST_ARCH=aarch64 on an x86_64 host: the cross compilers and QEMU of that guest too.
+  if [ "$(sandbox_guest_arch)" = "$(SANDBOX_HOST_ARCH=auto sandbox_guest_arch)" ]; then
+    bash "$root/scripts/install-deps.sh" >&2
+  else
+    bash "$root/scripts/install-deps.sh" --aarch64 >&2
+  fi
+  bash "$root/rootfs/build-stock.sh" >/dev/null
+  # The default image of a create request; building it needs root (debootstrap, chroot, mounts).
+  if [ "$(id -u)" -eq 0 ]; then
+    python3 "$root/rootfs/build-guest.py" >/dev/null
+  else
+    log "not root, so the guest image vantik-guest:latest is not built and sandboxes get the stock image; build it with: sudo python3 rootfs/build-guest.py"
+  fi
 fi
 # What operators run is an optimised build; the test suite builds its own (dev profile, faster to
 # build) and sets SANDBOX_HOST_BUILD_PROFILE=dev so it does not pay for a second one.

@@ -17,6 +17,8 @@ fn main() {
     let cross = if cfg!(target_arch = "aarch64") {
         cc
     } else {
+        // Built again when the cross compiler appears (a path that does not exist reruns this).
+        println!("cargo:rerun-if-changed=/usr/bin/aarch64-linux-gnu-gcc");
         "aarch64-linux-gnu-gcc".into()
     };
     build(&cross, &out_dir.join("freeze-aarch64"));

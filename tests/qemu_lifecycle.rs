@@ -226,7 +226,8 @@ async fn a_guest_that_never_becomes_ready_is_stopped_and_reported() {
         "{e}"
     );
     assert!(
-        e.contains("Last console lines:") && e.contains("Run /bin/cat as init process"),
+        // The kernel's last words name init (`Run /bin/cat as init process`, then its argv).
+        e.contains("Last console lines:") && e.contains("/bin/cat"),
         "the error carries the console: {e}"
     );
     assert!(!state_dir.exists(), "the VM's files are gone");

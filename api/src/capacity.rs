@@ -38,15 +38,8 @@ pub struct Limits {
 impl Limits {
     /// The default memory limit: the machine's memory less 2 GiB (at least 1 GiB).
     pub fn default_memory_mib() -> u64 {
-        let total_kib = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| {
-                m.lines()
-                    .find_map(|l| l.strip_prefix("MemTotal:"))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-            .unwrap_or(4 << 20);
-        (total_kib / 1024).saturating_sub(2048).max(1024)
+        let total_mib = sandbox_vmm::host::total_memory_mib().unwrap_or(4096);
+        total_mib.saturating_sub(2048).max(1024)
     }
 }
 
@@ -196,7 +189,7 @@ fn fd_limit() -> u64 {
 }
 
 fn open_fds() -> u64 {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+    sandbox_vmm::host::open_fds()
 }
 
 fn statvfs_free_mib(path: &std::path::Path) -> Option<u64> {

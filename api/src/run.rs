@@ -197,7 +197,7 @@ fn unique() -> String {
 }
 
 /// Removes the state directories of earlier `run`s whose process is gone (killed before it could
-/// clean up; their QEMU died with them through PR_SET_PDEATHSIG).
+/// clean up; on Linux their QEMU died with them through PR_SET_PDEATHSIG).
 fn remove_stale_runs(state_dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(state_dir) else {
         return;
@@ -211,7 +211,10 @@ fn remove_stale_runs(state_dir: &std::path::Path) {
         else {
             continue;
         };
-        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+        if pid
+            .parse::<u32>()
+            .is_ok_and(|p| !sandbox_vmm::host::process_alive(p))
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

@@ -295,5 +295,5 @@ fn live_run(name: &str) -> bool {
     name.strip_prefix("run-")
         .and_then(|r| r.split('-').next())
         .and_then(|p| p.parse::<u32>().ok())
-        .is_some_and(|pid| Path::new("/proc").join(pid.to_string()).exists())
+        .is_some_and(sandbox_vmm::host::process_alive)
 }

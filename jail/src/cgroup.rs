@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::spec::Limits;
+
 /// Why a VM's control group could not be made or used.
 #[derive(Debug, Error)]
 pub enum CgroupError {
@@ -31,18 +33,6 @@ pub enum CgroupError {
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError {
     let path = path.to_path_buf();
     move |source| CgroupError::Io { what, path, source }
-}
-
-/// The limits of one VM's group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Memory the whole VM process may use: guest memory plus the VMM's own allowance.
-    pub memory_bytes: u64,
-    /// Processes and threads.
-    pub pids: u64,
-    /// CPU weight on v2's scale (1 to 10000, 100 is a default process); v1's shares are
-    /// derived from it.
-    pub cpu_weight: u32,
 }
 
 #[derive(Debug, Clone)]

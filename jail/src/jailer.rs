@@ -4,9 +4,10 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, mpsc};
 
-use crate::cgroup::{Cgroups, Limits};
+use crate::cgroup::Cgroups;
 use crate::ids::{IdMode, IdPool};
-use crate::spawn::{self, Command, Jailed, Root, SpawnError};
+use crate::spawn::{self, Jailed, SpawnError};
+use crate::spec::{Command, Limits, Root};
 use crate::{Mode, Settings, Status, filter};
 
 type Job = Box<dyn FnOnce() + Send>;

@@ -12,7 +12,7 @@
 //! ordinary user, getting its VMs' ids from `/etc/subuid` through `newuidmap` (see [`ids`]).
 
 //!
-//! Elsewhere (macOS) none of this exists: [`unconfined`] starts the VM process with only its
+//! Elsewhere (macOS) none of this exists: `unconfined` starts the VM process with only its
 //! descriptors, rlimits and an empty environment, and says at start-up that the jail is missing,
 //! so `SANDBOX_HOST_JAIL=required` refuses VMs there.
 
@@ -28,19 +28,23 @@ pub mod ids;
 mod jailer;
 #[cfg(target_os = "linux")]
 mod spawn;
-#[cfg(not(target_os = "linux"))]
+mod spec;
+// Compiled for the tests on Linux too: its spawning is macOS's only confinement, and no Mac runs
+// the tests.
+#[cfg(any(not(target_os = "linux"), test))]
 pub mod unconfined;
 
 #[cfg(target_os = "linux")]
-pub use cgroup::{Cgroups, Leaf, Limits};
+pub use cgroup::{Cgroups, Leaf};
 #[cfg(target_os = "linux")]
 pub use ids::{IdMode, IdPool};
 #[cfg(target_os = "linux")]
 pub use jailer::Jailer;
 #[cfg(target_os = "linux")]
-pub use spawn::{Bind, Command, Exit, Jailed, Root, SpawnError};
+pub use spawn::{Jailed, SpawnError};
+pub use spec::{Bind, Command, Exit, Limits, Root};
 #[cfg(not(target_os = "linux"))]
-pub use unconfined::{Bind, Command, Exit, Jailed, Jailer, Limits, Root, SpawnError};
+pub use unconfined::{Jailed, Jailer, SpawnError};
 
 /// `SANDBOX_HOST_JAIL`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! namespaces, place the child in its cgroup and write its id maps, let it go, and learn whether
 //! its `execve` succeeded.
 
-use std::ffi::{CString, OsString};
+use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::cgroup::{CgroupError, Leaf, Limits};
+use crate::cgroup::{CgroupError, Leaf};
 use crate::child::{BindPlan, Plan, STEPS};
 use crate::ids::{IdError, IdLease, IdMode};
+use crate::spec::{Command, Exit, Root};
 
 /// Why a jailed process could not be started.
 #[derive(Debug, Error)]
@@ -53,81 +54,6 @@ pub enum SpawnError {
 fn prep(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SpawnError {
     let what = what.into();
     move |source| SpawnError::Prepare { what, source }
-}
-
-/// A file or directory of the host made visible in the jail.
-#[derive(Debug, Clone)]
-pub struct Bind {
-    /// On the host.
-    pub src: PathBuf,
-    /// In the jail (absolute).
-    pub dst: PathBuf,
-    /// Whether the jailed process may write to it.
-    pub writable: bool,
-}
-
-/// The jail's root file system: an empty, read-only tmpfs with only what is listed.
-#[derive(Debug, Clone, Default)]
-pub struct Root {
-    /// An empty directory of the host the root is built on (the VM's state directory holds one).
-    pub staging: PathBuf,
-    /// `/usr` read-only and the top-level links into it (`/lib`, `/bin`, ...), for a dynamically
-    /// linked program; `/dev/null`, `/dev/zero`, `/dev/random`, `/dev/urandom`.
-    pub system: bool,
-    /// Further files and directories.
-    pub binds: Vec<Bind>,
-    /// Device nodes, at the same path (`/dev/kvm`).
-    pub devices: Vec<PathBuf>,
-    /// A `/proc` of the jail's own pid namespace (process directories only).
-    pub proc: bool,
-}
-
-/// What to run in a jail.
-#[derive(Debug)]
-pub struct Command {
-    /// Names the cgroup (`vm-<name>`): unique among live VMs of this service.
-    pub name: String,
-    /// The program on the host; `None` runs nothing (the jail is built, then the process ends
-    /// with status 0: a probe).
-    pub program: Option<PathBuf>,
-    /// Its arguments (argv[0] is the program's file name).
-    pub args: Vec<OsString>,
-    /// Descriptors that become 0, 1, 2, ... in the jailed process (at most 32); nothing else is
-    /// inherited.
-    pub fds: Vec<OwnedFd>,
-    /// The root file system; `None` keeps the host's mounts (only for a probe or tests).
-    pub root: Option<Root>,
-    /// cgroup limits.
-    pub limits: Limits,
-    /// `RLIMIT_NOFILE`.
-    pub nofile: u64,
-    /// `RLIMIT_FSIZE`: the largest file the process may write (its biggest disk).
-    pub fsize: Option<u64>,
-    /// Host groups the process keeps (the group of `/dev/kvm` for QEMU with KVM).
-    pub keep_groups: Vec<u32>,
-    /// Whether to install the filter of [`crate::filter`].
-    pub seccomp: bool,
-}
-
-/// How a jailed process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Exit {
-    /// The wait status (`WIFEXITED` and friends apply).
-    pub status: i32,
-    /// Kills by the OOM killer in the process's cgroup: non-zero means it ran out of memory.
-    pub oom_kills: u64,
-}
-
-impl Exit {
-    /// The exit code, if it exited.
-    pub fn code(&self) -> Option<i32> {
-        libc::WIFEXITED(self.status).then(|| libc::WEXITSTATUS(self.status))
-    }
-
-    /// The signal that ended it, if one did.
-    pub fn signal(&self) -> Option<i32> {
-        libc::WIFSIGNALED(self.status).then(|| libc::WTERMSIG(self.status))
-    }
 }
 
 /// A running jailed process.

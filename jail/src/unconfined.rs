@@ -1,20 +1,28 @@
 //! VM processes where the jail does not exist (macOS): no namespaces, per-VM ids, cgroups or
 //! seccomp, so the process runs as the service's user. What can still be applied is: only the
-//! descriptors it was handed, an empty environment, and rlimits (no core dumps, open files, file
-//! size). The start-up line and `/v1/health` say the jail is missing, and
-//! `SANDBOX_HOST_JAIL=required` refuses VMs, as on a Linux host that cannot apply it.
+//! descriptors it was handed, an empty environment, rlimits (no core dumps, open files, file
+//! size), and a session of its own (no terminal's signals). The start-up line and `/v1/health`
+//! say the jail is missing, and `SANDBOX_HOST_JAIL=required` refuses VMs, as on a Linux host that
+//! cannot apply it.
+//!
+//! macOS has no parent-death signal: a VM process outlives a service that is killed outright
+//! (SIGKILL, a crash); a service that stops normally stops its VMs first. The operator guide says
+//! how to find them.
 //!
 //! The types mirror the Linux jail's, so the QEMU backend starts its process the same way on both.
+//! A fork and exec of our own rather than `std::process::Command`, whose exec-error pipe could sit
+//! on a descriptor number the process is to receive.
 
-use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::spec::{Command, Exit};
 use crate::{Mode, Settings, Status};
 
 /// The most descriptors a process is handed (as the Linux jail).
@@ -23,12 +31,25 @@ const MAX_FDS: usize = 32;
 /// Why a VM process could not be started.
 #[derive(Debug, Error)]
 pub enum SpawnError {
-    /// Starting the program failed.
-    #[error("starting {program}: {source}")]
+    /// Preparing or forking failed in the service.
+    #[error("starting {program}: {what}: {source}")]
     Start {
         /// The program.
         program: String,
+        /// What was being done.
+        what: &'static str,
         /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A step in the new process failed before its program ran.
+    #[error("starting {program}: {step}: {source}")]
+    Child {
+        /// The program.
+        program: String,
+        /// The step, in words.
+        step: &'static str,
+        /// Its errno.
         #[source]
         source: std::io::Error,
     },
@@ -37,97 +58,34 @@ pub enum SpawnError {
     Invalid(String),
 }
 
-/// Limits a Linux cgroup would apply; kept so callers describe them alike. Not enforced here
-/// beyond what the VM's own size bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Memory the whole VM process may use.
-    pub memory_bytes: u64,
-    /// Processes and threads.
-    pub pids: u64,
-    /// CPU weight (1 to 10000).
-    pub cpu_weight: u32,
-}
+/// The child's steps, reported by number through the error pipe.
+const STEPS: [&str; 4] = [
+    "moving its descriptors into place",
+    "setting its rlimits",
+    "starting a session",
+    "executing the program",
+];
 
-/// A file of the host the process would see in a Linux jail; here it keeps its host path.
-#[derive(Debug, Clone)]
-pub struct Bind {
-    /// On the host.
-    pub src: PathBuf,
-    /// In the jail.
-    pub dst: PathBuf,
-    /// Whether the process may write to it.
-    pub writable: bool,
-}
-
-/// The Linux jail's root file system; ignored here (there is no mount namespace).
-#[derive(Debug, Clone, Default)]
-pub struct Root {
-    /// An empty directory of the host.
-    pub staging: PathBuf,
-    /// `/usr` and the system's devices.
-    pub system: bool,
-    /// Further files and directories.
-    pub binds: Vec<Bind>,
-    /// Device nodes.
-    pub devices: Vec<PathBuf>,
-    /// A `/proc` of its own.
-    pub proc: bool,
-}
-
-/// What to run.
-#[derive(Debug)]
-pub struct Command {
-    /// Names the VM in errors.
-    pub name: String,
-    /// The program; `None` runs nothing.
-    pub program: Option<PathBuf>,
-    /// Its arguments, after the program's name.
-    pub args: Vec<OsString>,
-    /// Descriptors that become 0, 1, 2, ... in the process (at most 32); nothing else is
-    /// inherited.
-    pub fds: Vec<OwnedFd>,
-    /// Ignored here (no mount namespace): paths are the host's.
-    pub root: Option<Root>,
-    /// Not enforced here (no cgroups).
-    pub limits: Limits,
-    /// `RLIMIT_NOFILE`.
-    pub nofile: u64,
-    /// `RLIMIT_FSIZE`: the largest file the process may write.
-    pub fsize: Option<u64>,
-    /// Host groups the process keeps: it runs as the service's user with all of its groups.
-    pub keep_groups: Vec<u32>,
-    /// Ignored here (no seccomp).
-    pub seccomp: bool,
-}
-
-/// How the process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Exit {
-    /// The wait status.
-    pub status: i32,
-    /// Always 0: without a cgroup there is no count of memory kills.
-    pub oom_kills: u64,
-}
-
-impl Exit {
-    /// The exit code, if it exited.
-    pub fn code(&self) -> Option<i32> {
-        libc::WIFEXITED(self.status).then(|| libc::WEXITSTATUS(self.status))
-    }
-
-    /// The signal that ended it, if one did.
-    pub fn signal(&self) -> Option<i32> {
-        libc::WIFSIGNALED(self.status).then(|| libc::WTERMSIG(self.status))
+/// In a forked child: writes the failed step and errno to the report pipe and exits. Reading
+/// errno and writing to a pipe are async-signal-safe; nothing is allocated.
+fn report_and_exit(w: RawFd, step: i32) -> ! {
+    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    let mut msg = [0u8; 8];
+    msg[..4].copy_from_slice(&step.to_ne_bytes());
+    msg[4..].copy_from_slice(&errno.to_ne_bytes());
+    // SAFETY: a write of our own buffer to our own descriptor, then _exit.
+    unsafe {
+        libc::write(w, msg.as_ptr().cast(), msg.len());
+        libc::_exit(127)
     }
 }
 
 /// A running VM process.
 pub struct Jailed {
-    pid: u32,
-    /// Reaping and signalling hold this lock, so a signal never reaches a reaped (and perhaps
+    pid: libc::pid_t,
+    /// Held while reaping and while signalling, so a signal never reaches a reaped (and perhaps
     /// recycled) pid.
-    child: Mutex<Option<std::process::Child>>,
+    reap: Mutex<()>,
     exit: OnceLock<Exit>,
 }
 
@@ -140,7 +98,7 @@ impl std::fmt::Debug for Jailed {
 impl Jailed {
     /// Its pid.
     pub fn pid(&self) -> u32 {
-        self.pid
+        self.pid as u32
     }
 
     /// Its uid: the service's own, so none of its own.
@@ -150,26 +108,36 @@ impl Jailed {
 
     /// Sends `sig`, unless the process was already reaped.
     pub fn signal(&self, sig: i32) {
-        let child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        if child.is_some() && self.exit.get().is_none() {
-            // SAFETY: kill on a child of ours that has not been reaped, so its pid is still its own.
-            unsafe { libc::kill(self.pid as libc::pid_t, sig) };
+        let _held = self.reap.lock().unwrap_or_else(|e| e.into_inner());
+        if self.exit.get().is_none() {
+            // SAFETY: kill on a child of ours that has not been reaped, so the pid is its own.
+            unsafe { libc::kill(self.pid, sig) };
         }
     }
 
     /// The exit, if the process has ended (and reaps it).
     pub fn try_wait(&self) -> Option<Exit> {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.reap.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = self.exit.get() {
             return Some(*e);
         }
-        let status = child.as_mut()?.try_wait().ok()??;
+        let mut status = 0;
+        // SAFETY: waitpid on our own child, writing into a local.
+        let r = unsafe { libc::waitpid(self.pid, &raw mut status, libc::WNOHANG) };
+        let status = match r {
+            0 => return None,
+            r if r == self.pid => status,
+            _ => match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) => return None,
+                // Reaped by somebody else (SIGCHLD ignored): it is gone, its status unknown.
+                _ => 255 << 8,
+            },
+        };
         let e = Exit {
-            status: status.into_raw(),
+            status,
             oom_kills: 0,
         };
         let _ = self.exit.set(e);
-        *child = None;
         Some(e)
     }
 
@@ -186,18 +154,18 @@ impl Jailed {
 
 impl Drop for Jailed {
     fn drop(&mut self) {
-        let child = self
-            .child
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(mut c) = child {
-            let _ = c.kill();
-            // Reap it off the caller's thread.
-            std::thread::spawn(move || {
-                let _ = c.wait();
-            });
+        if self.exit.get().is_some() {
+            return;
         }
+        let pid = self.pid;
+        // SAFETY: not reaped yet (we hold the only handle), so the pid is still our child's.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        // Reap it off the caller's thread.
+        std::thread::spawn(move || {
+            let mut status = 0;
+            // SAFETY: waitpid on our own child.
+            unsafe { libc::waitpid(pid, &raw mut status, 0) };
+        });
     }
 }
 
@@ -248,7 +216,8 @@ impl Jailer {
         0
     }
 
-    /// Starts `cmd` with only its descriptors, an empty environment and its rlimits.
+    /// Starts `cmd` with only its descriptors, an empty environment, its rlimits and a session
+    /// of its own. Blocks until the program runs (or says why it could not).
     pub fn spawn(&self, cmd: Command) -> Result<Jailed, SpawnError> {
         if let Some(r) = &self.status.refusal {
             return Err(SpawnError::Invalid(r.clone()));
@@ -263,69 +232,324 @@ impl Jailer {
         let program = cmd
             .program
             .unwrap_or_else(|| PathBuf::from("/usr/bin/true"));
+        let shown = program.display().to_string();
+        let start = |what: &'static str| {
+            let program = shown.clone();
+            move |source| SpawnError::Start {
+                program,
+                what,
+                source,
+            }
+        };
+        // Everything the child touches is made here: between fork and exec it may not allocate.
+        let bad = |_| SpawnError::Invalid(format!("a NUL byte in the command of {}", cmd.name));
+        let path = CString::new(program.as_os_str().as_bytes()).map_err(bad)?;
+        let mut words = vec![path.clone()];
+        for a in &cmd.args {
+            words.push(CString::new(a.as_bytes()).map_err(bad)?);
+        }
+        let mut argv: Vec<*const libc::c_char> = words.iter().map(|w| w.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let envp: [*const libc::c_char; 1] = [std::ptr::null()];
         let sources: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
+        let n = sources.len() as RawFd;
         let mut moved = [0 as RawFd; MAX_FDS];
-        let (nofile, fsize) = (cmd.nofile, cmd.fsize);
-        let mut c = std::process::Command::new(&program);
-        c.args(&cmd.args).env_clear();
-        // SAFETY: the closure runs in the child between fork and exec and calls only
-        // async-signal-safe functions (fcntl, dup2, close, setrlimit) on memory allocated
-        // before the fork.
-        unsafe {
-            c.pre_exec(move || {
-                let n = sources.len() as RawFd;
-                // First above every target, then down into place: a source may sit on another's
-                // target.
+        let limit = |v: u64| libc::rlimit {
+            rlim_cur: v as libc::rlim_t,
+            rlim_max: v as libc::rlim_t,
+        };
+        let limits = [
+            (libc::RLIMIT_CORE, Some(limit(0))),
+            (libc::RLIMIT_NOFILE, Some(limit(cmd.nofile))),
+            (libc::RLIMIT_FSIZE, cmd.fsize.map(limit)),
+        ];
+        let mut top = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes only the struct passed.
+        let top = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut top) } == 0 {
+            top.rlim_cur.min(65536) as RawFd
+        } else {
+            4096
+        };
+        // SAFETY: an all-zero sigset is valid storage; sigemptyset initialises it.
+        let mut no_signals: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::sigemptyset(&raw mut no_signals) };
+        // The child reports a failed step here; above every target, close-on-exec, so a
+        // successful exec closes it and the parent reads end-of-file.
+        let (report_r, report_w) = std::io::pipe().map_err(start("making its report pipe"))?;
+        // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor we own into a new one.
+        let w = unsafe { libc::fcntl(report_w.as_raw_fd(), libc::F_DUPFD_CLOEXEC, n.max(3)) };
+        if w < 0 {
+            return Err(start("placing its report pipe")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a new descriptor of ours alone.
+        let report_w_high = unsafe { OwnedFd::from_raw_fd(w) };
+        drop(report_w);
+
+        // SAFETY: fork; the child below calls only async-signal-safe functions on memory made
+        // before the fork, and ends in execve or _exit.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(start("forking")(std::io::Error::last_os_error()));
+        }
+        if pid == 0 {
+            // SAFETY: the child of a fork: async-signal-safe calls only (see above).
+            unsafe {
+                let fail = |step: i32| report_and_exit(w, step);
+                // First above every target, then down into place: a source may sit on
+                // another's target.
                 for (i, &fd) in sources.iter().enumerate() {
                     let d = libc::fcntl(fd, libc::F_DUPFD, n.max(3));
                     if d < 0 {
-                        return Err(std::io::Error::last_os_error());
+                        fail(0);
                     }
                     moved[i] = d;
                 }
                 for (i, &d) in moved[..sources.len()].iter().enumerate() {
                     if libc::dup2(d, i as RawFd) < 0 {
-                        return Err(std::io::Error::last_os_error());
+                        fail(0);
                     }
                 }
-                // Nothing else is inherited.
-                let mut lim = libc::rlimit {
-                    rlim_cur: 0,
-                    rlim_max: 0,
-                };
-                let top = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-                    lim.rlim_cur.min(65536) as RawFd
-                } else {
-                    4096
-                };
+                // Nothing else reaches the program: every other descriptor closes at exec.
                 for fd in n..top {
-                    libc::close(fd);
+                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
                 }
-                let set = |res, v: u64| {
-                    let l = libc::rlimit {
-                        rlim_cur: v as libc::rlim_t,
-                        rlim_max: v as libc::rlim_t,
-                    };
-                    libc::setrlimit(res, &l)
-                };
-                set(libc::RLIMIT_CORE, 0);
-                set(libc::RLIMIT_NOFILE, nofile);
-                if let Some(f) = fsize {
-                    set(libc::RLIMIT_FSIZE, f);
+                for (res, l) in &limits {
+                    if let Some(l) = l
+                        && libc::setrlimit(*res, l) != 0
+                    {
+                        fail(1);
+                    }
                 }
-                Ok(())
-            });
+                // No terminal's signals (a Ctrl-C meant for the service); the service stops it.
+                if libc::setsid() < 0 {
+                    fail(2);
+                }
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::sigprocmask(
+                    libc::SIG_SETMASK,
+                    &raw const no_signals,
+                    std::ptr::null_mut(),
+                );
+                libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                fail(3)
+            }
         }
-        let child = c.spawn().map_err(|source| SpawnError::Start {
-            program: program.display().to_string(),
-            source,
-        })?;
-        // The child has its copies; the parent's close here.
+        drop(report_w_high);
+        // The parent's copies of the descriptors: the child has its own now.
         drop(cmd.fds);
-        Ok(Jailed {
-            pid: child.id(),
-            child: Mutex::new(Some(child)),
+        let jailed = Jailed {
+            pid,
+            reap: Mutex::new(()),
             exit: OnceLock::new(),
+        };
+        let mut report = [0u8; 8];
+        let mut got = 0;
+        let mut r = report_r;
+        while got < report.len() {
+            match std::io::Read::read(&mut r, &mut report[got..]) {
+                Ok(0) => break,
+                Ok(k) => got += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        if got == 0 {
+            return Ok(jailed);
+        }
+        let step = i32::from_ne_bytes(report[..4].try_into().unwrap_or_default());
+        let errno = i32::from_ne_bytes(report[4..].try_into().unwrap_or_default());
+        // The child has _exited: reap it before saying why.
+        let _ = jailed.try_wait();
+        Err(SpawnError::Child {
+            program: shown,
+            step: STEPS
+                .get(step as usize)
+                .copied()
+                .unwrap_or("an unknown step"),
+            source: std::io::Error::from_raw_os_error(errno),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::os::fd::OwnedFd;
+
+    fn settings(mode: Mode) -> Settings {
+        Settings {
+            mode,
+            ids: None,
+            cgroup_parent: "unused".into(),
+            instance: "test".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_process_gets_only_its_descriptors_no_environment_and_its_rlimits() {
+        let jailer = Jailer::new(&settings(Mode::Auto));
+        assert!(!jailer.namespaces());
+        assert!(jailer.status().missing[0].contains("no namespaces"));
+        // A descriptor of the parent's that is not close-on-exec must not reach the child.
+        let leak = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: dup of a descriptor we own; the copy is owned below.
+        let leaked = unsafe { libc::dup(leak.as_raw_fd()) };
+        assert!(leaked > 3);
+        // SAFETY: the new descriptor is ours alone.
+        let _leaked_owner = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(leaked) };
+        let (stdin_r, stdin_w) = std::io::pipe().unwrap();
+        let (mut out_r, out_w) = std::io::pipe().unwrap();
+        let err_w = out_w.try_clone().unwrap();
+        let extra = std::fs::File::open("/dev/zero").unwrap();
+        let script = format!(
+            "echo home=${{HOME-unset}}; [ -e /dev/fd/3 ] && echo fd3; [ -e /dev/fd/{leaked} ] && echo leaked; \
+             echo nofile=$(ulimit -n) core=$(ulimit -c); read x; echo never"
+        );
+        let j = jailer
+            .spawn(Command {
+                name: "t".into(),
+                program: Some("/bin/sh".into()),
+                args: vec!["-c".into(), script.into()],
+                fds: vec![stdin_r.into(), out_w.into(), err_w.into(), extra.into()],
+                root: None,
+                limits: crate::Limits {
+                    memory_bytes: 1 << 30,
+                    pids: 16,
+                    cpu_weight: 100,
+                },
+                nofile: 77,
+                fsize: Some(1 << 20),
+                keep_groups: vec![],
+                seccomp: true,
+            })
+            .unwrap();
+        assert!(j.try_wait().is_none(), "it waits on its stdin");
+        // Its output, up to the blocking read: the parent's copies of the write ends are gone.
+        let mut out = String::new();
+        let mut buf = [0u8; 256];
+        while !out.contains("core=") {
+            let n = out_r.read(&mut buf).unwrap();
+            assert!(n > 0, "{out}");
+            out.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        assert_eq!(out, "home=unset\nfd3\nnofile=77 core=0\n");
+        j.signal(libc::SIGTERM);
+        let e = tokio::time::timeout(Duration::from_secs(10), j.wait())
+            .await
+            .expect("the process ends on SIGTERM");
+        assert_eq!(e.signal(), Some(libc::SIGTERM));
+        assert_eq!(j.try_wait(), Some(e));
+        // After the reap, a signal goes nowhere (the pid may be another process's now).
+        j.signal(libc::SIGKILL);
+        drop(stdin_w);
+    }
+
+    #[test]
+    fn required_refuses_and_says_why() {
+        let jailer = Jailer::new(&settings(Mode::Required));
+        let e = jailer
+            .spawn(Command {
+                name: "t".into(),
+                program: Some("/bin/true".into()),
+                args: vec![],
+                fds: vec![],
+                root: None,
+                limits: crate::Limits {
+                    memory_bytes: 1 << 30,
+                    pids: 16,
+                    cpu_weight: 100,
+                },
+                nofile: 64,
+                fsize: None,
+                keep_groups: vec![],
+                seccomp: true,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("SANDBOX_HOST_JAIL=required, but"), "{e}");
+        let off = Jailer::new(&settings(Mode::Off));
+        assert!(off.status().missing[0].contains("SANDBOX_HOST_JAIL=off"));
+    }
+
+    #[test]
+    fn descriptors_land_on_their_numbers_even_when_sources_sit_on_targets() {
+        let jailer = Jailer::new(&settings(Mode::Auto));
+        // Pipes opened first take the lowest free numbers, so the write ends likely sit on
+        // 3, 4, 5...: handed over in reverse, sources and targets cross.
+        let pipes: Vec<_> = (0..6).map(|_| std::io::pipe().unwrap()).collect();
+        let (readers, writers): (Vec<_>, Vec<_>) = pipes.into_iter().unzip();
+        let mut fds: Vec<OwnedFd> = writers.into_iter().map(OwnedFd::from).collect();
+        fds.reverse();
+        let j = jailer
+            .spawn(Command {
+                name: "t".into(),
+                program: Some("/bin/sh".into()),
+                args: vec![
+                    "-c".into(),
+                    "for i in 0 1 2 3 4 5; do echo $i >&$i; done".into(),
+                ],
+                fds,
+                root: None,
+                limits: crate::Limits {
+                    memory_bytes: 1 << 30,
+                    pids: 16,
+                    cpu_weight: 100,
+                },
+                nofile: 64,
+                fsize: None,
+                keep_groups: vec![],
+                seccomp: true,
+            })
+            .unwrap();
+        for (k, mut r) in readers.into_iter().enumerate() {
+            let mut got = String::new();
+            r.read_to_string(&mut got).unwrap();
+            // Writer k went to target 5 - k.
+            assert_eq!(got, format!("{}\n", 5 - k), "pipe {k}");
+        }
+        for _ in 0..500 {
+            if let Some(e) = j.try_wait() {
+                assert_eq!(e.code(), Some(0));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the shell did not end");
+    }
+
+    #[test]
+    fn a_program_that_cannot_run_is_an_error_at_spawn_not_a_dead_vm() {
+        let jailer = Jailer::new(&settings(Mode::Auto));
+        let (_r, w) = std::io::pipe().unwrap();
+        let e = jailer
+            .spawn(Command {
+                name: "t".into(),
+                program: Some("/nonexistent/qemu-system-aarch64".into()),
+                args: vec![],
+                fds: vec![w.into()],
+                root: None,
+                limits: crate::Limits {
+                    memory_bytes: 1 << 30,
+                    pids: 16,
+                    cpu_weight: 100,
+                },
+                nofile: 64,
+                fsize: None,
+                keep_groups: vec![],
+                seccomp: true,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("executing the program") && e.contains("No such file"),
+            "{e}"
+        );
     }
 }

@@ -1,5 +1,6 @@
-//! What the host process can have: its file-descriptor limit and the free space of a directory,
-//! for the service's budgets (the `api` crate has no `unsafe`; these are its two system calls).
+//! What the host process can have and see: its file-descriptor limit and count, the machine's
+//! memory, the free space of a directory, whether a process lives, for the service's budgets and
+//! clean-up (the `api` crate has no `unsafe`; these are its system calls). Linux and macOS alike.
 
 use std::path::Path;
 
@@ -12,11 +13,72 @@ pub fn raise_fd_limit() -> u64 {
     // SAFETY: getrlimit and setrlimit only read and write the struct passed.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            let want = r.rlim_cur;
             r.rlim_cur = r.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                // macOS refuses an unlimited hard limit for open files: its ceiling is
+                // OPEN_MAX (10240) unless kern.maxfilesperproc is lower.
+                r.rlim_cur = (10240 as libc::rlim_t).min(r.rlim_max).max(want);
+                libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            }
         }
     }
     fd_limit()
+}
+
+/// Descriptors this process has open (`/proc/self/fd` on Linux, `/dev/fd` on macOS).
+pub fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .or_else(|_| std::fs::read_dir("/dev/fd"))
+        .map_or(0, |d| d.count() as u64)
+}
+
+/// Whether a process with this pid exists (a zombie counts; so does one of another user's).
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 checks only that the process exists and may be signalled.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The machine's memory in MiB, if it can be read.
+pub fn total_memory_mib() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kib| kib / 1024)
+        })
+    }
+    #[cfg(target_os = "macos")]
+    {
+        let mut bytes: u64 = 0;
+        let mut len = std::mem::size_of::<u64>();
+        // SAFETY: sysctlbyname writes at most `len` bytes into `bytes`; the name is NUL-terminated.
+        let rc = unsafe {
+            libc::sysctlbyname(
+                c"hw.memsize".as_ptr(),
+                (&raw mut bytes).cast(),
+                &raw mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        (rc == 0 && len == std::mem::size_of::<u64>()).then_some(bytes >> 20)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        None
+    }
 }
 
 /// The soft `RLIMIT_NOFILE` (1024 if it cannot be read).
@@ -44,4 +106,18 @@ pub fn free_mib(path: &Path) -> Option<u64> {
         return None;
     }
     Some(s.f_bavail as u64 * s.f_frsize as u64 / (1024 * 1024))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sees_this_process_and_the_machine() {
+        assert!(process_alive(std::process::id()));
+        assert!(!process_alive(0));
+        assert!(!process_alive(u32::MAX));
+        assert!(open_fds() >= 3);
+        assert!(total_memory_mib().is_some_and(|m| m > 256));
+    }
 }

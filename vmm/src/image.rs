@@ -42,8 +42,8 @@ pub enum ImageError {
     /// The image was built for another architecture than the guests this host runs.
     #[error(
         "image `{name}` is built for {image_arch}, but this sandbox host runs {guest_arch} guests \
-         (SANDBOX_HOST_ARCH); build it for {guest_arch} (SANDBOX_HOST_ARCH={guest_arch} bash rootfs/build-stock.sh, \
-         or rootfs/build-guest.py --arch {guest_arch}), or point SANDBOX_HOST_IMAGE_DIR at a store of {guest_arch} images"
+         (SANDBOX_HOST_ARCH); {}, or point SANDBOX_HOST_IMAGE_DIR at a store of {guest_arch} images",
+        build_hint(*.guest_arch)
     )]
     WrongArch {
         /// The image.
@@ -71,6 +71,29 @@ struct Manifest {
     rootfs: Option<String>,
     agent_version: Option<String>,
     harness_version: Option<String>,
+}
+
+/// How this host builds the images of guests of `arch`, in the operator's words.
+fn build_hint(arch: Arch) -> String {
+    match (arch.is_native(), arch, cfg!(target_os = "macos")) {
+        (true, _, true) => {
+            "build the images in a Linux container with `bash scripts/build-images-in-container.sh`"
+                .into()
+        }
+        (true, _, false) => {
+            "build it with `bash rootfs/build-stock.sh` (bin/sandbox-host does this on first use; \
+             the guest image: `sudo python3 rootfs/build-guest.py`)"
+                .into()
+        }
+        (false, Arch::Aarch64, _) => "build the aarch64 images with \
+             `SANDBOX_HOST_ARCH=aarch64 bash rootfs/build-stock.sh` and \
+             `sudo python3 rootfs/build-guest.py --arch aarch64`"
+            .into(),
+        (false, other, _) => format!(
+            "{other} images are built on an {other} host: build them there and copy them into \
+             this host's image store"
+        ),
+    }
 }
 
 fn x86_64() -> String {
@@ -184,13 +207,10 @@ impl ImageStore {
         let dir = match std::fs::canonicalize(&link) {
             Ok(d) => d,
             Err(_) => {
-                let hint = match (name == STOCK, self.arch.is_native()) {
-                    (true, true) => ": build it with `bash rootfs/build-stock.sh` (bin/sandbox-host does this on first use)".into(),
-                    (true, false) => format!(
-                        ": build the {0} stock image with `SANDBOX_HOST_ARCH={0} bash rootfs/build-stock.sh`",
-                        self.arch
-                    ),
-                    (false, _) => String::new(),
+                let hint = if name == STOCK {
+                    format!(": {}", build_hint(self.arch))
+                } else {
+                    String::new()
                 };
                 return Err(ImageError::Missing {
                     name: name.into(),

@@ -28,7 +28,9 @@ pub enum ScratchError {
         source: std::io::Error,
     },
     /// `mkfs.ext4` is missing.
-    #[error("mkfs.ext4 is not installed; install e2fsprogs (`bash scripts/install-deps.sh`)")]
+    #[error(
+        "mkfs.ext4 is not installed; install e2fsprogs (Debian: `bash scripts/install-deps.sh`; macOS: `brew install e2fsprogs`)"
+    )]
     NoMkfs,
     /// `mkfs.ext4` failed.
     #[error("mkfs.ext4 failed on {path}: {output}")]
@@ -40,11 +42,20 @@ pub enum ScratchError {
     },
 }
 
-/// Where `mkfs.ext4` is; sbin directories are often missing from a non-root PATH.
+/// Where `mkfs.ext4` is; sbin directories are often missing from a non-root PATH, and Homebrew
+/// keeps e2fsprogs off it (keg-only, as macOS has no ext4 of its own).
 fn mkfs() -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .chain(
+            [
+                "/usr/sbin",
+                "/sbin",
+                "/opt/homebrew/opt/e2fsprogs/sbin",
+                "/usr/local/opt/e2fsprogs/sbin",
+            ]
+            .map(PathBuf::from),
+        )
         .map(|d| d.join("mkfs.ext4"))
         .find(|p| p.is_file())
 }

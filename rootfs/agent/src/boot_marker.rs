@@ -25,12 +25,21 @@ pub fn mark() {
     unsafe { libc::ioperm(libc::c_ulong::from(PORT), 1, 0) };
 }
 
-/// Writes the marker once to the marker port, if the VMM gave the guest one. Devices are probed
-/// before the kernel starts init, so the port is there or will not come: no waiting.
+/// Writes the marker once to the marker port, if the VMM gave the guest one. A port's name
+/// arrives through virtio-serial's control queue and may show in sysfs just after init starts,
+/// so it is looked for briefly (up to 500 ms, in 5 ms steps; on QEMU's `virt` it is there).
 #[cfg(not(target_arch = "x86_64"))]
 pub fn mark() {
     use std::io::Write;
-    let Ok(Some(dev)) = crate::channel::find_serial_port(sandbox_protocol::MARKER_PORT_NAME) else {
+    let mut dev = None;
+    for _ in 0..100 {
+        if let Ok(Some(d)) = crate::channel::find_serial_port(sandbox_protocol::MARKER_PORT_NAME) {
+            dev = Some(d);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let Some(dev) = dev else {
         return;
     };
     if let Ok(mut f) = std::fs::OpenOptions::new().write(true).open(dev) {
