@@ -62,9 +62,13 @@ case "$arch" in
   # aarch64, macOS) with nothing but `rustup target add`.
   aarch64) triple=aarch64-unknown-linux-musl; flags="-C target-feature=+crt-static -C linker=rust-lld" ;;
 esac
-rustup target list --installed 2>/dev/null | grep -qx "$triple" || rustup target add "$triple" >&2
+# The target's standard library, from rustup when it is not there yet.
+if [ ! -d "$(rustc --print sysroot)/lib/rustlib/$triple" ]; then
+  command -v rustup >/dev/null || { log "Rust has no $triple target and there is no rustup to add it: install Rust with rustup (https://rustup.rs)"; exit 1; }
+  rustup target add "$triple" >&2
+fi
 RUSTFLAGS="$flags" CARGO_TARGET_DIR="$target_dir" \
-  cargo build --quiet --release -p sandbox-agent --target "$triple" >&2
+  cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p sandbox-agent --target "$triple" >&2
 agent="$target_dir/$triple/release/sandbox-agent"
 readelf -l "$agent" | grep -q INTERP && { log "$agent is not static"; exit 1; }
 
