@@ -392,6 +392,26 @@ mod tests {
         }
     }
 
+    /// A command for these tests: `program` with `args` and `fds`, the rest as a VM's.
+    fn command(program: &str, args: Vec<std::ffi::OsString>, fds: Vec<OwnedFd>) -> Command {
+        Command {
+            name: "t".into(),
+            program: Some(program.into()),
+            args,
+            fds,
+            root: None,
+            limits: crate::Limits {
+                memory_bytes: 1 << 30,
+                pids: 16,
+                cpu_weight: 100,
+            },
+            nofile: 64,
+            fsize: None,
+            keep_groups: vec![],
+            seccomp: true,
+        }
+    }
+
     #[tokio::test]
     async fn the_process_gets_only_its_descriptors_no_environment_and_its_rlimits() {
         let jailer = Jailer::new(&settings(Mode::Auto));
@@ -414,20 +434,13 @@ mod tests {
         );
         let j = jailer
             .spawn(Command {
-                name: "t".into(),
-                program: Some("/bin/sh".into()),
-                args: vec!["-c".into(), script.into()],
-                fds: vec![stdin_r.into(), out_w.into(), err_w.into(), extra.into()],
-                root: None,
-                limits: crate::Limits {
-                    memory_bytes: 1 << 30,
-                    pids: 16,
-                    cpu_weight: 100,
-                },
                 nofile: 77,
                 fsize: Some(1 << 20),
-                keep_groups: vec![],
-                seccomp: true,
+                ..command(
+                    "/bin/sh",
+                    vec!["-c".into(), script.into()],
+                    vec![stdin_r.into(), out_w.into(), err_w.into(), extra.into()],
+                )
             })
             .unwrap();
         assert!(j.try_wait().is_none(), "it waits on its stdin");
@@ -456,20 +469,9 @@ mod tests {
         let jailer = Jailer::new(&settings(Mode::Required));
         let e = jailer
             .spawn(Command {
-                name: "t".into(),
-                program: Some("/bin/true".into()),
-                args: vec![],
-                fds: vec![],
-                root: None,
-                limits: crate::Limits {
-                    memory_bytes: 1 << 30,
-                    pids: 16,
-                    cpu_weight: 100,
-                },
                 nofile: 64,
                 fsize: None,
-                keep_groups: vec![],
-                seccomp: true,
+                ..command("/bin/true", vec![], vec![])
             })
             .unwrap_err()
             .to_string();
@@ -489,23 +491,16 @@ mod tests {
         fds.reverse();
         let j = jailer
             .spawn(Command {
-                name: "t".into(),
-                program: Some("/bin/sh".into()),
-                args: vec![
-                    "-c".into(),
-                    "for i in 0 1 2 3 4 5; do echo $i >&$i; done".into(),
-                ],
-                fds,
-                root: None,
-                limits: crate::Limits {
-                    memory_bytes: 1 << 30,
-                    pids: 16,
-                    cpu_weight: 100,
-                },
                 nofile: 64,
                 fsize: None,
-                keep_groups: vec![],
-                seccomp: true,
+                ..command(
+                    "/bin/sh",
+                    vec![
+                        "-c".into(),
+                        "for i in 0 1 2 3 4 5; do echo $i >&$i; done".into(),
+                    ],
+                    fds,
+                )
             })
             .unwrap();
         for (k, mut r) in readers.into_iter().enumerate() {
@@ -530,20 +525,9 @@ mod tests {
         let (_r, w) = std::io::pipe().unwrap();
         let e = jailer
             .spawn(Command {
-                name: "t".into(),
-                program: Some("/nonexistent/qemu-system-aarch64".into()),
-                args: vec![],
-                fds: vec![w.into()],
-                root: None,
-                limits: crate::Limits {
-                    memory_bytes: 1 << 30,
-                    pids: 16,
-                    cpu_weight: 100,
-                },
                 nofile: 64,
                 fsize: None,
-                keep_groups: vec![],
-                seccomp: true,
+                ..command("/nonexistent/qemu-system-aarch64", vec![], vec![w.into()])
             })
             .unwrap_err()
             .to_string();
