@@ -127,6 +127,8 @@ fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> V
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
         net: None,
         start_timeout: None,
+        snapshot_to: None,
+        restore_from: None,
     }
 }
 

@@ -43,6 +43,8 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str, disk: Option<&Path>) -> VmSp
         state_dir: config::state_dir().join(format!("{name}-{}", std::process::id())),
         net: None,
         start_timeout: None,
+        snapshot_to: None,
+        restore_from: None,
     }
 }
 

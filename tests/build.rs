@@ -1,5 +1,5 @@
-//! Builds the hostile guest helper `tests/guest/freeze.c` as a static binary that the tests put
-//! into a guest: `freeze` for this host's architecture and `freeze-aarch64` with Debian's cross
+//! Builds the guest helpers as static binaries that the tests put into a guest: `getrandom`
+//! (`tests/guest/getrandom.c`, this host's architecture) and the hostile `tests/guest/freeze.c`: `freeze` for this host's architecture and `freeze-aarch64` with Debian's cross
 //! compiler, for the aarch64 guest under emulation (`SANDBOX_HOST_ARCH=aarch64`). Without a C
 //! compiler (or static libc) a file stays empty and the tests that need it say they were skipped
 //! and why.
@@ -8,12 +8,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const SRC: &str = "guest/freeze.c";
+const GETRANDOM: &str = "guest/getrandom.c";
 
 fn main() {
     println!("cargo:rerun-if-changed={SRC}");
+    println!("cargo:rerun-if-changed={GETRANDOM}");
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    build(&cc, &out_dir.join("freeze"));
+    build(&cc, GETRANDOM, &out_dir.join("getrandom"));
+    build(&cc, SRC, &out_dir.join("freeze"));
     let cross = if cfg!(target_arch = "aarch64") {
         cc
     } else {
@@ -21,11 +24,10 @@ fn main() {
         println!("cargo:rerun-if-changed=/usr/bin/aarch64-linux-gnu-gcc");
         "aarch64-linux-gnu-gcc".into()
     };
-    build(&cross, &out_dir.join("freeze-aarch64"));
+    build(&cross, SRC, &out_dir.join("freeze-aarch64"));
 }
 
-fn build(cc: &str, out: &std::path::Path) {
-    let src = SRC;
+fn build(cc: &str, src: &str, out: &std::path::Path) {
     let built = Command::new(cc)
         .args(["-static", "-O2", "-Wall", "-o"])
         .arg(out)
@@ -34,7 +36,7 @@ fn build(cc: &str, out: &std::path::Path) {
         .is_ok_and(|s| s.success());
     if !built {
         println!(
-            "cargo:warning=could not build {src} with `{cc} -static`; the frozen-guest tests will skip"
+            "cargo:warning=could not build {src} with `{cc} -static`; the tests that need it will skip"
         );
         std::fs::write(out, b"").expect("writing OUT_DIR");
     }

@@ -10,13 +10,14 @@ use std::path::PathBuf;
 use sandbox_e2e::{boot_stock, sh};
 
 /// The e2e test binaries run through the nested host (cargo's names, without the hash).
-const SUITE: [&str; 7] = [
+const SUITE: [&str; 8] = [
     "qemu_exec",
     "qemu_egress",
     "qemu_archive",
     "qemu_disk",
     "qemu_lifecycle",
     "qemu_protocol_abuse",
+    "kvm_snapshot",
     "kvm_backend",
 ];
 

@@ -67,6 +67,35 @@ pub struct Reservation {
     disk_mib: u64,
 }
 
+impl Reservation {
+    /// Gives the memory part back (a paused sandbox holds only its disk); returns how much.
+    pub fn release_memory(&mut self) -> u64 {
+        let mut c = self.capacity.lock();
+        c.memory_mib = c.memory_mib.saturating_sub(self.memory_mib);
+        std::mem::take(&mut self.memory_mib)
+    }
+
+    /// Takes `memory_mib` again (a resume), refused as a create is when the host has no room.
+    pub fn reacquire_memory(&mut self, memory_mib: u64) -> Result<(), String> {
+        if self.memory_mib != 0 {
+            return Ok(()); // still held (a resume that was interrupted and is asked again)
+        }
+        let mut c = self.capacity.lock();
+        let limit = self.capacity.limits.memory_mib;
+        if c.memory_mib + memory_mib > limit {
+            return Err(format!(
+                "the host has no room for {memory_mib} MiB more of guest memory: {} MiB of \
+                 SANDBOX_HOST_MEMORY_LIMIT_MIB={limit} are committed to {} sandboxes. Retry the \
+                 resume when a sandbox ends",
+                c.memory_mib, c.sandboxes
+            ));
+        }
+        c.memory_mib += memory_mib;
+        self.memory_mib += memory_mib;
+        Ok(())
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         let mut c = self.capacity.lock();

@@ -103,6 +103,9 @@ pub struct Config {
     /// `SANDBOX_HOST_METER_BODY_MAX_MIB` in bytes: the largest model request body the meter
     /// holds to ask for usage (a sandbox holds at most twice this at once).
     pub meter_body_max: usize,
+    /// `SANDBOX_HOST_TEMPLATES` (`on` by default, `off`): on the KVM backend, sandboxes are
+    /// restored from a template of their shape instead of booting (issue 15).
+    pub templates: bool,
 }
 
 impl std::fmt::Debug for Config {
@@ -122,6 +125,7 @@ impl std::fmt::Debug for Config {
             .field("egress_resolve", &self.egress_resolve)
             .field("egress_ca_file", &self.egress_ca_file)
             .field("meter_body_max", &self.meter_body_max)
+            .field("templates", &self.templates)
             .finish()
     }
 }
@@ -275,6 +279,17 @@ impl Config {
                 expected: "a whole number of MiB from 1 to 1024",
             });
         }
+        let templates = match get("SANDBOX_HOST_TEMPLATES").as_deref().map(str::trim) {
+            None | Some("on") => true,
+            Some("off") => false,
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    var: "SANDBOX_HOST_TEMPLATES",
+                    value: other.to_string(),
+                    expected: "`on` or `off`",
+                });
+            }
+        };
         let egress_resolve = match get("SANDBOX_HOST_EGRESS_RESOLVE") {
             None => Default::default(),
             Some(v) => sandbox_egress::resolve::ResolveOverrides::parse(&v).map_err(|e| {
@@ -318,6 +333,7 @@ impl Config {
             image_dir: sandbox_vmm::config::image_dir(),
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),
+            templates,
             egress_ca_file,
             meter_body_max: meter_body_max_mib << 20,
         })

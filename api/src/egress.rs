@@ -71,9 +71,15 @@ fn upstream_client(
         .clone()
 }
 
-/// Starts the egress stack of sandbox `id` with the run's settings. The patterns were validated
-/// with the create request; a secret value that cannot go into a header is refused here.
-pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, StartError> {
+/// Starts the egress stack of sandbox `id` with the run's settings, for a guest whose network
+/// device has `mac` (the id's own when `None`). The patterns were validated with the create
+/// request; a secret value that cannot go into a header is refused here.
+pub fn start(
+    id: &str,
+    spec: &EgressSpec,
+    config: &Config,
+    mac: Option<[u8; 6]>,
+) -> Result<Started, StartError> {
     let secret_hosts = spec.secrets.iter().flat_map(|s| &s.hosts);
     let allow = Allowlist::parse(
         spec.allow
@@ -94,7 +100,7 @@ pub fn start(id: &str, spec: &EgressSpec, config: &Config) -> Result<Started, St
         // Every allowed TLS name is read, so each request's Host is checked against it.
         intercept.extend(parse(&mut spec.allow.iter())?);
     }
-    let mac = sandbox_egress::net::guest_mac(id);
+    let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
     let mut cfg = EgressConfig::new(mac, allow);
     cfg.overrides = config.egress_resolve.clone();
     let (mut ca_pem, mut env) = (None, Vec::new());

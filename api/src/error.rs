@@ -53,6 +53,12 @@ pub enum ApiError {
     /// The sandbox's VM is gone.
     #[error("the sandbox's VM stopped: {0}")]
     VmDied(String),
+    /// The sandbox is paused: resume it before using it.
+    #[error("sandbox `{0}` is paused; resume it first (POST /v1/sandboxes/{0}/resume)")]
+    Paused(String),
+    /// The sandbox cannot be paused or resumed now, with why.
+    #[error("{0}")]
+    Conflict(String),
     /// The host cannot start microVMs.
     #[error("the sandbox host cannot start a microVM: {0}")]
     Unavailable(String),
@@ -77,6 +83,8 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::PathRefused(_) => (StatusCode::CONFLICT, "path_refused"),
             ApiError::VmDied(_) => (StatusCode::GONE, "vm_died"),
+            ApiError::Paused(_) => (StatusCode::CONFLICT, "paused"),
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::NoCapacity(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),

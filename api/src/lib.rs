@@ -18,4 +18,5 @@ mod routes;
 pub mod run;
 pub mod serve;
 mod state;
+mod templates;
 mod time;

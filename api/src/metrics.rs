@@ -47,6 +47,8 @@ impl Disposal {
 #[derive(Debug, Default)]
 pub struct Metrics {
     boots: AtomicU64,
+    /// Sandboxes restored from a template (the rest of `boots` booted).
+    restores: AtomicU64,
     boot_failures: AtomicU64,
     capacity_refusals: AtomicU64,
     boot_ms_sum: AtomicU64,
@@ -97,6 +99,13 @@ impl Metrics {
             if ms <= *le {
                 self.boot_buckets[i].fetch_add(1, Relaxed);
             }
+        }
+    }
+
+    /// Records how a sandbox that came up started: restored from a template or booted.
+    pub fn started(&self, restored: bool) {
+        if restored {
+            self.restores.fetch_add(1, Relaxed);
         }
     }
 
@@ -158,6 +167,11 @@ impl Metrics {
             "# HELP sandbox_host_boots_total MicroVMs booted.\n# TYPE sandbox_host_boots_total counter"
         );
         let _ = writeln!(o, "sandbox_host_boots_total {}", self.boots.load(Relaxed));
+        let _ = writeln!(
+            o,
+            "# HELP sandbox_host_template_restores_total Sandboxes restored from a template instead of booted (counted in sandbox_host_boots_total too).\n# TYPE sandbox_host_template_restores_total counter\nsandbox_host_template_restores_total {}",
+            self.restores.load(Relaxed)
+        );
         let _ = writeln!(
             o,
             "# HELP sandbox_host_boot_failures_total MicroVMs that failed to boot.\n# TYPE sandbox_host_boot_failures_total counter"

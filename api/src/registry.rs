@@ -110,15 +110,70 @@ pub struct SandboxEntry {
     pub created_at: SystemTime,
     /// End of the run's time limit.
     pub expires_at: SystemTime,
-    /// The VM and its agent.
-    pub sandbox: Sandbox,
+    /// The VM and its agent; another one after each resume.
+    sandbox: std::sync::RwLock<Arc<Sandbox>>,
     /// Counters.
     pub counters: Counters,
     last_activity: Mutex<(Instant, SystemTime)>,
     /// Requests in flight (a long exec, a large upload): a busy sandbox is never idle.
     in_flight: AtomicU64,
-    /// Its share of the host's budgets, given back when the entry goes.
-    _reservation: crate::capacity::Reservation,
+    /// Its share of the host's budgets, given back when the entry goes (the memory part while
+    /// it is paused).
+    pub reservation: Mutex<crate::capacity::Reservation>,
+    /// What pausing needs, where the backend can (KVM): the snapshot's files (written by the VM
+    /// process, which got them at its start) and how to start the VM again.
+    pub pausable: Option<Pausable>,
+    /// Set while paused; pauses and resumes of one sandbox take turns on its lock.
+    pub paused: tokio::sync::Mutex<bool>,
+    /// Mirrors `paused` for readers that must not wait (state, sweeps, routes); set as soon as
+    /// a pause begins.
+    paused_now: std::sync::atomic::AtomicBool,
+    /// A pause or resume failed with the VM gone: the sandbox answers 410 until the sweep
+    /// disposes of it.
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl Pausable {
+    /// The running VM's state directory.
+    pub fn vm_dir(&self) -> std::path::PathBuf {
+        self.vm_dir
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records the state directory of the VM a resume started.
+    pub fn set_vm_dir(&self, dir: std::path::PathBuf) {
+        *self.vm_dir.lock().unwrap_or_else(|e| e.into_inner()) = dir;
+    }
+
+    /// A state directory no VM of this sandbox has had: `<state dir>-r<n>`.
+    pub fn next_vm_dir(&self) -> std::path::PathBuf {
+        let n = self.resumes.fetch_add(1, Relaxed) + 1;
+        let mut name = self.spec.state_dir.as_os_str().to_os_string();
+        name.push(format!("-r{n}"));
+        name.into()
+    }
+}
+
+/// How a sandbox is paused and resumed (see `routes/pause.rs`).
+pub struct Pausable {
+    /// Its directory, `SANDBOX_HOST_STATE_DIR/<id>.paused/`: the snapshots, and the sandbox
+    /// disk while it is paused.
+    pub dir: std::path::PathBuf,
+    /// Two sets of snapshot files, used in turn: a VM restored from one (its memory mapped
+    /// from that file) writes its own snapshot to the other, never to the file it maps.
+    pub files: [sandbox_vmm::SnapshotFiles; 2],
+    /// Which set the running VM writes to.
+    pub slot: std::sync::atomic::AtomicUsize,
+    /// The running VM's state directory: each VM of a resume gets a new one.
+    pub vm_dir: Mutex<std::path::PathBuf>,
+    /// Counts resumes, for those directories' names.
+    pub resumes: AtomicU64,
+    /// The VM's spec at create, without its network (given again at resume).
+    pub spec: sandbox_vmm::VmSpec,
+    /// The network device's link to the sandbox's egress stack, which outlives the VM.
+    pub net: sandbox_vmm::NetAttachment,
 }
 
 /// Marks a sandbox busy for as long as it lives.
@@ -138,9 +193,15 @@ impl SandboxEntry {
             (Instant::now(), SystemTime::now());
     }
 
+    /// Requests running in it now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Marks the sandbox busy until the guard is dropped (then counts as activity).
     pub fn busy(self: &Arc<Self>) -> Busy {
-        self.in_flight.fetch_add(1, Relaxed);
+        self.in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Busy(self.clone())
     }
 
@@ -149,13 +210,65 @@ impl SandboxEntry {
         *self.last_activity.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How the VM ended, if it did so on its own.
-    pub fn died(&self) -> Option<VmExit> {
-        self.sandbox.vm.exit().filter(|e| !e.requested)
+    /// The VM and its agent now.
+    pub fn sandbox(&self) -> Arc<Sandbox> {
+        self.sandbox
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
-    /// Fails with the VM's end (reason and last console lines) when it is gone.
+    /// Puts the VM of a resume in place.
+    pub fn replace_sandbox(&self, sandbox: Sandbox) {
+        *self.sandbox.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(sandbox);
+    }
+
+    /// Whether the sandbox is paused (or being paused).
+    pub fn is_paused(&self) -> bool {
+        self.paused_now.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Records a pause or a resume (under `paused`'s lock).
+    pub fn set_paused(&self, paused: bool) {
+        self.paused_now
+            .store(paused, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Marks the sandbox lost (a failed pause or resume left it without a VM).
+    pub fn set_lost(&self) {
+        self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn is_lost(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// For a request that runs something in the guest: counts it as in flight first, then
+    /// checks that the sandbox is alive and not paused (a pause marks itself first, then
+    /// counts: one of the two sees the other).
+    pub fn enter(self: &Arc<Self>) -> Result<Busy, ApiError> {
+        let busy = self.busy();
+        self.ensure_alive()?;
+        Ok(busy)
+    }
+
+    /// How the VM ended, if it did so on its own.
+    pub fn died(&self) -> Option<VmExit> {
+        self.sandbox().vm.exit().filter(|e| !e.requested)
+    }
+
+    /// Fails with the VM's end (reason and last console lines) when it is gone, and when the
+    /// sandbox is paused.
     pub fn ensure_alive(&self) -> Result<(), ApiError> {
+        if self.is_lost() {
+            return Err(ApiError::VmDied(format!(
+                "sandbox `{}` was lost when it was paused or resumed",
+                self.id
+            )));
+        }
+        if self.is_paused() {
+            return Err(ApiError::Paused(self.id.clone()));
+        }
         match self.died() {
             Some(exit) => Err(ApiError::VmDied(format!(
                 "{}{}",
@@ -171,7 +284,7 @@ impl SandboxEntry {
     pub async fn explain(&self, e: sandbox_protocol::client::ClientError) -> ApiError {
         if matches!(e, sandbox_protocol::client::ClientError::Closed(_))
             && let Ok(exit) =
-                tokio::time::timeout(Duration::from_secs(2), self.sandbox.vm.wait()).await
+                tokio::time::timeout(Duration::from_secs(2), self.sandbox().vm.wait()).await
             && !exit.requested
         {
             return ApiError::VmDied(format!(
@@ -194,9 +307,13 @@ impl SandboxEntry {
         }
     }
 
-    /// `ready` or `dead`.
+    /// `ready`, `paused` or `dead`.
     pub fn state(&self) -> &'static str {
-        if self.sandbox.vm.exit().is_some() {
+        if self.is_lost() {
+            "dead"
+        } else if self.is_paused() {
+            "paused"
+        } else if self.sandbox().vm.exit().is_some() {
             "dead"
         } else {
             "ready"
@@ -249,7 +366,12 @@ impl Registry {
 
 /// Stops a sandbox's VM, removes its files, logs and counts the disposal.
 pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
-    let exit = entry.sandbox.stop().await;
+    // A pause or resume under way finishes first (each is bounded).
+    let _turn = entry.paused.lock().await;
+    let exit = entry.sandbox().stop().await;
+    if let Some(p) = &entry.pausable {
+        let _ = std::fs::remove_dir_all(&p.dir);
+    }
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
         state.metrics().retire_egress(
@@ -282,11 +404,15 @@ pub async fn sweep(state: &AppState) {
     let now_w = SystemTime::now();
     let cfg = state.config();
     for e in state.registry().all() {
-        let why = if e.sandbox.vm.exit().is_some() {
+        // A paused sandbox has no VM: only its run's time limit applies (a pause is the
+        // platform keeping it for later, so it is never idle).
+        let paused = e.is_paused();
+        let why = if e.is_lost() || (!paused && e.sandbox().vm.exit().is_some()) {
             Some(Disposal::VmDied)
         } else if now_w > e.expires_at + cfg.grace {
             Some(Disposal::TimeLimit)
-        } else if e.in_flight.load(Relaxed) == 0
+        } else if !paused
+            && e.in_flight.load(Relaxed) == 0
             && now_i.duration_since(e.last_activity().0) > cfg.idle
         {
             Some(Disposal::Idle)
@@ -351,6 +477,7 @@ pub fn new_entry(
     time_limit: Duration,
     sandbox: Sandbox,
     reservation: crate::capacity::Reservation,
+    pausable: Option<Pausable>,
 ) -> Arc<SandboxEntry> {
     let created_at = SystemTime::now();
     let entry = Arc::new(SandboxEntry {
@@ -367,16 +494,26 @@ pub fn new_entry(
         net,
         created_at,
         expires_at: created_at + time_limit,
-        sandbox,
+        sandbox: std::sync::RwLock::new(Arc::new(sandbox)),
         counters: Counters::default(),
         last_activity: Mutex::new((Instant::now(), created_at)),
         in_flight: AtomicU64::new(0),
-        _reservation: reservation,
+        reservation: Mutex::new(reservation),
+        pausable,
+        paused: tokio::sync::Mutex::new(false),
+        paused_now: std::sync::atomic::AtomicBool::new(false),
+        lost: std::sync::atomic::AtomicBool::new(false),
     });
     state.registry().insert(entry.clone());
-    let watched = entry.clone();
+    watch(entry.clone());
+    entry
+}
+
+/// Logs the VM of a sandbox that stops on its own (the sweep disposes of it).
+pub fn watch(watched: Arc<SandboxEntry>) {
+    let sandbox = watched.sandbox();
     tokio::spawn(async move {
-        let exit = watched.sandbox.vm.wait().await;
+        let exit = sandbox.vm.wait().await;
         if !exit.requested {
             tracing::warn!(
                 id = %watched.id,
@@ -387,7 +524,6 @@ pub fn new_entry(
             );
         }
     });
-    entry
 }
 
 /// A new sandbox id: `sbx-` and 16 random hex digits.

@@ -125,6 +125,16 @@ pub async fn serve() -> ExitCode {
         );
     }
 
+    if sandbox_vmm::host::in_memory(&cfg.state_dir) {
+        tracing::warn!(
+            state_dir = %cfg.state_dir.display(),
+            "The state directory is in memory (tmpfs): sandbox disks, the snapshots of paused sandboxes and \
+             what a sandbox restored from a template reads of its snapshot are memory there, counted against \
+             each VM's memory limit, so a VM that writes much to its disk, is paused with much of its memory \
+             in use, or was restored and touches much of its memory, can be stopped by that limit. Put \
+             SANDBOX_HOST_STATE_DIR on a disk"
+        );
+    }
     if store.resolve(routes::sandboxes::DEFAULT_IMAGE).is_err() {
         tracing::warn!(
             image = routes::sandboxes::DEFAULT_IMAGE,

@@ -43,6 +43,7 @@ struct Inner {
     registry: Registry,
     metrics: Metrics,
     capacity: Arc<crate::capacity::Capacity>,
+    templates: Option<crate::templates::Templates>,
     started: Instant,
 }
 
@@ -56,6 +57,9 @@ impl AppState {
         let token_digest = Sha256::digest(config.token.as_bytes()).into();
         let store = ImageStore::new(config.image_dir.clone());
         let capacity = crate::capacity::Capacity::new(config.limits, config.state_dir.clone());
+        // Only the KVM backend restores snapshots; QEMU boots every sandbox.
+        let templates = (backend.as_ref().is_some_and(|b| b.name() == "kvm") && config.templates)
+            .then(|| crate::templates::Templates::new(&config.state_dir));
         AppState {
             inner: Arc::new(Inner {
                 registry: Registry::default(),
@@ -66,6 +70,7 @@ impl AppState {
                 store,
                 metrics: Metrics::default(),
                 capacity,
+                templates,
                 started: Instant::now(),
             }),
         }
@@ -109,6 +114,11 @@ impl AppState {
     /// The host's budgets.
     pub fn capacity(&self) -> &Arc<crate::capacity::Capacity> {
         &self.inner.capacity
+    }
+
+    /// The templates sandboxes are restored from, where the backend has them.
+    pub fn templates(&self) -> Option<&crate::templates::Templates> {
+        self.inner.templates.as_ref()
     }
 
     /// When the service started.

@@ -295,80 +295,9 @@ async fn a_guest_reaches_allowed_names_and_nothing_else() {
     );
 }
 
-/// A CA made for the test and a server certificate for `names` signed by it (openssl), in `dir`:
-/// `ca.pem`, `srv.pem`, `srv.key`.
-fn make_certs(dir: &std::path::Path, names: &[&str]) {
-    // The service reads ca.pem (SANDBOX_HOST_EGRESS_CA_FILE) as its own user.
-    common::let_service_pass(dir);
-    let run = |args: &[&str]| {
-        let st = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .expect("openssl runs");
-        assert!(st.success(), "openssl {args:?}");
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=egress test CA",
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "srv.key",
-        "-out",
-        "srv.csr",
-        "-subj",
-        &format!("/CN={}", names[0]),
-    ]);
-    let sans: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
-    std::fs::write(
-        dir.join("ext.cnf"),
-        format!("subjectAltName={}\n", sans.join(",")),
-    )
-    .unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "srv.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "srv.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-    ]);
-}
-
 /// A TLS server on loopback (`openssl s_server -www`) for `name`; its process, port and CA PEM.
 fn tls_server(dir: &std::path::Path, name: &str) -> (std::process::Child, u16, String) {
-    make_certs(dir, &[name]);
+    common::make_certs(dir, &[name]);
     let port = common::free_port();
     let child = Command::new("openssl")
         .args([
@@ -562,28 +491,9 @@ type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 /// asks for it, as OpenAI does), Responses API SSE on
 /// `/v1/responses`, a batch on `/v1/batches`, OpenRouter JSON with a billed cost on
 /// `/api/v1/chat/completions`; anything under `/hang/` after 5 s. Streams are sent in pieces.
-/// TLS with the certificate `make_certs` put in `dir`.
-fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(dir.join("srv.pem"))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
-    let key = PrivateKeyDer::from_pem_file(dir.join("srv.key")).unwrap();
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .unwrap();
-    tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
-}
-
+/// TLS with the certificate `make_certs` put in `dir` (`common::tls_acceptor`).
 async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
-    let acceptor = tls_acceptor(dir);
+    let acceptor = common::tls_acceptor(dir);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let seen: Seen = Arc::default();
@@ -714,7 +624,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    make_certs(
+    common::make_certs(
         dir.path(),
         &[
             "api.provider.test",
@@ -999,7 +909,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
 /// `/split` sends the credential raw, JSON-escaped and base64-encoded, cut across chunks one
 /// byte at a time; `/big` streams 10 MiB of bytes that hold no key.
 async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
-    let acceptor = tls_acceptor(dir);
+    let acceptor = common::tls_acceptor(dir);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let seen: Seen = Arc::default();
@@ -1125,7 +1035,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path(), &["api.provider.test", "gemini.provider.test"]);
+    common::make_certs(dir.path(), &["api.provider.test", "gemini.provider.test"]);
     let (port, seen) = echo_provider(dir.path()).await;
     let resolve =
         format!("api.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1");
@@ -1310,7 +1220,7 @@ async fn intercepting_all_hosts_closes_domain_fronting() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path(), &["cdn.test"]);
+    common::make_certs(dir.path(), &["cdn.test"]);
     let (port, seen) = echo_provider(dir.path()).await;
     let ca = dir.path().join("ca.pem");
     let store = common::image_store();
@@ -1373,7 +1283,7 @@ async fn holding_provider(
     Arc<std::sync::atomic::AtomicUsize>,
 ) {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let acceptor = tls_acceptor(dir);
+    let acceptor = common::tls_acceptor(dir);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -1401,7 +1311,7 @@ async fn one_guest_connection_cannot_open_unbounded_upstream_connections() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path(), &["api.provider.test", "other.provider.test"]);
+    common::make_certs(dir.path(), &["api.provider.test", "other.provider.test"]);
     let (port, open, most) = holding_provider(dir.path()).await;
     let (other_port, other_seen) = echo_provider(dir.path()).await;
     let ca = dir.path().join("ca.pem");
@@ -1474,7 +1384,7 @@ async fn the_meter_cannot_be_evaded() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path(), &["openai.provider.test", "api.provider.test"]);
+    common::make_certs(dir.path(), &["openai.provider.test", "api.provider.test"]);
     let (port, seen) = fake_provider(dir.path()).await;
     let resolve =
         format!("openai.provider.test:{port}:127.0.0.1,api.provider.test:{port}:127.0.0.1");

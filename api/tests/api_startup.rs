@@ -394,3 +394,40 @@ fn the_hand_over_refuses_a_foreign_runtime_directory_and_writable_images() {
     );
     assert!(rt.join("images/img/manifest.json").is_file());
 }
+
+/// A state directory in memory (tmpfs) is named at start-up: what the VMs write there, their
+/// disks and the snapshots of pauses, is memory counted against each VM's limit. One on a disk
+/// is not.
+#[test]
+fn a_state_directory_in_memory_is_named_at_start_up() {
+    let shm = std::path::Path::new("/dev/shm");
+    if !sandbox_vmm::host::in_memory(shm) {
+        eprintln!("skipped: /dev/shm is not a tmpfs here");
+        return;
+    }
+    let tmp = tempfile::tempdir_in(shm).unwrap();
+    let h = common::start_in(&tmp.path().join("state"), &[("PATH", "/nonexistent")]);
+    let warn = h.wait_log(
+        "The state directory is in memory (tmpfs)",
+        Duration::from_secs(5),
+    );
+    assert_eq!(warn["level"], "WARN", "{warn}");
+    assert!(
+        warn["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Put SANDBOX_HOST_STATE_DIR on a disk"),
+        "{warn}"
+    );
+    drop(h);
+    if sandbox_vmm::host::in_memory(std::path::Path::new("/tmp")) {
+        return;
+    }
+    let h = start(&[("PATH", "/nonexistent")]);
+    h.wait_log("Budgets", Duration::from_secs(5));
+    let logs = h.logs.lock().unwrap().clone();
+    assert!(
+        !logs.iter().any(|l| l.contains("in memory (tmpfs)")),
+        "{logs:?}"
+    );
+}

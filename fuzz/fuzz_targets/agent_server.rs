@@ -9,7 +9,7 @@
 //! paths it is told. So the harness alone builds every request: paths are a fresh scratch
 //! directory plus a name of [a-z0-9] (one level), programs come from a fixed harmless list
 //! ([`PROGRAMS`]), archives uploaded are built by the harness (files and directories with such
-//! names), `Shutdown` (sync, then exit or reboot) is never sent, and bytes from the input (data,
+//! names), `Shutdown` (sync, then exit or reboot) and `Identity` (sets the clock) are never sent, and bytes from the input (data,
 //! garbage, raw payloads) have every frame magic defused. Before anything is written, the whole
 //! byte stream is decoded (at once and in the chunks it is written in) and the input is skipped
 //! unless every frame in it is one the harness meant to send.
@@ -69,6 +69,9 @@ fn dangerous(kind: u8) -> bool {
                 | Kind::ArchiveGet
                 | Kind::FileGet
                 | Kind::Shutdown
+                // It reseeds the kernel's random generator and sets the clock of the machine
+                // the fuzzer runs on.
+                | Kind::Identity
         )
     )
 }

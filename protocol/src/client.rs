@@ -269,6 +269,21 @@ impl Client {
         }
     }
 
+    /// Makes a guest restored from a shared snapshot a machine of its own: its random generator
+    /// reseeded from `entropy`, its clock set to `unix_ns`. Returns once the agent did both.
+    pub async fn set_identity(&self, entropy: &[u8], unix_ns: u64) -> Result<(), ClientError> {
+        let req = crate::message::Identity {
+            entropy_hex: entropy.iter().map(|b| format!("{b:02x}")).collect(),
+            unix_ns,
+        };
+        let mut s = self.open(Kind::Identity, to_json(&req)).await?;
+        match s.next_event().await {
+            Ok(Event::Done(_)) => Ok(()),
+            Ok(other) => Err(unexpected(&other)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Writes bytes to the channel as they are, outside any stream. For testing how the agent
     /// copes with malformed input; never used by the host itself.
     pub async fn send_raw(&self, bytes: Vec<u8>) -> Result<(), ClientError> {

@@ -30,6 +30,10 @@ pub enum Kind {
     Shutdown = 0x0b,
     /// Host → agent: the host has given up on the stream; stop its work (kill its processes).
     Cancel = 0x0c,
+    /// Host → agent, new stream: this guest was restored from a snapshot that other guests
+    /// share; make it a machine of its own (reseed the kernel's random generator with the
+    /// host's bytes, set the clock). Payload: `Identity` JSON; answered with `Done`.
+    Identity = 0x0d,
     /// Agent → host: the agent is up. Payload: `Ready` JSON. Sent unsolicited on stream 0 at
     /// start, and in answer to `Ping`.
     Ready = 0x81,
@@ -65,6 +69,7 @@ impl Kind {
             0x0a => Data,
             0x0b => Shutdown,
             0x0c => Cancel,
+            0x0d => Identity,
             0x81 => Ready,
             0x82 => Stdout,
             0x83 => Stderr,
@@ -96,6 +101,6 @@ mod tests {
                 known += 1;
             }
         }
-        assert_eq!(known, 19);
+        assert_eq!(known, 20);
     }
 }

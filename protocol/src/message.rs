@@ -43,6 +43,24 @@ pub struct ExitStatus {
     pub duration_ms: u64,
 }
 
+/// Payload of `Identity`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    /// Random bytes from the host, hex-encoded: mixed into the guest kernel's pool (and
+    /// credited) before its generator is reseeded from it. At most [`Identity::MAX_ENTROPY`].
+    pub entropy_hex: String,
+    /// The host's wall clock, nanoseconds since the Unix epoch: the guest's realtime clock is
+    /// set to it (a restored guest's clock stands where the snapshot left it).
+    pub unix_ns: u64,
+}
+
+impl Identity {
+    /// The most entropy bytes a request carries (the kernel's pool is 256 bits; more adds
+    /// nothing).
+    pub const MAX_ENTROPY: usize = 256;
+}
+
 /// Payload of `Signal`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -121,7 +121,7 @@ while :; do
     -m "$mem" -smp "${SANDBOX_HOST_NESTED_CPUS:-1}" -nodefaults -no-user-config -display none -no-reboot -serial stdio \
     -chardev "file,id=heartbeat,path=$hb" -device isa-serial,chardev=heartbeat,iobase=0x2f8,irq=3 \
     -kernel "$kernel" -initrd "$work/initramfs.cpio" \
-    -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
+    -append "console=ttyS0 reboot=t panic=-1 quiet $tsc_arg sandbox_nested.epoch=$(date +%s) ${SANDBOX_HOST_NESTED_KERNEL_ARGS:-}" \
     -device virtio-rng-device ${SANDBOX_HOST_NESTED_QEMU_ARGS:-} </dev/null >"$out" 2>&1 &
   qemu_pid=$!
   tail -n +1 -f --pid="$qemu_pid" "$out" >&2 &

@@ -393,6 +393,19 @@ pub fn freeze_binary() -> Option<&'static [u8]> {
     Some(freeze)
 }
 
+/// The static `tests/guest/getrandom.c` for this host's architecture (prints 64 bytes of
+/// getrandom(2) as hex), or `None` after saying why it is missing.
+pub fn getrandom_binary() -> Option<&'static [u8]> {
+    static NATIVE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/getrandom"));
+    if NATIVE.is_empty() {
+        skip(
+            "tests/guest/getrandom.c was not built (no C compiler with a static libc when the tests were built; install gcc and libc6-dev)",
+        );
+        return None;
+    }
+    Some(NATIVE)
+}
+
 /// Hex SHA-256.
 pub fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;

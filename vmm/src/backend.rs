@@ -40,6 +40,39 @@ pub struct VmSpec {
     /// the backend's own bound). `boot` sets it to its ready timeout, so a guest that never
     /// listens fails within that bound with its console lines.
     pub start_timeout: Option<Duration>,
+    /// Where [`Vm::snapshot`] writes, if the VM may be snapshotted (the KVM backend only). The
+    /// files are created by the caller and given to the VM at start: a jailed VM has no path.
+    pub snapshot_to: Option<SnapshotFiles>,
+    /// Start from this snapshot instead of booting (the KVM backend only). The spec must be the
+    /// one the snapshot was taken with, and its disks in the state they had then.
+    pub restore_from: Option<SnapshotFiles>,
+}
+
+/// A snapshot's two files: the machine's state and its memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotFiles {
+    /// vCPUs, devices and in-kernel state (JSON).
+    pub state: PathBuf,
+    /// Guest memory, raw, with holes where the guest wrote nothing.
+    pub memory: PathBuf,
+    /// The sandbox disk as it was when the snapshot was taken (the guest's page cache and
+    /// file system state refer to it): a VM restored from the snapshot gets a copy of it as its
+    /// sandbox disk instead of a fresh one. Written by the snapshot's taker, not the backend.
+    pub disk: Option<PathBuf>,
+    /// The restore takes `disk` itself (a hard link into the VM's directory) instead of a copy:
+    /// a paused sandbox's own disk, which moves with it; a failed restore leaves it in place.
+    pub take_disk: bool,
+}
+
+/// What a snapshot cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotDone {
+    /// Guest memory bytes written (the rest of the file is holes).
+    pub memory_written: u64,
+    /// Microseconds until every vCPU and the device thread had stopped.
+    pub pause_us: u64,
+    /// Microseconds to write the state and memory.
+    pub write_us: u64,
 }
 
 /// A raw disk image. Never probed for a format: the guest may have written anything into it.
@@ -90,6 +123,12 @@ pub enum VmError {
     /// The VMM could not be started.
     #[error("starting the VM failed: {0}")]
     Start(String),
+    /// The backend cannot do this (snapshots on QEMU).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A snapshot could not be taken or restored.
+    #[error("{0}")]
+    Snapshot(String),
     /// The VM ended before its agent channel was up.
     #[error("the VM stopped while starting: {}{}", .0.reason, console_suffix(&.0.console))]
     DiedEarly(VmExit),
@@ -164,6 +203,14 @@ pub trait Vm: Send + Sync {
     }
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
+    /// Pauses the guest and writes its snapshot to the spec's `snapshot_to` files; the guest
+    /// runs on afterwards if `resume`, else stays paused until stopped.
+    async fn snapshot(&self, resume: bool) -> Result<SnapshotDone, VmError> {
+        let _ = resume;
+        Err(VmError::Unsupported(
+            "this backend cannot snapshot a VM (only the KVM backend can)".into(),
+        ))
+    }
     /// From the backend's `start` to the guest's first instruction (the machine built and its
     /// vCPUs running): the VMM's own start-up cost, where the backend knows it (not QEMU).
     fn vmm_start(&self) -> Option<Duration> {
@@ -184,7 +231,21 @@ pub(crate) fn prepare(spec: &VmSpec) -> Result<VmSpec, VmError> {
     let mut spec = spec.clone();
     if let Some(mib) = spec.scratch_disk_mib.take() {
         let path = spec.state_dir.join("sandbox-disk.ext4");
-        if let Err(e) = crate::scratch::create(&path, mib) {
+        let saved = spec
+            .restore_from
+            .as_ref()
+            .and_then(|r| r.disk.clone().map(|d| (d, r.take_disk)));
+        let made = match saved {
+            Some((saved, true)) => std::fs::hard_link(&saved, &path).map_err(|source| {
+                crate::scratch::ScratchError::Create {
+                    path: path.clone(),
+                    source,
+                }
+            }),
+            Some((saved, false)) => crate::scratch::copy_sparse(&saved, &path).map(|_| ()),
+            None => crate::scratch::create(&path, mib),
+        };
+        if let Err(e) = made {
             let _ = std::fs::remove_dir_all(&spec.state_dir);
             return Err(match e {
                 crate::scratch::ScratchError::Size(_) => VmError::InvalidSpec(e.to_string()),

@@ -108,9 +108,47 @@ pub fn free_mib(path: &Path) -> Option<u64> {
     Some(s.f_bavail as u64 * s.f_frsize as u64 / (1024 * 1024))
 }
 
+/// Whether `path` is on a file system held in memory (tmpfs, ramfs). What the VM processes
+/// write there (sandbox disks, pause snapshots) is then memory charged to their own limits,
+/// not disk. Linux only: elsewhere, and when it cannot be told, `false`.
+pub fn in_memory(path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        const TMPFS_MAGIC: i64 = 0x0102_1994;
+        const RAMFS_MAGIC: i64 = 0x8584_58f6;
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+            return false;
+        };
+        // SAFETY: an all-zero statfs is a valid value of the plain C struct.
+        let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `s` a properly sized out-parameter.
+        if unsafe { libc::statfs(c.as_ptr(), &mut s) } != 0 {
+            return false;
+        }
+        #[allow(clippy::unnecessary_cast)] // f_type's type differs between C libraries
+        let kind = s.f_type as i64;
+        kind == TMPFS_MAGIC || kind == RAMFS_MAGIC
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tells_memory_from_disk() {
+        if Path::new("/dev/shm").is_dir() {
+            assert!(in_memory(Path::new("/dev/shm")));
+        }
+        assert!(!in_memory(Path::new("/proc")));
+        assert!(!in_memory(Path::new("/no/such/dir")));
+    }
 
     #[test]
     fn sees_this_process_and_the_machine() {

@@ -156,6 +156,8 @@ impl Image {
             state_dir,
             net: None,
             start_timeout: None,
+            snapshot_to: None,
+            restore_from: None,
         }
     }
 }

@@ -20,7 +20,9 @@ pub mod scratch;
 pub mod select;
 mod vm_process;
 
-pub use backend::{Backend, Channel, Disk, StartedVm, Vm, VmError, VmExit, VmSpec};
+pub use backend::{
+    Backend, Channel, Disk, SnapshotDone, SnapshotFiles, StartedVm, Vm, VmError, VmExit, VmSpec,
+};
 pub use image::{Image, ImageError, ImageStore};
 pub use net::{FrameLink, NetAttachment};
 pub use sandbox::{BootError, Liveness, Sandbox, boot, boot_watched};

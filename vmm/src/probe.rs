@@ -129,6 +129,8 @@ pub async fn probe(
         state_dir,
         net: None,
         start_timeout: Some(limit),
+        snapshot_to: None,
+        restore_from: None,
     };
     let started = Instant::now();
     let vm = match tokio::time::timeout(limit, backend.start(spec)).await {

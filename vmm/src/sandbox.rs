@@ -40,6 +40,15 @@ pub enum BootError {
         /// The last console lines.
         console: Vec<String>,
     },
+    /// A restored guest could not be made a machine of its own (its random generator reseeded,
+    /// its clock set): it is not used, since it would share secrets-to-be with its siblings.
+    #[error("VM {vm}: the restored guest could not be given its own identity: {why}")]
+    Identity {
+        /// The VM's id.
+        vm: String,
+        /// Why.
+        why: String,
+    },
     /// The agent channel closed during boot.
     #[error("VM {vm}: the guest agent channel closed during boot: {why}{}", console_suffix(.console))]
     ChannelClosed {
@@ -82,9 +91,26 @@ pub struct Sandbox {
     /// From asking the backend to start to the agent's `Ready`.
     pub boot_time: Duration,
     watchdog: tokio::task::AbortHandle,
+    /// Set while a snapshot holds the guest: the watchdog does not count that time.
+    snapshotting: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Sandbox {
+    /// Pauses the guest and writes its snapshot ([`Vm::snapshot`]); the watchdog does not count
+    /// the time the guest is held. A guest left paused (`resume` false) is never pinged again:
+    /// it waits for its stop.
+    pub async fn snapshot(&self, resume: bool) -> Result<crate::SnapshotDone, VmError> {
+        use std::sync::atomic::Ordering;
+        self.snapshotting.store(true, Ordering::SeqCst);
+        let r = self.vm.snapshot(resume).await;
+        if resume || r.is_err() {
+            self.snapshotting.store(false, Ordering::SeqCst);
+        } else {
+            self.watchdog.abort();
+        }
+        r
+    }
+
     /// Stops the VM and removes its files.
     pub async fn stop(&self) -> VmExit {
         // A stop is not a failure: the watchdog must not see the closing channel and kill.
@@ -131,6 +157,7 @@ pub async fn boot_watched(
     // so a failure still carries the console.
     let mut spec = spec;
     spec.start_timeout = Some(timeout);
+    let restored = spec.restore_from.is_some();
     let started = backend.start(spec).await.map_err(|source| BootError::Vm {
         vm: id.clone(),
         source,
@@ -151,13 +178,27 @@ pub async fn boot_watched(
     };
     match result {
         Ok(ready) => {
-            let watchdog = tokio::spawn(watch(id, vm.clone(), client.clone(), liveness));
+            if restored
+                && let Err(why) = set_identity(&client, timeout.saturating_sub(t0.elapsed())).await
+            {
+                vm.stop(Duration::ZERO).await;
+                return Err(BootError::Identity { vm: id, why });
+            }
+            let snapshotting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let watchdog = tokio::spawn(watch(
+                id,
+                vm.clone(),
+                client.clone(),
+                liveness,
+                snapshotting.clone(),
+            ));
             Ok(Sandbox {
                 vm,
                 client,
                 ready,
                 boot_time: t0.elapsed(),
                 watchdog: watchdog.abort_handle(),
+                snapshotting,
             })
         }
         Err(e) => {
@@ -181,18 +222,53 @@ pub async fn boot_watched(
     }
 }
 
+/// Gives a guest restored from a snapshot its own random state and the host's time, before
+/// anything else runs in it: every guest restored from the same snapshot starts with the same
+/// kernel random generator, and the clock the snapshot was taken at.
+async fn set_identity(client: &Client, within: Duration) -> Result<(), String> {
+    let mut entropy = [0u8; 64];
+    getrandom(&mut entropy).map_err(|e| format!("the host's random bytes: {e}"))?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| format!("the host's clock: {e}"))?;
+    match tokio::time::timeout(within, client.set_identity(&entropy, now.as_nanos() as u64)).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("the guest agent did not answer within {within:?}")),
+    }
+}
+
+/// Fills `buf` from the host kernel's generator (the same device on Linux and macOS).
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
 /// Pings the agent until the VM ends; kills the VM when a ping goes unanswered for
 /// `liveness.timeout` or the channel closes while the VM runs on.
-async fn watch(id: String, vm: Arc<dyn Vm>, client: Client, liveness: Liveness) {
+async fn watch(
+    id: String,
+    vm: Arc<dyn Vm>,
+    client: Client,
+    liveness: Liveness,
+    snapshotting: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::Ordering;
     let reason = loop {
         tokio::select! {
             _ = vm.wait() => return,
             _ = tokio::time::sleep(liveness.interval) => {}
         }
+        if snapshotting.load(Ordering::SeqCst) {
+            continue;
+        }
         let pinged = tokio::select! {
             _ = vm.wait() => return,
             r = tokio::time::timeout(liveness.timeout, client.ping()) => r,
         };
+        // A snapshot that began while the ping waited held the guest: not its fault.
+        if snapshotting.load(Ordering::SeqCst) {
+            continue;
+        }
         match pinged {
             // An agent that answers anything is alive.
             Ok(Ok(_) | Err(ClientError::Agent(_) | ClientError::Unexpected(_))) => {}

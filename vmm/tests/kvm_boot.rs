@@ -54,6 +54,7 @@ fn boot_stock(image: &sandbox_vmm::Image, vcpus: u8, memory_mib: u32) -> Machine
         disks: vec![],
         vsock_cid: 3,
         net: None,
+        restore: None,
     };
     let before = threads().len();
     let m = Machine::start(&cfg, None).expect("the machine is built");
@@ -158,6 +159,7 @@ fn stress_four_at_once() {
                         disks: vec![],
                         vsock_cid: 3 + i,
                         net: None,
+                        restore: None,
                     };
                     let m = Machine::start(&cfg, None).expect("the machine is built");
                     let exit = m.wait_timeout(Duration::from_secs(120));

@@ -56,7 +56,7 @@ async fn exec(
 ) -> Result<Response, ApiError> {
     // An unknown or dead sandbox is the answer before anything about the body.
     let entry = state.registry().get(&id)?;
-    entry.ensure_alive()?;
+    let _entered = entry.enter()?;
     let ApiJson(body) = body?;
     match (&body.argv, &body.command) {
         (Some(_), Some(_)) => {
@@ -98,7 +98,7 @@ async fn exec(
         stdin: stdin.is_some(),
         timeout_ms: body.timeout_ms,
     };
-    let exec = entry.check(entry.sandbox.client.exec(&req).await).await?;
+    let exec = entry.check(entry.sandbox().client.exec(&req).await).await?;
     count(&entry.counters.execs, &state.metrics().execs, 1);
 
     let busy = entry.busy();

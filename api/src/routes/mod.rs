@@ -3,6 +3,7 @@
 mod exec;
 pub mod health;
 mod observe;
+mod pause;
 pub mod sandboxes;
 mod transfer;
 
@@ -28,6 +29,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("POST", "/v1/sandboxes/{id}/pause"),
+    ("POST", "/v1/sandboxes/{id}/resume"),
     ("PUT", "/v1/sandboxes/{id}/archive"),
     ("GET", "/v1/sandboxes/{id}/archive"),
     ("PUT", "/v1/sandboxes/{id}/files"),
@@ -44,6 +47,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(health::router())
         .merge(sandboxes::router())
+        .merge(pause::router())
         .merge(exec::router())
         .merge(transfer::router())
         .merge(observe::router())

@@ -73,6 +73,11 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let unmetered = state.metrics().unmetered_totals(&live_unmetered);
     let mut text = state.metrics().render(&states, &refusals, &unmetered);
     text.push_str(&capacity_gauges(&state.capacity().report()));
+    text.push_str(&format!(
+        "# HELP sandbox_host_templates_ready Templates sandboxes are restored from (KVM backend).\n\
+         # TYPE sandbox_host_templates_ready gauge\nsandbox_host_templates_ready {}\n",
+        state.templates().map_or(0, |t| t.ready())
+    ));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

@@ -26,7 +26,7 @@ const DISK_LIMIT_REVIEW_MIB: u64 = 30_720;
 const DISK_LIMIT_MIB: u64 = 20_480;
 
 /// Longest a sandbox may take to boot before the create fails (TCG boots take seconds).
-const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+pub(super) const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The longest the guest's network set-up may take, host side.
 const NET_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -185,7 +185,7 @@ async fn create(
     } else {
         DISK_LIMIT_MIB
     };
-    let mut spec = image.vm_spec(
+    let spec = image.vm_spec(
         id.clone(),
         req.memory_mib,
         req.vcpus,
@@ -203,50 +203,77 @@ async fn create(
             state.metrics().refused_for_capacity();
             ApiError::NoCapacity(why)
         })?;
-    // The egress stack starts first: the VM's network device is its other end.
-    let started = crate::egress::start(&id, &req.egress, state.config()).map_err(|e| match e {
-        crate::egress::StartError::Bad(m) => bad(m),
-        crate::egress::StartError::Internal(m) => {
-            ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
-        }
-    })?;
-    let mac = started.attachment.mac;
-    spec.net = Some(started.attachment);
-    let liveness = state.config().liveness();
-    let sandbox =
-        match sandbox_vmm::boot_watched(backend.as_ref(), spec, BOOT_TIMEOUT, liveness).await {
-            Ok(s) => s,
+    // On the KVM backend, a sandbox of a shape that has a template is restored from it; a
+    // template that fails is discarded and the sandbox boots cold (templates.rs).
+    let shape = crate::templates::Shape {
+        image_dir: image.dir.clone(),
+        memory_mib: req.memory_mib,
+        vcpus: req.vcpus,
+        disk_mib: spec.scratch_disk_mib,
+    };
+    // On the KVM backend every sandbox can be paused: its VM gets, at start, the two files its
+    // snapshot goes to (created empty here; the VM process opens nothing itself).
+    let pause_dir = state.config().state_dir.join(format!("{id}.paused"));
+    let mut spec = spec;
+    let pausable_files = if backend.name() == "kvm" {
+        match snapshot_files(&pause_dir)
+            .and_then(|a| Ok([a, snapshot_files(&pause_dir.join("b"))?]))
+        {
+            Ok(f) => Some(f),
             Err(e) => {
-                state.metrics().boot_failed();
-                tracing::error!(run_id = %req.run_id, error = %e, "a sandbox did not boot");
                 return Err(ApiError::Internal(format!(
-                    "the microVM did not start: {e}"
+                    "creating the sandbox's snapshot files in {}: {e}",
+                    pause_dir.display()
                 )));
             }
-        };
-    // The guest's own timeout for the script is 10 s; the host's bound covers a guest that
-    // never answers at all.
-    let configured = tokio::time::timeout(
-        NET_SETUP_TIMEOUT,
-        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
-    )
-    .await
-    .unwrap_or_else(|_| {
-        Err(format!(
-            "the guest did not finish its network set-up within {NET_SETUP_TIMEOUT:?}{}",
-            sandbox_vmm::backend::console_suffix(&sandbox_vmm::sandbox::diagnostic_lines(
-                sandbox.vm.as_ref()
-            ))
-        ))
+        }
+    } else {
+        None
+    };
+    spec.snapshot_to = pausable_files.as_ref().map(|f| f[0].clone());
+    let base_spec = spec.clone();
+    let template = state.templates().and_then(|t| t.get(&shape));
+    let from_template = template.is_some();
+    let booted = match template {
+        Some(t) => {
+            match start_vm(&state, backend.as_ref(), &id, &req, spec.clone(), Some(&t)).await {
+                Err(e @ ApiError::BadRequest(_)) => return Err(e),
+                Err(e) => {
+                    if let Some(templates) = state.templates() {
+                        templates.discard(&shape, &e.to_string());
+                    }
+                    start_vm(&state, backend.as_ref(), &id, &req, spec, None)
+                        .await
+                        .map(|b| (b, false))
+                }
+                Ok(b) => Ok((b, true)),
+            }
+        }
+        None => start_vm(&state, backend.as_ref(), &id, &req, spec, None)
+            .await
+            .map(|b| (b, false)),
+    };
+    let ((sandbox, started), restored) = match booted {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&pause_dir);
+            return Err(e);
+        }
+    };
+    let pausable = pausable_files.map(|files| registry::Pausable {
+        dir: pause_dir.clone(),
+        files,
+        slot: std::sync::atomic::AtomicUsize::new(0),
+        vm_dir: std::sync::Mutex::new(base_spec.state_dir.clone()),
+        resumes: std::sync::atomic::AtomicU64::new(0),
+        spec: base_spec,
+        net: started.net.clone(),
     });
-    if let Err(e) = configured {
-        sandbox.stop().await;
-        state.metrics().boot_failed();
-        tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");
-        return Err(ApiError::Internal(format!(
-            "the microVM started but its network could not be set up: {e}"
-        )));
+    if !from_template && let Some(templates) = state.templates() {
+        // The first sandbox of its shape: the next ones are restored.
+        templates.ensure(&state, backend.clone(), image.clone(), shape);
     }
+    state.metrics().started(restored);
     state.metrics().boot(sandbox.boot_time);
     let image_name = if stock_image {
         STOCK.to_string()
@@ -270,13 +297,15 @@ async fn create(
         Duration::from_millis(req.time_limit_ms),
         sandbox,
         reservation,
+        pausable,
     );
     tracing::info!(
         id = %entry.id,
         run_id = %entry.run_id,
         image = %entry.image,
         stock_image = entry.stock_image,
-        boot_ms = entry.sandbox.boot_time.as_millis() as u64,
+        boot_ms = entry.sandbox().boot_time.as_millis() as u64,
+        started_from = if restored { "template" } else { "boot" },
         "Created sandbox"
     );
     Ok((
@@ -289,14 +318,113 @@ async fn create(
             "harness_version_match": entry.harness_version_match,
             "disk_limit_mib": entry.disk_limit_mib,
             "expires_at": rfc3339(entry.expires_at),
-            "boot_ms": entry.sandbox.boot_time.as_millis() as u64,
+            "boot_ms": entry.sandbox().boot_time.as_millis() as u64,
+            "started_from": if restored { "template" } else { "boot" },
         })),
+    ))
+}
+
+/// The egress stack and what the create's boot needs of it, once the guest is configured.
+struct Started {
+    egress: sandbox_egress::Egress,
+    env: Vec<(String, String)>,
+    /// The VM's end of it, kept for a resume.
+    net: sandbox_vmm::NetAttachment,
+}
+
+/// Two empty files for a sandbox's snapshot, in a directory of their own.
+fn snapshot_files(dir: &std::path::Path) -> std::io::Result<sandbox_vmm::SnapshotFiles> {
+    std::fs::create_dir_all(dir)?;
+    let files = sandbox_vmm::SnapshotFiles {
+        state: dir.join("snapshot.state"),
+        memory: dir.join("snapshot.mem"),
+        disk: None,
+        take_disk: false,
+    };
+    for p in [&files.state, &files.memory] {
+        std::fs::File::create(p)?;
+    }
+    Ok(files)
+}
+
+/// Starts the sandbox's egress, then its VM (restored from `template` or booted), then gives
+/// the guest its network and CA. On failure nothing of it is left.
+async fn start_vm(
+    state: &AppState,
+    backend: &dyn sandbox_vmm::Backend,
+    id: &str,
+    req: &CreateRequest,
+    mut spec: sandbox_vmm::VmSpec,
+    template: Option<&crate::templates::Template>,
+) -> Result<(sandbox_vmm::Sandbox, Started), ApiError> {
+    // The egress stack starts first: the VM's network device is its other end. A clone keeps
+    // the template's MAC address, which its guest's driver read at the template's boot.
+    let started = crate::egress::start(id, &req.egress, state.config(), template.map(|t| t.mac))
+        .map_err(|e| match e {
+            crate::egress::StartError::Bad(m) => bad(m),
+            crate::egress::StartError::Internal(m) => {
+                ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
+            }
+        })?;
+    let mac = started.attachment.mac;
+    let net = started.attachment.clone();
+    spec.net = Some(started.attachment);
+    spec.restore_from = template.map(|t| t.files.clone());
+    let liveness = state.config().liveness();
+    let sandbox = match sandbox_vmm::boot_watched(backend, spec, BOOT_TIMEOUT, liveness).await {
+        Ok(s) => s,
+        Err(e) => {
+            state.metrics().boot_failed();
+            tracing::error!(run_id = %req.run_id, error = %e, restored = template.is_some(), "a sandbox did not start");
+            return Err(ApiError::Internal(format!(
+                "the microVM did not start: {e}"
+            )));
+        }
+    };
+    // The guest's own timeout for the script is 10 s; the host's bound covers a guest that
+    // never answers at all.
+    // Either failure carries the guest's last console lines: a guest that closed its channel
+    // has usually said why there.
+    let console = || {
+        sandbox_vmm::backend::console_suffix(&sandbox_vmm::sandbox::diagnostic_lines(
+            sandbox.vm.as_ref(),
+        ))
+    };
+    let configured = match tokio::time::timeout(
+        NET_SETUP_TIMEOUT,
+        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
+    )
+    .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("{e}{}", console())),
+        Err(_) => Err(format!(
+            "the guest did not finish its network set-up within {NET_SETUP_TIMEOUT:?}{}",
+            console()
+        )),
+    };
+    if let Err(e) = configured {
+        sandbox.stop().await;
+        state.metrics().boot_failed();
+        tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");
+        return Err(ApiError::Internal(format!(
+            "the microVM started but its network could not be set up: {e}"
+        )));
+    }
+    Ok((
+        sandbox,
+        Started {
+            egress: started.egress,
+            env: started.env,
+            net,
+        },
     ))
 }
 
 /// The summary of a sandbox shown by list and get.
 fn summary(e: &SandboxEntry) -> Value {
-    let dead = e.sandbox.vm.exit();
+    // A paused sandbox's VM was stopped on purpose: no reason to show.
+    let dead = e.sandbox().vm.exit().filter(|_| !e.is_paused());
     json!({
         "id": e.id,
         "run_id": e.run_id,
@@ -310,7 +438,7 @@ fn summary(e: &SandboxEntry) -> Value {
         "created_at": rfc3339(e.created_at),
         "last_activity_at": rfc3339(e.last_activity().1),
         "expires_at": rfc3339(e.expires_at),
-        "boot_ms": e.sandbox.boot_time.as_millis() as u64,
+        "boot_ms": e.sandbox().boot_time.as_millis() as u64,
         "execs": e.counters.execs.load(Relaxed),
         "bytes_in": e.counters.bytes_in.load(Relaxed),
         "bytes_out": e.counters.bytes_out.load(Relaxed),

@@ -134,11 +134,11 @@ async fn put_archive(
 ) -> Result<StatusCode, ApiError> {
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
-    entry.ensure_alive()?;
+    let _entered = entry.enter()?;
     let upload = checked(
         &entry,
         entry
-            .sandbox
+            .sandbox()
             .client
             .archive_upload(absolute(&q.path)?)
             .await,
@@ -168,11 +168,11 @@ async fn put_file(
         None => None,
     };
     let entry = state.registry().get(&id)?;
-    entry.ensure_alive()?;
+    let _entered = entry.enter()?;
     let upload = checked(
         &entry,
         entry
-            .sandbox
+            .sandbox()
             .client
             .file_upload(absolute(&q.path)?, mode)
             .await,
@@ -238,9 +238,9 @@ async fn get_archive(
 ) -> Result<Response, ApiError> {
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
-    entry.ensure_alive()?;
+    let _entered = entry.enter()?;
     let path = archivable(absolute(&q.path)?)?;
-    let dl = checked(&entry, entry.sandbox.client.get_archive(path).await).await?;
+    let dl = checked(&entry, entry.sandbox().client.get_archive(path).await).await?;
     stream_out(state, entry, dl, "application/x-tar").await
 }
 
@@ -251,9 +251,9 @@ async fn get_file(
 ) -> Result<Response, ApiError> {
     let q = query(q)?;
     let entry = state.registry().get(&id)?;
-    entry.ensure_alive()?;
+    let _entered = entry.enter()?;
     let dl = entry
-        .check(entry.sandbox.client.get_file(absolute(&q.path)?).await)
+        .check(entry.sandbox().client.get_file(absolute(&q.path)?).await)
         .await?;
     stream_out(state, entry, dl, "application/octet-stream").await
 }

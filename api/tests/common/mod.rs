@@ -549,3 +549,94 @@ pub fn raw_http(port: u16, head: &str, body: Vec<Vec<u8>>) -> String {
     let _ = writer.join();
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// A CA made for the test and a server certificate for `names` signed by it (openssl), in `dir`:
+/// `ca.pem`, `srv.pem`, `srv.key`.
+pub fn make_certs(dir: &std::path::Path, names: &[&str]) {
+    // The service reads ca.pem (SANDBOX_HOST_EGRESS_CA_FILE) as its own user.
+    let_service_pass(dir);
+    let run = |args: &[&str]| {
+        let st = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl runs");
+        assert!(st.success(), "openssl {args:?}");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=egress test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        &format!("/CN={}", names[0]),
+    ]);
+    let sans: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+    std::fs::write(
+        dir.join("ext.cnf"),
+        format!("subjectAltName={}\n", sans.join(",")),
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+}
+
+/// A TLS server configuration (rustls on ring) with the certificate `make_certs` put in `dir`.
+pub fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(dir.join("srv.pem"))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(dir.join("srv.key")).unwrap();
+    let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg))
+}

@@ -52,6 +52,11 @@ impl Interrupt {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }
 
+    /// Sets the pending bits a snapshot recorded (the line itself is in the irqchip's state).
+    pub fn set_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
+    }
+
     /// Forgets pending bits (device reset).
     pub fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);

@@ -10,6 +10,8 @@
 use std::sync::Arc;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
     VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
@@ -30,12 +32,115 @@ const VENDOR: u32 = 0x4858_4253;
 /// Size of a device's register window (one page).
 pub const WINDOW: u64 = 0x1000;
 
-/// A guest's access to a device's register window (offset within it), from a vCPU.
+/// A guest's access to a device's register window (offset within it), from a vCPU, and the
+/// transport's state for a snapshot.
 pub trait MmioDevice: Send {
     /// A read of `data.len()` bytes at `offset`.
     fn mmio_read(&mut self, offset: u64, data: &mut [u8]);
     /// A write of `data` at `offset`.
     fn mmio_write(&mut self, offset: u64, data: &[u8]);
+    /// The registers and queues as the driver left them (the machine is paused).
+    fn save(&self) -> TransportState;
+    /// Puts a fresh transport back in the state `save` gave; see [`MmioTransport::restore`].
+    fn restore(&mut self, state: &TransportState) -> Result<(), RestoreError>;
+}
+
+/// One queue of a snapshot: what virtio-queue's `QueueState` holds, in a form we serialize.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueSnapshot {
+    /// The size the driver chose.
+    pub size: u16,
+    /// Whether the driver made it ready.
+    pub ready: bool,
+    /// The next available index the device will look at.
+    pub next_avail: u16,
+    /// The next used index the device will write.
+    pub next_used: u16,
+    /// VIRTIO_F_RING_EVENT_IDX in use.
+    pub event_idx: bool,
+    /// Guest addresses of the rings.
+    pub desc_table: u64,
+    /// The available ring.
+    pub avail_ring: u64,
+    /// The used ring.
+    pub used_ring: u64,
+}
+
+/// A transport's state in a snapshot. Read back from a file, it is checked like guest input:
+/// a snapshot may be damaged, and a paused guest's own snapshot is as hostile as the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportState {
+    /// The device type, checked against the device it is restored into.
+    pub device_type: u32,
+    /// The status register.
+    pub status: u32,
+    /// DeviceFeaturesSel.
+    pub device_features_sel: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_sel: u32,
+    /// The features the driver acknowledged.
+    pub driver_features: u64,
+    /// QueueSel.
+    pub queue_sel: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// Whether the device was active (DRIVER_OK and not failed).
+    pub active: bool,
+    /// InterruptStatus bits not yet acknowledged.
+    pub interrupt_status: u32,
+    /// Why the device failed, if it had.
+    pub failure: Option<String>,
+    /// Every queue, in order.
+    pub queues: Vec<QueueSnapshot>,
+}
+
+/// Why a transport's saved state was refused.
+#[derive(Debug, Error)]
+pub enum RestoreError {
+    /// The state belongs to another kind of device.
+    #[error("the snapshot has a device of type {saved} where this machine has type {here}")]
+    DeviceType {
+        /// In the snapshot.
+        saved: u32,
+        /// In this machine.
+        here: u32,
+    },
+    /// The queue count differs.
+    #[error("the snapshot's device of type {device_type} has {saved} queues, not {here}")]
+    QueueCount {
+        /// The device.
+        device_type: u32,
+        /// In the snapshot.
+        saved: usize,
+        /// This device's.
+        here: usize,
+    },
+    /// A queue is invalid (size, rings outside guest memory).
+    #[error("queue {index} of the snapshot's device of type {device_type} is invalid: {what}")]
+    Queue {
+        /// The device.
+        device_type: u32,
+        /// The queue.
+        index: usize,
+        /// What is wrong.
+        what: String,
+    },
+    /// Registers that the driver could never have reached.
+    #[error("the snapshot's device of type {device_type} has an impossible state: {what}")]
+    State {
+        /// The device.
+        device_type: u32,
+        /// What is wrong.
+        what: String,
+    },
+    /// The device refused to come back.
+    #[error("the snapshot's device of type {device_type} could not be activated: {what}")]
+    Activate {
+        /// The device.
+        device_type: u32,
+        /// Why.
+        what: String,
+    },
 }
 
 /// A device behind the virtio-mmio register interface.
@@ -135,6 +240,138 @@ impl<D: VirtioDevice> MmioTransport<D> {
     /// How many guest accesses were ignored as invalid.
     pub fn ignored_accesses(&self) -> u64 {
         self.ignored
+    }
+
+    /// The registers and queues as the driver left them.
+    pub fn save_state(&self) -> TransportState {
+        TransportState {
+            device_type: self.device.device_type(),
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            queue_sel: self.queue_sel,
+            config_generation: self.config_generation,
+            active: self.active,
+            interrupt_status: self.interrupt.status(),
+            failure: self.failure.clone(),
+            queues: self
+                .queues
+                .iter()
+                .map(|q| QueueSnapshot {
+                    size: q.size(),
+                    ready: q.ready(),
+                    next_avail: q.next_avail(),
+                    next_used: q.next_used(),
+                    event_idx: q.event_idx_enabled(),
+                    desc_table: q.desc_table(),
+                    avail_ring: q.avail_ring(),
+                    used_ring: q.used_ring(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Puts this fresh transport in `state`: registers, queues (each checked as the guest's
+    /// QueueReady is), and, for an active device, the device activated again and told it was
+    /// restored ([`VirtioDevice::restored`]). Every queue is then kicked: a notification the
+    /// guest made just before the snapshot was taken may not have been seen.
+    pub fn restore_state(&mut self, state: &TransportState) -> Result<(), RestoreError> {
+        let device_type = self.device.device_type();
+        let bad = |what: &str| RestoreError::State {
+            device_type,
+            what: what.into(),
+        };
+        if state.device_type != device_type {
+            return Err(RestoreError::DeviceType {
+                saved: state.device_type,
+                here: device_type,
+            });
+        }
+        if state.queues.len() != self.queues.len() {
+            return Err(RestoreError::QueueCount {
+                device_type,
+                saved: state.queues.len(),
+                here: self.queues.len(),
+            });
+        }
+        let known = VIRTIO_CONFIG_S_ACKNOWLEDGE
+            | VIRTIO_CONFIG_S_DRIVER
+            | VIRTIO_CONFIG_S_FEATURES_OK
+            | VIRTIO_CONFIG_S_DRIVER_OK
+            | VIRTIO_CONFIG_S_FAILED
+            | VIRTIO_CONFIG_S_NEEDS_RESET;
+        if state.status & !known != 0 {
+            return Err(bad("unknown status bits"));
+        }
+        if state.driver_features & !self.device.features() != 0 {
+            return Err(bad("features the device never offered"));
+        }
+        let running = state.status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+            && state.status & (VIRTIO_CONFIG_S_FAILED | VIRTIO_CONFIG_S_NEEDS_RESET) == 0;
+        if state.active != (running && state.failure.is_none()) {
+            return Err(bad("active without DRIVER_OK, or failed and active"));
+        }
+        let mut queues = Vec::with_capacity(self.queues.len());
+        for (index, (saved, q)) in state.queues.iter().zip(&self.queues).enumerate() {
+            let qerr = |what: String| RestoreError::Queue {
+                device_type,
+                index,
+                what,
+            };
+            let mut n = Queue::new(q.max_size()).map_err(|e| qerr(format!("{e:?}")))?;
+            if saved.size != 0 {
+                n.try_set_size(saved.size)
+                    .map_err(|e| qerr(format!("size {}: {e:?}", saved.size)))?;
+            }
+            n.set_next_avail(saved.next_avail);
+            n.set_next_used(saved.next_used);
+            n.set_event_idx(saved.event_idx);
+            n.try_set_desc_table_address(vm_memory::GuestAddress(saved.desc_table))
+                .map_err(|e| qerr(format!("{e:?}")))?;
+            n.try_set_avail_ring_address(vm_memory::GuestAddress(saved.avail_ring))
+                .map_err(|e| qerr(format!("{e:?}")))?;
+            n.try_set_used_ring_address(vm_memory::GuestAddress(saved.used_ring))
+                .map_err(|e| qerr(format!("{e:?}")))?;
+            if saved.ready {
+                n.set_ready(true);
+                if !n.is_valid(&self.mem) {
+                    return Err(qerr("its rings are not inside guest memory".into()));
+                }
+            }
+            queues.push(n);
+        }
+        self.queues = queues;
+        self.status = state.status;
+        self.device_features_sel = state.device_features_sel;
+        self.driver_features_sel = state.driver_features_sel;
+        self.driver_features = state.driver_features;
+        self.queue_sel = state.queue_sel;
+        self.config_generation = state.config_generation;
+        self.failure = state.failure.clone();
+        self.interrupt.set_status(state.interrupt_status);
+        self.active = false;
+        if state.active {
+            let mut q = Queues {
+                mem: &self.mem,
+                queues: &mut self.queues,
+                interrupt: &self.interrupt,
+                resume: 0,
+            };
+            let activated = self
+                .device
+                .activate(self.driver_features, &mut q)
+                .and_then(|()| self.device.restored(&mut q));
+            activated.map_err(|e| RestoreError::Activate {
+                device_type,
+                what: e.to_string(),
+            })?;
+            self.active = true;
+            for evt in &self.queue_evts {
+                let _ = evt.write(1);
+            }
+        }
+        Ok(())
     }
 
     fn selected_queue(&mut self) -> Option<&mut Queue> {
@@ -391,6 +628,14 @@ impl<D: VirtioDevice> MmioDevice for MmioTransport<D> {
         }
         self.write_reg(offset as u32, u32::from_le_bytes(bytes));
     }
+
+    fn save(&self) -> TransportState {
+        self.save_state()
+    }
+
+    fn restore(&mut self, state: &TransportState) -> Result<(), RestoreError> {
+        self.restore_state(state)
+    }
 }
 
 impl<D: VirtioDevice> MutEventSubscriber for MmioTransport<D> {
@@ -462,6 +707,38 @@ mod tests {
         f.as_file().set_len(1 << 20).unwrap();
         let d = Driver::new(Block::open(f.path(), false, "t").unwrap());
         (f, d)
+    }
+
+    #[test]
+    fn a_saved_state_restores_to_the_same_registers_and_bad_ones_are_refused() {
+        let (f, mut d) = block();
+        d.setup(VIRTIO_F_VERSION_1);
+        let saved = d.t.lock().unwrap().save_state();
+        assert!(saved.active);
+        let fresh = || Block::open(f.path(), false, "t").unwrap();
+        let r = d.restored(fresh()).expect("restores");
+        assert_eq!(r.t.lock().unwrap().save_state(), saved);
+        assert_eq!(r.read(reg::VIRTIO_MMIO_STATUS), 15);
+
+        let refused = |change: &dyn Fn(&mut TransportState)| {
+            let mut s = saved.clone();
+            change(&mut s);
+            let irq = Arc::new(Interrupt::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+            let mut t = MmioTransport::new(fresh(), d.mem.clone(), irq).unwrap();
+            let e = t.restore_state(&s).expect_err("refused");
+            assert!(!t.is_active(), "{e}");
+            e.to_string()
+        };
+        assert!(refused(&|s| s.device_type = 19).contains("type 19"));
+        assert!(refused(&|s| s.queues.push(s.queues[0].clone())).contains("2 queues"));
+        assert!(refused(&|s| s.queues[0].size = 3).contains("size 3"));
+        assert!(
+            refused(&|s| s.queues[0].used_ring = MEM_SIZE as u64 - 8)
+                .contains("not inside guest memory")
+        );
+        assert!(refused(&|s| s.status |= 0x100).contains("unknown status"));
+        assert!(refused(&|s| s.driver_features |= 1 << 40).contains("never offered"));
+        assert!(refused(&|s| s.status = 3).contains("active without"));
     }
 
     #[test]

@@ -127,6 +127,11 @@ pub trait VirtioDevice: Send {
     ) -> Result<(), DeviceError> {
         Ok(())
     }
+    /// The device was brought back from a snapshot, after [`activate`](Self::activate): its
+    /// host-side state (connections, pending packets) is gone, the guest's is as it was.
+    fn restored(&mut self, _q: &mut Queues) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// The driver reset the device: forget everything about the guest's side.
     fn reset(&mut self) {}
 }

@@ -8,7 +8,7 @@ use virtio_bindings::virtio_mmio as reg;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::mmio::{MmioDevice, MmioTransport};
+use super::mmio::{MmioDevice, MmioTransport, RestoreError};
 use super::{Interrupt, VirtioDevice};
 
 pub const MEM_SIZE: usize = 16 << 20;
@@ -56,6 +56,29 @@ impl<D: VirtioDevice + 'static> Driver<D> {
             avail_idx: vec![0; n],
             used_seen: vec![0; n],
         }
+    }
+
+    /// A second transport with `device` over the same guest memory, restored from this one's
+    /// saved state: what a machine restored from a snapshot has. The driver's ring bookkeeping
+    /// carries over, as the guest's does.
+    pub fn restored(&self, device: D) -> Result<Driver<D>, RestoreError> {
+        let state = self.t.lock().unwrap().save_state();
+        let irq = Arc::new(Interrupt::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let mut t = MmioTransport::new(device, self.mem.clone(), irq.clone()).unwrap();
+        t.restore_state(&state)?;
+        let t = Arc::new(Mutex::new(t));
+        let mut em = Manager::new().unwrap();
+        em.add_subscriber(t.clone());
+        Ok(Driver {
+            mem: self.mem.clone(),
+            t,
+            em,
+            irq,
+            sizes: self.sizes.clone(),
+            next_desc: self.next_desc.clone(),
+            avail_idx: self.avail_idx.clone(),
+            used_seen: self.used_seen.clone(),
+        })
     }
 
     pub fn read(&self, off: u32) -> u32 {

@@ -15,6 +15,7 @@ mod channel;
 mod credit;
 mod exec;
 mod files;
+mod identity;
 mod outbox;
 mod reaper;
 mod server;

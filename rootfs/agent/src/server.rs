@@ -177,6 +177,7 @@ impl Server {
             Kind::Exec | Kind::ArchivePut | Kind::ArchiveGet | Kind::FilePut | Kind::FileGet => {
                 self.open_stream(kind, f)
             }
+            Kind::Identity => crate::identity::handle(&self.out, f.stream, &f.payload),
             Kind::Stdin | Kind::Data => self.deliver(kind, f),
             Kind::Window => self.grant(f),
             Kind::Signal => self.signal(f),

@@ -136,6 +136,37 @@ impl Backend for KvmBackend {
 }
 
 async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
+    let restore = match &spec.restore_from {
+        Some(files) => {
+            let state = std::fs::File::open(&files.state)
+                .map_err(|e| VmError::io(format!("opening {}", files.state.display()), e))?;
+            let expect = super::snapshot::Expect {
+                memory_mib: spec.memory_mib,
+                vcpus: spec.vcpus,
+                devices: 1 + spec.disks.len() + usize::from(spec.net.is_some()),
+            };
+            let state = super::snapshot::MachineState::read_from(&state, &expect)
+                .map_err(|e| VmError::Snapshot(e.to_string()))?;
+            Some(super::machine::Restore {
+                state: Arc::new(state),
+                memory: files.memory.clone().into(),
+            })
+        }
+        None => None,
+    };
+    let snapshot_to = match &spec.snapshot_to {
+        Some(files) => {
+            let open = |p: &std::path::Path| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(p)
+                    .map_err(|e| VmError::io(format!("opening {}", p.display()), e))
+            };
+            Some((open(&files.state)?, open(&files.memory)?))
+        }
+        None => None,
+    };
     let cfg = MachineConfig {
         kvm: None,
         kernel: spec.kernel.clone().into(),
@@ -154,6 +185,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
             .collect(),
         vsock_cid: GUEST_CID,
         net: spec.net.clone(),
+        restore,
     };
     let t0 = Instant::now();
     let (exit_tx, exit_rx) = watch::channel(None);
@@ -171,6 +203,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
         machine: machine.clone(),
         exit: exit_rx,
         state_dir: spec.state_dir.clone(),
+        snapshot_to: snapshot_to.map(Arc::new),
     };
     // The caller's bound, as on QEMU: a nested host under load needs more than the default.
     let within = spec.start_timeout.unwrap_or(CONNECT_TIMEOUT);
@@ -261,6 +294,7 @@ pub struct KvmVm {
     machine: Arc<Machine>,
     exit: watch::Receiver<Option<VmExit>>,
     state_dir: std::path::PathBuf,
+    snapshot_to: Option<Arc<(std::fs::File, std::fs::File)>>,
 }
 
 #[async_trait]
@@ -305,6 +339,21 @@ impl Vm for KvmVm {
 
     fn console_tail(&self, n: usize) -> Vec<String> {
         self.machine.console_tail(n.min(EXIT_CONSOLE_LINES.max(n)))
+    }
+
+    async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+        let Some(files) = self.snapshot_to.clone() else {
+            return Err(VmError::Snapshot(
+                "this VM was started without snapshot files".into(),
+            ));
+        };
+        let m = self.machine.clone();
+        tokio::task::spawn_blocking(move || {
+            m.pause_and_snapshot(&files.0, &files.1, resume)
+                .map_err(|e| VmError::Snapshot(e.to_string()))
+        })
+        .await
+        .map_err(|e| VmError::Snapshot(format!("the snapshot task failed: {e}")))?
     }
 
     fn diagnostics(&self) -> String {

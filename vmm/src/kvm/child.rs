@@ -42,9 +42,40 @@ fn file(fd: RawFd, taken: &mut Vec<RawFd>) -> Result<std::fs::File, String> {
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
-fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
+/// The files [`Request::Snapshot`] writes.
+struct SnapshotOut {
+    state: std::fs::File,
+    memory: std::fs::File,
+}
+
+fn machine_config(cfg: VmConfig) -> Result<(MachineConfig, Option<SnapshotOut>), String> {
     let mut taken = vec![];
     let kvm = file(cfg.kvm_fd, &mut taken)?;
+    let snapshot_out = match cfg.snapshot_to {
+        Some(s) => Some(SnapshotOut {
+            state: file(s.state_fd, &mut taken)?,
+            memory: file(s.memory_fd, &mut taken)?,
+        }),
+        None => None,
+    };
+    let restore = match cfg.restore {
+        Some(s) => {
+            let state = file(s.state_fd, &mut taken)?;
+            let memory = file(s.memory_fd, &mut taken)?;
+            let expect = super::snapshot::Expect {
+                memory_mib: cfg.memory_mib,
+                vcpus: cfg.vcpus,
+                devices: 1 + cfg.disks.len() + usize::from(cfg.net.is_some()),
+            };
+            let state = super::snapshot::MachineState::read_from(&state, &expect)
+                .map_err(|e| e.to_string())?;
+            Some(super::machine::Restore {
+                state: Arc::new(state),
+                memory: FileRef::Open(Arc::new(memory), "the snapshot's memory file".into()),
+            })
+        }
+        None => None,
+    };
     let kernel = FileRef::Open(
         Arc::new(file(cfg.kernel_fd, &mut taken)?),
         "the kernel".into(),
@@ -86,18 +117,33 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
         // SAFETY: a write to our stdout from a valid slice.
         unsafe { libc::write(1, bytes.as_ptr().cast(), bytes.len()) };
     }));
-    Ok(MachineConfig {
-        kvm: Some(Arc::new(kvm)),
-        kernel,
-        initrd,
-        console: Some(console),
-        cmdline: cfg.cmdline,
-        memory_mib: cfg.memory_mib,
-        vcpus: cfg.vcpus,
-        disks,
-        vsock_cid: cfg.vsock_cid,
-        net,
-    })
+    Ok((
+        MachineConfig {
+            restore,
+            kvm: Some(Arc::new(kvm)),
+            kernel,
+            initrd,
+            console: Some(console),
+            cmdline: cfg.cmdline,
+            memory_mib: cfg.memory_mib,
+            vcpus: cfg.vcpus,
+            disks,
+            vsock_cid: cfg.vsock_cid,
+            net,
+        },
+        snapshot_out,
+    ))
+}
+
+/// Pauses the machine and writes its snapshot; resumes it if asked or if anything failed.
+fn snapshot(
+    m: &Machine,
+    out: Option<&SnapshotOut>,
+    resume: bool,
+) -> Result<crate::backend::SnapshotDone, String> {
+    let out = out.ok_or("this VM was started without snapshot files")?;
+    m.pause_and_snapshot(&out.state, &out.memory, resume)
+        .map_err(|e| e.to_string())
 }
 
 /// Connects to a guest port for the service, retrying while nothing listens yet.
@@ -184,7 +230,7 @@ pub fn main() -> i32 {
         say(&writer, &Event::Error(e.to_string()), None);
         return 1;
     }
-    let mcfg = match machine_config(cfg) {
+    let (mcfg, snapshot_out) = match machine_config(cfg) {
         Ok(c) => c,
         Err(e) => {
             say(&writer, &Event::Error(e), None);
@@ -246,6 +292,10 @@ pub fn main() -> i32 {
                         }
                         Ok(Some(Request::Diagnostics)) => {
                             say(&w, &Event::Diagnostics(m.vcpu_report()), None)
+                        }
+                        Ok(Some(Request::Snapshot { id, resume })) => {
+                            let result = snapshot(&m, snapshot_out.as_ref(), resume);
+                            say(&w, &Event::Snapshot { id, result }, None)
                         }
                         Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {
                             m.stop();

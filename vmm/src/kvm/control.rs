@@ -36,6 +36,19 @@ pub struct VmConfig {
     pub vsock_cid: u64,
     /// The network: frames on a stream socket as a 4-byte big-endian length and the frame.
     pub net: Option<NetFd>,
+    /// Start from this snapshot instead of booting the kernel.
+    pub restore: Option<SnapshotFds>,
+    /// Where [`Request::Snapshot`] writes.
+    pub snapshot_to: Option<SnapshotFds>,
+}
+
+/// A snapshot's two files (the state read or written, the memory mapped or written).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct SnapshotFds {
+    /// The state file.
+    pub state_fd: RawFd,
+    /// The memory file.
+    pub memory_fd: RawFd,
 }
 
 /// One disk.
@@ -80,6 +93,14 @@ pub enum Request {
     },
     /// Answer with [`Event::Diagnostics`].
     Diagnostics,
+    /// Pause the guest and write its snapshot to the `snapshot_to` files; run on after if
+    /// `resume`. The answer is [`Event::Snapshot`].
+    Snapshot {
+        /// Named in the answer, so a late answer to an earlier request is never taken for it.
+        id: u64,
+        /// Let the guest run again once written.
+        resume: bool,
+    },
 }
 
 /// From the VM process to the service.
@@ -98,6 +119,13 @@ pub enum Event {
     ConnectFailed(String),
     /// vCPU activity, for an error message.
     Diagnostics(String),
+    /// A snapshot was written, or why not.
+    Snapshot {
+        /// The request's.
+        id: u64,
+        /// What it cost, or why not.
+        result: Result<crate::backend::SnapshotDone, String>,
+    },
     /// The machine ended.
     Exit {
         /// For a person.

@@ -57,6 +57,36 @@ const BOOT_MSRS: [(u32, u64); 11] = [
     (0x2ff, (1 << 11) | 6), // MTRRdefType: enabled, write-back
 ];
 
+/// KVM's entries for (index, value) pairs.
+pub(crate) fn msr_entries(pairs: &[(u32, u64)]) -> Vec<kvm_msr_entry> {
+    pairs
+        .iter()
+        .map(|&(index, data)| kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The guest's CPUID for vCPU `id` of `count`: what a booted vCPU gets first, and a restored one
+/// before its saved state (the same host gives the same CPUID, which the snapshot's host check
+/// ensures).
+pub fn set_cpuid(kvm: &Kvm, vcpu: &VcpuFd, id: u8, count: u8) -> Result<(), CpuError> {
+    let err = |step| {
+        move |source| CpuError {
+            cpu: id,
+            step,
+            source,
+        }
+    };
+    let mut cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
+    filter_cpuid(cpuid.as_mut_slice(), id, count);
+    vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))
+}
+
 /// Sets up vCPU `id` of `count`; the boot processor (0) starts at `entry`.
 pub fn setup(
     kvm: &Kvm,
@@ -73,20 +103,9 @@ pub fn setup(
         }
     };
 
-    let mut cpuid = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(err("KVM_GET_SUPPORTED_CPUID"))?;
-    filter_cpuid(cpuid.as_mut_slice(), id, count);
-    vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
+    set_cpuid(kvm, vcpu, id, count)?;
 
-    let entries: Vec<kvm_msr_entry> = BOOT_MSRS
-        .iter()
-        .map(|&(index, data)| kvm_msr_entry {
-            index,
-            data,
-            ..Default::default()
-        })
-        .collect();
+    let entries = msr_entries(&BOOT_MSRS);
     let msrs = Msrs::from_entries(&entries).map_err(|_| CpuError {
         cpu: id,
         step: "building the MSR list",

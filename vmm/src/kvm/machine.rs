@@ -31,7 +31,7 @@ use thiserror::Error;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, MemoryRegionAddress};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::{boot, cpu, layout, mptable, serial};
+use super::{boot, cpu, layout, mptable, serial, snapshot};
 
 /// Where the virtio-mmio windows start (inside the hole below 4 GiB), one page each.
 pub const MMIO_BASE: u64 = 0xd000_0000;
@@ -127,6 +127,40 @@ pub struct MachineConfig {
     pub vsock_cid: u64,
     /// A network device and the link behind it, if the guest has a network.
     pub net: Option<crate::net::NetAttachment>,
+    /// Restore this snapshot instead of booting the kernel (which is then not read). The
+    /// machine must be the one it was taken of: memory, vCPUs and devices.
+    pub restore: Option<Restore>,
+}
+
+/// A snapshot to start from: its state, read and checked, and its memory file.
+#[derive(Clone)]
+pub struct Restore {
+    /// Read with [`snapshot::MachineState::read_from`].
+    pub state: Arc<snapshot::MachineState>,
+    /// Mapped privately: the guest's writes never reach it.
+    pub memory: FileRef,
+}
+
+impl std::fmt::Debug for Restore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Restore({} vCPUs, memory {})",
+            self.state.vcpus.len(),
+            self.memory
+        )
+    }
+}
+
+/// What [`Machine::snapshot`] wrote.
+#[derive(Debug, Clone, Copy)]
+pub struct SnapshotStats {
+    /// Guest memory bytes written (pages with data; the rest are holes).
+    pub memory_written: u64,
+    /// How long the vCPUs took to stop.
+    pub pause: Duration,
+    /// How long the state and memory took to write.
+    pub write: Duration,
 }
 
 /// How the guest ended.
@@ -169,6 +203,18 @@ pub enum MachineError {
     /// Too many devices for the interrupt lines we hand out.
     #[error("{0} virtio devices are more than the {max} this machine wires up", max = DEVICE_IRQS.len())]
     TooManyDevices(usize),
+    /// The snapshot could not be restored.
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    /// A device's saved state was refused.
+    #[error("device {index}: {source}")]
+    DeviceState {
+        /// Its place on the bus.
+        index: usize,
+        /// Why.
+        #[source]
+        source: sandbox_devices::virtio::mmio::RestoreError,
+    },
     /// A host resource (disk file, eventfd, thread) failed.
     #[error("{context}: {source}")]
     Io {
@@ -210,6 +256,24 @@ struct Shared {
     vcpu_stats: Vec<VcpuStats>,
     /// A stop gave up waiting for the threads once; later stops do not wait again.
     abandoned: AtomicBool,
+    /// Set while the machine is to be paused: vCPU and device threads park at their next turn.
+    pausing: AtomicBool,
+    pause: Mutex<PauseState>,
+    pause_cv: Condvar,
+}
+
+/// Where a pause stands; under [`Shared::pause`].
+#[derive(Default)]
+struct PauseState {
+    /// Counts pauses: a thread parked for one pause never answers for the next.
+    epoch: u64,
+    /// Per vCPU: out of KVM_RUN with its last exit completed.
+    stopped: Vec<bool>,
+    device_parked: bool,
+    /// Every thread stopped: the vCPUs read their state now.
+    save: bool,
+    /// Per vCPU: its state (or why it could not be read), once read.
+    saved: Vec<Option<Result<snapshot::VcpuState, String>>>,
 }
 
 /// What one vCPU thread has been doing, readable from any thread.
@@ -263,6 +327,10 @@ impl Shared {
         }
         self.stopping.store(true, Ordering::SeqCst);
         self.ended.notify_all();
+        drop(exit);
+        // Parked threads wake to see `stopping`.
+        let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        self.pause_cv.notify_all();
     }
 }
 
@@ -272,6 +340,20 @@ pub struct Machine {
     vsock: VsockHandle,
     supervisor: Mutex<Option<JoinHandle<()>>>,
     on_exit: SharedOnExit,
+    parts: Option<Parts>,
+}
+
+/// What a snapshot reads besides the vCPUs. Field order is drop order: the VM before the memory
+/// its slots point into.
+struct Parts {
+    vm: Arc<VmFd>,
+    host: snapshot::HostId,
+    mem: GuestMemoryMmap,
+    bus: Arc<Vec<(u64, BusDevice)>>,
+    console: Arc<Mutex<serial::Console>>,
+    device_kick: Arc<EventFd>,
+    vcpu_threads: Vec<libc::pthread_t>,
+    memory_mib: u32,
 }
 
 impl Machine {
@@ -305,16 +387,38 @@ impl Machine {
         vm.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
 
         let mem_bytes = u64::from(cfg.memory_mib) << 20;
-        let mem = guest_memory(&vm, mem_bytes)?;
+        let device_count = 1 + cfg.disks.len() + usize::from(cfg.net.is_some());
+        let restore = match &cfg.restore {
+            Some(r) => {
+                r.state.check_host(&snapshot::HostId::here(&kvm))?;
+                r.state.check_fits(&snapshot::Expect {
+                    memory_mib: cfg.memory_mib,
+                    vcpus: cfg.vcpus,
+                    devices: device_count,
+                })?;
+                Some(r)
+            }
+            None => None,
+        };
+        let mem = match restore {
+            Some(r) => {
+                let file = r.memory.open(false).map_err(io_err(format!(
+                    "opening the snapshot's memory file {}",
+                    r.memory
+                )))?;
+                snapshot::map_memory(&file, mem_bytes)?
+            }
+            None => anonymous_memory(mem_bytes)?,
+        };
+        register_memory(&vm, &mem)?;
 
         // Devices: vsock first (the agent channel), then the disks in order, then the network.
         let mut devices: Vec<(BusDevice, Subscriber, Vec<EventFd>)> = Vec::new();
         let mut cmdline = cfg.cmdline.clone();
         let (vsock, vsock_handle) =
             Vsock::new(cfg.vsock_cid).map_err(io_err("creating the vsock device"))?;
-        let count = 1 + cfg.disks.len() + usize::from(cfg.net.is_some());
-        if count > DEVICE_IRQS.len() {
-            return Err(MachineError::TooManyDevices(count));
+        if device_count > DEVICE_IRQS.len() {
+            return Err(MachineError::TooManyDevices(device_count));
         }
         add_device(&vm, &mem, vsock, &mut devices, &mut cmdline)?;
         for (i, d) in cfg.disks.iter().enumerate() {
@@ -337,27 +441,60 @@ impl Machine {
             )?;
         }
 
-        let entry = boot::load(&mem, mem_bytes, &cfg.kernel, cfg.initrd.as_ref(), &cmdline)?;
-        mptable::write(&mem, cfg.vcpus)?;
+        // A restored guest is already past its boot: no kernel is loaded, and what the devices
+        // and vCPUs had comes back from the snapshot (the irqchip first: the devices' restore
+        // may raise interrupts).
+        let boot_entry = match restore {
+            None => {
+                let entry =
+                    boot::load(&mem, mem_bytes, &cfg.kernel, cfg.initrd.as_ref(), &cmdline)?;
+                mptable::write(&mem, cfg.vcpus)?;
+                Some(entry)
+            }
+            Some(r) => {
+                snapshot::restore_vm(&vm, &r.state.vm, snapshot::restored_clock(&r.state, &mem))?;
+                for (index, ((device, _, _), saved)) in
+                    devices.iter().zip(&r.state.devices).enumerate()
+                {
+                    device
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .restore(saved)
+                        .map_err(|source| MachineError::DeviceState { index, source })?;
+                }
+                None
+            }
+        };
 
         let log = Arc::new(Mutex::new(ConsoleLog::default()));
         let irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
         vm.register_irqfd(&irq, serial::COM1_IRQ)
             .map_err(kvm_err("KVM_IRQFD (serial)"))?;
-        let console = Arc::new(Mutex::new(serial::console(
-            irq,
-            log.clone(),
-            cfg.console.clone(),
-        )));
+        let console = match restore {
+            None => serial::console(irq, log.clone(), cfg.console.clone()),
+            Some(r) => serial::restored(&r.state.serial, irq, log.clone(), cfg.console.clone())
+                .map_err(|e| MachineError::Snapshot(snapshot::SnapshotError::Format(e)))?,
+        };
+        let console = Arc::new(Mutex::new(console));
 
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
         for id in 0..cfg.vcpus {
             let vcpu = vm
                 .create_vcpu(u64::from(id))
                 .map_err(kvm_err("KVM_CREATE_VCPU"))?;
-            cpu::setup(&kvm, &vcpu, id, cfg.vcpus, entry)?;
+            if let Some(r) = restore {
+                cpu::set_cpuid(&kvm, &vcpu, id, cfg.vcpus)?;
+                let saved = r.state.vcpus.get(usize::from(id)).ok_or_else(|| {
+                    snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
+                })?;
+                snapshot::restore_vcpu(&vcpu, usize::from(id), saved)?;
+            } else if let Some(entry) = boot_entry {
+                cpu::setup(&kvm, &vcpu, id, cfg.vcpus, entry)?;
+            }
             vcpus.push(vcpu);
         }
+        // Without it no snapshot can be taken (each says so); the machine runs anyway.
+        let msr_list = snapshot::msr_list(&kvm).ok();
 
         let shared = Arc::new(Shared {
             exit: Mutex::new(None),
@@ -370,8 +507,12 @@ impl Machine {
             marker: BootMarker::new(t0),
             vcpu_stats: (0..cfg.vcpus).map(|_| VcpuStats::default()).collect(),
             abandoned: AtomicBool::new(false),
+            pausing: AtomicBool::new(false),
+            pause: Mutex::new(PauseState::default()),
+            pause_cv: Condvar::new(),
         });
         install_kick_handler();
+        let vm = Arc::new(vm);
 
         // The device thread.
         let device_kick = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?);
@@ -405,6 +546,10 @@ impl Machine {
                             return;
                         }
                         while !shared.stopping.load(Ordering::SeqCst) {
+                            if shared.pausing.load(Ordering::SeqCst) {
+                                park_devices(&shared);
+                                continue;
+                            }
                             if em.run_with_timeout(1000).is_err() {
                                 shared.end("the device event loop failed".into(), false, false);
                             }
@@ -415,8 +560,10 @@ impl Machine {
         };
 
         let mut vcpu_threads = Vec::new();
+        let msr_list = Arc::new(msr_list);
         for (id, vcpu) in vcpus.into_iter().enumerate() {
             let (thread_shared, bus, console) = (shared.clone(), bus.clone(), console.clone());
+            let msr_list = msr_list.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
@@ -426,7 +573,14 @@ impl Machine {
                     guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
                         // Filtered before its first KVM_RUN: no guest instruction runs unsealed.
                         match super::seal::enter(ThreadKind::Vcpu) {
-                            Ok(()) => vcpu_loop(vcpu, id, &thread_shared, &bus, &console),
+                            Ok(()) => vcpu_loop(
+                                vcpu,
+                                id,
+                                &thread_shared,
+                                &bus,
+                                &console,
+                                msr_list.as_deref(),
+                            ),
                             Err(e) => thread_shared.end(e.to_string(), false, false),
                         }
                     });
@@ -442,6 +596,16 @@ impl Machine {
             }
         }
 
+        let parts = Parts {
+            vm: vm.clone(),
+            host: snapshot::HostId::here(&kvm),
+            mem: mem.clone(),
+            bus: bus.clone(),
+            console: console.clone(),
+            device_kick: device_kick.clone(),
+            vcpu_threads: vcpu_threads.iter().map(|h| h.as_pthread_t()).collect(),
+            memory_mib: cfg.memory_mib,
+        };
         let on_exit: SharedOnExit = Arc::new(Mutex::new(on_exit));
         let supervisor = {
             let shared = shared.clone();
@@ -485,7 +649,176 @@ impl Machine {
             vsock: vsock_handle,
             supervisor: Mutex::new(Some(supervisor)),
             on_exit,
+            parts: Some(parts),
         })
+    }
+
+    /// Stops every vCPU and the device thread where they are, each vCPU's last exit completed
+    /// and its state read; the guest does not run until [`Machine::resume`]. Bounded by
+    /// [`STOP_TIMEOUT`]: a thread that does not park in time resumes the others and fails it.
+    pub fn pause(&self) -> Result<Duration, snapshot::SnapshotError> {
+        let t0 = Instant::now();
+        let parts = self.parts()?;
+        let n = parts.vcpu_threads.len();
+        {
+            let mut p = lock(&self.shared.pause);
+            if self.shared.pausing.load(Ordering::SeqCst) {
+                return Err(snapshot::SnapshotError::State(
+                    "the machine is already paused".into(),
+                ));
+            }
+            p.epoch += 1;
+            p.stopped = vec![false; n];
+            p.saved = (0..n).map(|_| None).collect();
+            p.save = false;
+            p.device_parked = false;
+            self.shared.pausing.store(true, Ordering::SeqCst);
+        }
+        let _ = parts.device_kick.write(1);
+        let deadline = t0 + STOP_TIMEOUT;
+        let fail = |what: String| {
+            self.resume();
+            Err(snapshot::SnapshotError::State(what))
+        };
+        // First every thread out of the guest; then the vCPUs read their state.
+        loop {
+            {
+                // Under the exit lock: no thread of the machine has been joined while it is
+                // unset, so every pthread id is still valid to signal.
+                let exit = lock(&self.shared.exit);
+                if let Some(e) = exit.as_ref() {
+                    let reason = e.reason.clone();
+                    drop(exit);
+                    return fail(format!("the machine ended: {reason}"));
+                }
+                let mut p = lock(&self.shared.pause);
+                let stopped = p.device_parked && p.stopped.iter().all(|s| *s);
+                if stopped && !p.save {
+                    p.save = true;
+                    self.shared.pause_cv.notify_all();
+                }
+                if p.save && p.saved.iter().all(Option::is_some) {
+                    return Ok(t0.elapsed());
+                }
+                if !stopped {
+                    for (i, t) in parts.vcpu_threads.iter().enumerate() {
+                        if !p.stopped[i] {
+                            kick(*t);
+                        }
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                let report = self.shared.vcpu_report();
+                return fail(format!(
+                    "the machine's threads did not stop within {STOP_TIMEOUT:?} ({report})"
+                ));
+            }
+            let p = lock(&self.shared.pause);
+            let _ = self.shared.pause_cv.wait_timeout(p, KICK_FAST);
+        }
+    }
+
+    /// Lets a paused machine run again.
+    pub fn resume(&self) {
+        let mut p = lock(&self.shared.pause);
+        self.shared.pausing.store(false, Ordering::SeqCst);
+        p.epoch += 1;
+        p.stopped.clear();
+        p.saved.clear();
+        p.save = false;
+        p.device_parked = false;
+        self.shared.pause_cv.notify_all();
+    }
+
+    /// Writes the state of a paused machine to `state` and its memory to `memory` (both
+    /// truncated first: never a file a machine is mapped from). The machine stays paused.
+    pub fn snapshot(
+        &self,
+        state: &std::fs::File,
+        memory: &std::fs::File,
+    ) -> Result<u64, snapshot::SnapshotError> {
+        let parts = self.parts()?;
+        let vcpus = {
+            let mut p = lock(&self.shared.pause);
+            if !self.shared.pausing.load(Ordering::SeqCst)
+                || !p.device_parked
+                || !p.save
+                || p.saved.is_empty()
+                || p.saved.iter().any(Option::is_none)
+            {
+                return Err(snapshot::SnapshotError::State(
+                    "the machine must be paused for a snapshot".into(),
+                ));
+            }
+            // Taken: one snapshot per pause (a second one of the same pause is refused above).
+            let taken: Vec<_> = p.saved.iter_mut().map(Option::take).collect();
+            taken
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| match s {
+                    Some(Ok(s)) => Ok(s),
+                    Some(Err(e)) => Err(snapshot::SnapshotError::State(format!(
+                        "reading vCPU {i}'s state: {e}"
+                    ))),
+                    None => Err(snapshot::SnapshotError::State(format!(
+                        "vCPU {i} is not paused"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let devices = parts
+            .bus
+            .iter()
+            .map(|(_, d)| d.lock().unwrap_or_else(|e| e.into_inner()).save())
+            .collect();
+        let serial = snapshot::SerialSnapshot::of(
+            &parts
+                .console
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state(),
+        );
+        let machine = snapshot::MachineState {
+            format: snapshot::FORMAT,
+            host: parts.host.clone(),
+            memory_mib: parts.memory_mib,
+            vcpus,
+            vm: snapshot::save_vm(&parts.vm)?,
+            serial,
+            devices,
+        };
+        let written = snapshot::write_memory(&parts.mem, memory)?;
+        machine.write_to(state)?;
+        Ok(written)
+    }
+
+    /// Pauses, writes the snapshot, and lets the guest run again if `resume` or if the
+    /// snapshot failed (a failed pause has already resumed it).
+    pub fn pause_and_snapshot(
+        &self,
+        state: &std::fs::File,
+        memory: &std::fs::File,
+        resume: bool,
+    ) -> Result<crate::backend::SnapshotDone, snapshot::SnapshotError> {
+        let pause = self.pause()?;
+        let t = Instant::now();
+        let written = self.snapshot(state, memory);
+        let write = t.elapsed();
+        if resume || written.is_err() {
+            self.resume();
+        }
+        Ok(crate::backend::SnapshotDone {
+            memory_written: written?,
+            pause_us: pause.as_micros() as u64,
+            write_us: write.as_micros() as u64,
+        })
+    }
+
+    fn parts(&self) -> Result<&Parts, snapshot::SnapshotError> {
+        self.parts
+            .as_ref()
+            .ok_or_else(|| snapshot::SnapshotError::State("this machine cannot be paused".into()))
     }
 
     /// Opens connections to guest vsock ports.
@@ -637,7 +970,7 @@ fn supervise(
     vcpu_threads: Vec<JoinHandle<()>>,
     device_thread: JoinHandle<()>,
     device_kick: &EventFd,
-    vm: VmFd,
+    vm: Arc<VmFd>,
     ioevents: Vec<EventFd>,
     mem: GuestMemoryMmap,
 ) {
@@ -718,113 +1051,209 @@ fn vcpu_loop(
     shared: &Shared,
     bus: &[(u64, BusDevice)],
     console: &Mutex<serial::Console>,
+    msr_list: Option<&[u32]>,
 ) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        if shared.pausing.load(Ordering::SeqCst) {
+            park_vcpu(&mut vcpu, id, shared, bus, console, msr_list);
+            continue;
+        }
+        run_once(&mut vcpu, id, shared, bus, console);
+    }
+}
+
+/// One KVM_RUN and the exit it gave, handled. True when KVM_RUN was interrupted (a kick, or
+/// `immediate_exit`) rather than exiting for the guest.
+fn run_once(
+    vcpu: &mut VcpuFd,
+    id: usize,
+    shared: &Shared,
+    bus: &[(u64, BusDevice)],
+    console: &Mutex<serial::Console>,
+) -> bool {
     let find = |addr: u64| {
         bus.iter()
             .find(|(base, _)| (*base..*base + WINDOW).contains(&addr))
     };
     let stats = &shared.vcpu_stats[id];
-    while !shared.stopping.load(Ordering::SeqCst) {
-        stats.in_guest.store(true, Ordering::Relaxed);
-        let exit = vcpu.run();
-        stats.in_guest.store(false, Ordering::Relaxed);
-        stats.exits.fetch_add(1, Ordering::Relaxed);
-        stats.last.store(exit_kind(&exit), Ordering::Relaxed);
-        match exit {
-            Ok(VcpuExit::IoOut(port, data)) => match port {
-                p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
-                    if let Some(&b) = data.first() {
-                        let _ = console
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .write((p - serial::COM1_BASE) as u8, b);
-                    }
-                }
-                // i8042 command 0xFE: pulse the reset line.
-                0x64 if data.first() == Some(&0xfe) => {
-                    shared.end(
-                        "the guest powered off or restarted (i8042 reset)".into(),
-                        true,
-                        false,
-                    );
-                }
-                BootMarker::PORT => {
-                    if let Some(&b) = data.first()
-                        && shared.marker.write(b)
-                    {
-                        // Under the lock its waiters check the mark with: none misses it.
-                        let _held = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
-                        shared.ended.notify_all();
-                    }
-                }
-                _ => {}
-            },
-            Ok(VcpuExit::IoIn(port, data)) => {
-                let v = match port {
-                    p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
-                        console
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .read((p - serial::COM1_BASE) as u8)
-                    }
-                    // i8042 status: no data, input buffer empty.
-                    0x64 | 0x60 => 0,
-                    _ => 0xff,
-                };
-                data.fill(v);
-            }
-            Ok(VcpuExit::MmioRead(addr, data)) => match find(addr) {
-                Some((base, dev)) => dev
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .mmio_read(addr - base, data),
-                None => data.fill(0xff),
-            },
-            Ok(VcpuExit::MmioWrite(addr, data)) => {
-                if let Some((base, dev)) = find(addr) {
-                    dev.lock()
+    stats.in_guest.store(true, Ordering::Relaxed);
+    let exit = vcpu.run();
+    stats.in_guest.store(false, Ordering::Relaxed);
+    stats.exits.fetch_add(1, Ordering::Relaxed);
+    stats.last.store(exit_kind(&exit), Ordering::Relaxed);
+    match exit {
+        Ok(VcpuExit::IoOut(port, data)) => match port {
+            p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
+                if let Some(&b) = data.first() {
+                    let _ = console
+                        .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .mmio_write(addr - base, data);
+                        .write((p - serial::COM1_BASE) as u8, b);
                 }
             }
-            Ok(VcpuExit::Hlt) => shared.end("the guest halted".into(), true, false),
-            Ok(VcpuExit::Shutdown) => {
-                // Where the vCPU was helps tell a reboot (reboot=t) from a crash early in boot.
-                let at = match (vcpu.get_regs(), vcpu.get_sregs()) {
-                    (Ok(r), Ok(s)) => format!(
-                        " on vCPU {id} at rip {:#x}, cr0 {:#x}, cr3 {:#x}, cr4 {:#x}",
-                        r.rip, s.cr0, s.cr3, s.cr4
-                    ),
-                    _ => String::new(),
-                };
+            // i8042 command 0xFE: pulse the reset line.
+            0x64 if data.first() == Some(&0xfe) => {
                 shared.end(
-                    format!("the guest powered off or restarted (triple fault{at})"),
+                    "the guest powered off or restarted (i8042 reset)".into(),
                     true,
                     false,
-                )
+                );
             }
-            Ok(VcpuExit::SystemEvent(kind, _)) => {
-                shared.end(format!("the guest sent system event {kind}"), true, false)
+            BootMarker::PORT => {
+                if let Some(&b) = data.first()
+                    && shared.marker.write(b)
+                {
+                    // Under the lock its waiters check the mark with: none misses it.
+                    let _held = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+                    shared.ended.notify_all();
+                }
             }
-            Ok(VcpuExit::FailEntry(reason, cpu)) => shared.end(
-                format!("KVM could not enter vCPU {cpu} (hardware reason {reason:#x})"),
+            _ => {}
+        },
+        Ok(VcpuExit::IoIn(port, data)) => {
+            let v = match port {
+                p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
+                    console
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .read((p - serial::COM1_BASE) as u8)
+                }
+                // i8042 status: no data, input buffer empty.
+                0x64 | 0x60 => 0,
+                _ => 0xff,
+            };
+            data.fill(v);
+        }
+        Ok(VcpuExit::MmioRead(addr, data)) => match find(addr) {
+            Some((base, dev)) => dev
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .mmio_read(addr - base, data),
+            None => data.fill(0xff),
+        },
+        Ok(VcpuExit::MmioWrite(addr, data)) => {
+            if let Some((base, dev)) = find(addr) {
+                dev.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .mmio_write(addr - base, data);
+            }
+        }
+        Ok(VcpuExit::Hlt) => shared.end("the guest halted".into(), true, false),
+        Ok(VcpuExit::Shutdown) => {
+            // Where the vCPU was helps tell a reboot (reboot=t) from a crash early in boot.
+            let at = match (vcpu.get_regs(), vcpu.get_sregs()) {
+                (Ok(r), Ok(s)) => format!(
+                    " on vCPU {id} at rip {:#x}, cr0 {:#x}, cr3 {:#x}, cr4 {:#x}",
+                    r.rip, s.cr0, s.cr3, s.cr4
+                ),
+                _ => String::new(),
+            };
+            shared.end(
+                format!("the guest powered off or restarted (triple fault{at})"),
+                true,
                 false,
-                false,
-            ),
-            Ok(VcpuExit::InternalError) => shared.end(
-                format!("KVM internal error on vCPU {id} (the host's KVM cannot run this guest)"),
-                false,
-                false,
-            ),
-            Ok(other) => shared.end(
-                format!("unexpected exit of vCPU {id}: {other:?}"),
-                false,
-                false,
-            ),
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
-            Err(e) => shared.end(format!("KVM_RUN failed on vCPU {id}: {e}"), false, false),
+            )
+        }
+        Ok(VcpuExit::SystemEvent(kind, _)) => {
+            shared.end(format!("the guest sent system event {kind}"), true, false)
+        }
+        Ok(VcpuExit::FailEntry(reason, cpu)) => shared.end(
+            format!("KVM could not enter vCPU {cpu} (hardware reason {reason:#x})"),
+            false,
+            false,
+        ),
+        Ok(VcpuExit::InternalError) => shared.end(
+            format!("KVM internal error on vCPU {id} (the host's KVM cannot run this guest)"),
+            false,
+            false,
+        ),
+        Ok(other) => shared.end(
+            format!("unexpected exit of vCPU {id}: {other:?}"),
+            false,
+            false,
+        ),
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => return true,
+        Err(e) => shared.end(format!("KVM_RUN failed on vCPU {id}: {e}"), false, false),
+    }
+    false
+}
+
+/// Parks a vCPU thread for a pause. First it completes its last exit (KVM finishes an I/O or
+/// MMIO read only on the next KVM_RUN, which `immediate_exit` makes return at once; an exit that
+/// run starts is handled the same way) and says it stopped. Its state is read only once every
+/// vCPU and the device thread have stopped ([`Machine::pause`] asks), so no interrupt sent by
+/// another vCPU or a device can land after it was read. It waits until that pause ends or the
+/// machine stops.
+fn park_vcpu(
+    vcpu: &mut VcpuFd,
+    id: usize,
+    shared: &Shared,
+    bus: &[(u64, BusDevice)],
+    console: &Mutex<serial::Console>,
+    msr_list: Option<&[u32]>,
+) {
+    let epoch = lock(&shared.pause).epoch;
+    vcpu.set_kvm_immediate_exit(1);
+    // Each turn handles one exit the completion started; a guest cannot chain them forever.
+    let mut completed = false;
+    for _ in 0..64 {
+        if run_once(vcpu, id, shared, bus, console) || shared.stopping.load(Ordering::SeqCst) {
+            completed = true;
+            break;
         }
     }
+    vcpu.set_kvm_immediate_exit(0);
+    let mut p = lock(&shared.pause);
+    if p.epoch != epoch {
+        return; // that pause ended meanwhile
+    }
+    if let Some(slot) = p.stopped.get_mut(id) {
+        *slot = true;
+    }
+    shared.pause_cv.notify_all();
+    while shared.pausing.load(Ordering::SeqCst)
+        && !shared.stopping.load(Ordering::SeqCst)
+        && p.epoch == epoch
+    {
+        if p.save && matches!(p.saved.get(id), Some(None)) {
+            drop(p);
+            let state = if !completed {
+                Err("its last exit did not complete".to_string())
+            } else {
+                match msr_list {
+                    Some(list) => super::snapshot::save_vcpu(vcpu, list).map_err(|e| e.to_string()),
+                    None => Err("KVM did not list the MSRs to save".to_string()),
+                }
+            };
+            p = lock(&shared.pause);
+            if p.epoch == epoch
+                && let Some(slot) = p.saved.get_mut(id)
+            {
+                *slot = Some(state);
+            }
+            shared.pause_cv.notify_all();
+            continue;
+        }
+        p = shared.pause_cv.wait(p).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+/// Parks the device thread for a pause (no device touches guest memory until it ends).
+fn park_devices(shared: &Shared) {
+    let mut p = lock(&shared.pause);
+    let epoch = p.epoch;
+    p.device_parked = true;
+    shared.pause_cv.notify_all();
+    while shared.pausing.load(Ordering::SeqCst)
+        && !shared.stopping.load(Ordering::SeqCst)
+        && p.epoch == epoch
+    {
+        p = shared.pause_cv.wait(p).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Kind (low byte) and address or port (above) of a vCPU exit, for [`VcpuStats::last`].
@@ -877,15 +1306,17 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
-/// Maps guest RAM (anonymous, MAP_NORESERVE: a guest costs what it touches) and registers each
-/// region with KVM.
-fn guest_memory(vm: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, MachineError> {
+/// Guest RAM, anonymous and MAP_NORESERVE: a guest costs what it touches.
+fn anonymous_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, MachineError> {
     let ranges: Vec<_> = layout::ram_regions(mem_bytes)
         .into_iter()
         .map(|(a, l)| (a, l as usize))
         .collect();
-    let mem =
-        GuestMemoryMmap::from_ranges(&ranges).map_err(|e| MachineError::Memory(e.to_string()))?;
+    GuestMemoryMmap::from_ranges(&ranges).map_err(|e| MachineError::Memory(e.to_string()))
+}
+
+/// Registers each region of guest RAM with KVM.
+fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), MachineError> {
     for (slot, region) in mem.iter().enumerate() {
         let host = region
             .get_host_address(MemoryRegionAddress(0))
@@ -898,10 +1329,10 @@ fn guest_memory(vm: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, MachineErr
             userspace_addr: host as u64,
         };
         // SAFETY: the region is a live mapping of `memory_size` bytes owned by `mem`, which the
-        // supervisor drops only after the VM fd (and every vCPU) is closed.
+        // machine drops only after the VM fd (and every vCPU) is closed.
         unsafe { vm.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
     }
-    Ok(mem)
+    Ok(())
 }
 
 extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
@@ -934,6 +1365,9 @@ mod tests {
             marker: BootMarker::new(Instant::now()),
             vcpu_stats: (0..vcpus).map(|_| VcpuStats::default()).collect(),
             abandoned: AtomicBool::new(false),
+            pausing: AtomicBool::new(false),
+            pause: Mutex::new(PauseState::default()),
+            pause_cv: Condvar::new(),
         })
     }
 
@@ -973,6 +1407,7 @@ mod tests {
             vsock: Vsock::new(3).expect("eventfd").1,
             supervisor: Mutex::new(Some(supervisor)),
             on_exit: Arc::new(Mutex::new(Some(on_exit))),
+            parts: None,
         };
         let t = Instant::now();
         let exit = m.wait_finished(Duration::from_millis(200));

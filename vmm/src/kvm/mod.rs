@@ -16,6 +16,7 @@ pub mod net;
 pub mod process;
 pub mod seal;
 pub mod serial;
+pub mod snapshot;
 mod stream_link;
 
 pub use backend::KvmBackend;
@@ -28,5 +29,5 @@ pub(crate) fn connect_pause(n: u32) -> std::time::Duration {
     std::time::Duration::from_millis((2u64 << n.min(4)).min(20))
 }
 pub use machine::{
-    ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineError, MachineExit,
+    ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineError, MachineExit, Restore,
 };

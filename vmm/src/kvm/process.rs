@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use sandbox_devices::ConsoleLog;
 use tokio::sync::watch;
 
-use super::control::{self, DiskFd, Event, NetFd, Request, VmConfig};
+use super::control::{self, DiskFd, Event, NetFd, Request, SnapshotFds, VmConfig};
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::vm_process::{pipe, pump_console, remove_state_dir, unknown_exit};
 
@@ -25,6 +25,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = super::machine::STOP_TIMEOUT;
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
+/// The longest a snapshot may take: the vCPUs stop within the machine's own bound, and writing
+/// the touched part of guest memory takes seconds at most on a real disk (minutes only on an
+/// emulated host under load).
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Where `sandbox-vm` is: `SANDBOX_HOST_VM_BINARY`, else beside this program (or one directory
 /// up, for cargo's test binaries in `deps/`).
@@ -52,6 +56,7 @@ struct Learned {
     started: Option<Result<(), String>>,
     connected: Option<Result<OwnedFd, String>>,
     diagnostics: Option<String>,
+    snapshot: Option<(u64, Result<crate::backend::SnapshotDone, String>)>,
     exit: Option<VmExit>,
 }
 
@@ -162,7 +167,30 @@ pub async fn start(
         }
         None => None,
     };
+    // A snapshot's files: those to restore from read-only (the memory file is mapped privately,
+    // so a template serves many VMs unchanged), those to write read-write.
+    let mut snapshot_fds = |files: &Option<crate::backend::SnapshotFiles>, write: bool| {
+        files
+            .as_ref()
+            .map(|f| -> Result<SnapshotFds, VmError> {
+                Ok(SnapshotFds {
+                    state_fd: push(open(&f.state, write)?),
+                    memory_fd: push(open(&f.memory, write)?),
+                })
+            })
+            .transpose()
+    };
+    let restore = snapshot_fds(&spec.restore_from, false)?;
+    let snapshot_to = snapshot_fds(&spec.snapshot_to, true)?;
+    if spec.snapshot_to.is_some() {
+        // The memory file is as large as guest memory: the VM's file size limit must allow it.
+        fsize = fsize.max(super::snapshot::memory_file_len(
+            u64::from(spec.memory_mib) << 20,
+        ));
+    }
     let config = VmConfig {
+        restore,
+        snapshot_to,
         kvm_fd: 4,
         kernel_fd,
         initrd_fd,
@@ -272,6 +300,7 @@ pub async fn start(
         kill_reason,
         stop_requested,
         state_dir: spec.state_dir.clone(),
+        snapshots: std::sync::atomic::AtomicU64::new(0),
     };
 
     if !control.ask(&Request::Start(config)) {
@@ -374,6 +403,7 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
             }
             Event::ConnectFailed(why) => control.update(|l| l.connected = Some(Err(why))),
             Event::Diagnostics(d) => control.update(|l| l.diagnostics = Some(d)),
+            Event::Snapshot { id, result } => control.update(|l| l.snapshot = Some((id, result))),
             Event::Exit {
                 reason,
                 requested,
@@ -472,6 +502,8 @@ pub struct ProcessVm {
     kill_reason: Arc<Mutex<Option<String>>>,
     stop_requested: Arc<std::sync::atomic::AtomicBool>,
     state_dir: PathBuf,
+    /// Numbers snapshot requests.
+    snapshots: std::sync::atomic::AtomicU64,
 }
 
 impl ProcessVm {
@@ -549,6 +581,44 @@ impl Vm for ProcessVm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .tail(n)
+    }
+
+    async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+        if let Some(e) = self.exit() {
+            return Err(VmError::Snapshot(format!("the VM has ended: {}", e.reason)));
+        }
+        let id = self
+            .snapshots
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if !self.control.ask(&Request::Snapshot { id, resume }) {
+            return Err(VmError::Snapshot(
+                "the VM process closed its control socket".into(),
+            ));
+        }
+        let answer = self
+            .control
+            .wait_for(SNAPSHOT_TIMEOUT, &self.exit, |l| match l.snapshot.take() {
+                Some((i, r)) if i == id => Some(r),
+                // A late answer to an earlier request that timed out: dropped.
+                _ => None,
+            })
+            .await;
+        match answer {
+            Ok(Ok(done)) => Ok(done),
+            Ok(Err(why)) => Err(VmError::Snapshot(why)),
+            Err(Some(exit)) => Err(VmError::Snapshot(format!(
+                "the VM ended while its snapshot was taken: {}",
+                exit.reason
+            ))),
+            Err(None) => {
+                // Paused or running, writing or not: nobody can say. It is ended.
+                let why = format!(
+                    "the VM process did not write its snapshot within {SNAPSHOT_TIMEOUT:?}"
+                );
+                self.kill(why.clone()).await;
+                Err(VmError::Snapshot(format!("{why}; the VM was stopped")))
+            }
+        }
     }
 
     fn diagnostics(&self) -> String {

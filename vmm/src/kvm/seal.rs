@@ -122,13 +122,30 @@ const ARCH: TargetArch = TargetArch::aarch64;
 mod requests {
     #![allow(missing_docs)]
     use kvm_bindings::KVMIO;
-    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iowr_nr};
 
     ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
     ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_bindings::kvm_regs);
     ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_bindings::kvm_sregs);
+    // A vCPU's state for a snapshot, read by its own thread when it parks (issue 15).
+    ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_bindings::kvm_msrs);
+    ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_bindings::kvm_lapic_state);
+    ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_bindings::kvm_mp_state);
+    ioctl_ior_nr!(
+        KVM_GET_VCPU_EVENTS,
+        KVMIO,
+        0x9f,
+        kvm_bindings::kvm_vcpu_events
+    );
+    ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_bindings::kvm_debugregs);
+    ioctl_ior_nr!(KVM_GET_XSAVE, KVMIO, 0xa4, kvm_bindings::kvm_xsave);
+    ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_bindings::kvm_xcrs);
+    // The VM's in-kernel devices for a snapshot, read by the control thread.
+    ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_bindings::kvm_irqchip);
+    ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_bindings::kvm_clock_data);
+    ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_bindings::kvm_pit_state2);
 }
-use requests::{KVM_GET_REGS, KVM_GET_SREGS, KVM_RUN};
+use requests::*;
 
 /// `FIONBIO` (Rust's `set_nonblocking` on sockets).
 const FIONBIO: u64 = libc::FIONBIO;
@@ -206,6 +223,13 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     u64::from(KVM_RUN()),
                     u64::from(KVM_GET_REGS()),
                     u64::from(KVM_GET_SREGS()),
+                    u64::from(KVM_GET_MSRS()),
+                    u64::from(KVM_GET_LAPIC()),
+                    u64::from(KVM_GET_MP_STATE()),
+                    u64::from(KVM_GET_VCPU_EVENTS()),
+                    u64::from(KVM_GET_DEBUGREGS()),
+                    u64::from(KVM_GET_XSAVE()),
+                    u64::from(KVM_GET_XCRS()),
                 ])?,
             );
             // `shutdown`: a guest that resets its vsock device does it through an MMIO write on
@@ -276,9 +300,22 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     libc::SYS_prctl,
                     libc::SYS_eventfd2,
                     libc::SYS_epoll_ctl,
+                    // A snapshot: the state and guest memory written to the two files the
+                    // service gave at start.
+                    libc::SYS_pwrite64,
+                    libc::SYS_ftruncate,
+                    libc::SYS_fdatasync,
                 ],
             );
-            m.insert(libc::SYS_ioctl, ioctl(&[FIONBIO])?);
+            m.insert(
+                libc::SYS_ioctl,
+                ioctl(&[
+                    FIONBIO,
+                    u64::from(KVM_GET_IRQCHIP()),
+                    u64::from(KVM_GET_CLOCK()),
+                    u64::from(KVM_GET_PIT2()),
+                ])?,
+            );
         }
     }
     Ok(m)
@@ -361,6 +398,15 @@ mod tests {
         assert_eq!(KVM_RUN(), 0xae80);
         assert_eq!(KVM_GET_REGS(), 0x8090_ae81);
         assert_eq!(KVM_GET_SREGS(), 0x8138_ae83);
+        // From the kernel's uapi headers, as `strace -X raw` prints them.
+        assert_eq!(KVM_GET_MSRS(), 0xc008_ae88);
+        assert_eq!(KVM_GET_LAPIC(), 0x8400_ae8e);
+        assert_eq!(KVM_GET_MP_STATE(), 0x8004_ae98);
+        assert_eq!(KVM_GET_VCPU_EVENTS(), 0x8040_ae9f);
+        assert_eq!(KVM_GET_XSAVE(), 0x9000_aea4);
+        assert_eq!(KVM_GET_IRQCHIP(), 0xc208_ae62);
+        assert_eq!(KVM_GET_CLOCK(), 0x8030_ae7c);
+        assert_eq!(KVM_GET_PIT2(), 0x8070_ae9f);
     }
 
     #[test]

@@ -54,3 +54,19 @@ pub fn console(
 ) -> Console {
     Serial::new(IrqTrigger(irq), LogWriter(log, sink))
 }
+
+/// A console in the state a snapshot recorded.
+pub fn restored(
+    state: &super::snapshot::SerialSnapshot,
+    irq: EventFd,
+    log: Arc<Mutex<ConsoleLog>>,
+    sink: Option<super::machine::ConsoleSink>,
+) -> Result<Console, String> {
+    Serial::from_state(
+        &state.state(),
+        IrqTrigger(irq),
+        vm_superio::serial::NoEvents,
+        LogWriter(log, sink),
+    )
+    .map_err(|e| format!("the serial port's saved state: {e:?}"))
+}

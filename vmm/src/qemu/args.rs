@@ -237,6 +237,8 @@ mod tests {
             state_dir: "/s".into(),
             net: None,
             start_timeout: None,
+            snapshot_to: None,
+            restore_from: None,
         }
     }
 

@@ -123,6 +123,12 @@ impl Backend for QemuBackend {
     }
 
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
+        if spec.restore_from.is_some() {
+            return Err(VmError::Unsupported(
+                "the QEMU backend boots every VM; restoring a snapshot needs the KVM backend"
+                    .into(),
+            ));
+        }
         validate(&spec)?;
         let spec = crate::backend::prepare(&spec)?;
         let started = process::spawn(&self.program, self.arch, self.accel, &spec).await;

@@ -31,6 +31,9 @@ pub const DEVICE_TYPE: u32 = 19;
 /// Queue order: guest-bound packets, host-bound packets, events.
 const RX: usize = 0;
 const TX: usize = 1;
+const EVENT: usize = 2;
+/// virtio_vsock_event id: every connection of the guest is gone (after a snapshot's restore).
+const EVENT_TRANSPORT_RESET: u32 = 0;
 const QUEUE_SIZES: [u16; 3] = [256, 256, 256];
 /// Most packets one queue moves per wake-up (one ring's worth); more wait for the next round.
 const PACKETS_PER_WAKE: usize = 256;
@@ -125,6 +128,9 @@ pub struct Vsock {
     /// loop (a reset has no access to it): else a new connection's socket, given the same fd
     /// number, could not be registered.
     retired: Vec<Conn>,
+    /// Restored from a snapshot: the guest is owed a transport reset event (its connections
+    /// had host ends in another process, which are gone), sent on its first event buffer.
+    reset_owed: bool,
 }
 
 impl Vsock {
@@ -149,6 +155,7 @@ impl Vsock {
                 resets: VecDeque::new(),
                 active: false,
                 retired: Vec::new(),
+                reset_owed: false,
             },
             handle,
         ))
@@ -533,6 +540,30 @@ impl Vsock {
         )
     }
 
+    /// Tells the guest's driver that every connection is gone, on the event queue's next
+    /// buffer (the driver posts them at probe and after each event).
+    fn send_reset_event(&mut self, q: &mut Queues) -> Result<(), DeviceError> {
+        if !self.reset_owed {
+            return Ok(());
+        }
+        let Some(chain) = pop(EVENT, &mut q.queues[EVENT], q.mem)? else {
+            return Ok(());
+        };
+        let head = chain.head_index();
+        let mut written = 0;
+        if let Some(mut w) = writer(q.mem, chain)
+            && std::io::Write::write_all(&mut w, &EVENT_TRANSPORT_RESET.to_le_bytes()).is_ok()
+        {
+            written = 4;
+        } else {
+            self.bad_packet();
+        }
+        add_used(EVENT, &mut q.queues[EVENT], q.mem, head, written)?;
+        q.interrupt.signal_used();
+        self.reset_owed = false;
+        Ok(())
+    }
+
     fn drop_all(&mut self) {
         for (_, mut c) in std::mem::take(&mut self.conns) {
             if let Some((_, done)) = c.connecting.take() {
@@ -582,6 +613,7 @@ impl VirtioDevice for Vsock {
         ops: &mut EventOps,
     ) -> Result<(), DeviceError> {
         self.unregister_retired(ops);
+        self.send_reset_event(q)?;
         if index == TX {
             self.process_tx(q, ops)?;
         }
@@ -616,15 +648,22 @@ impl VirtioDevice for Vsock {
         }
     }
 
+    fn restored(&mut self, _q: &mut Queues) -> Result<(), DeviceError> {
+        // Sent from the event loop: the transport kicks every queue once restored.
+        self.reset_owed = true;
+        Ok(())
+    }
+
     fn reset(&mut self) {
         self.active = false;
+        self.reset_owed = false;
         self.drop_all();
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
+    use std::io::{Read, Write};
     use std::sync::mpsc;
 
     use super::*;
@@ -702,6 +741,47 @@ mod tests {
 
     /// Connects to guest port 52 and accepts in the "guest"; returns the host end and the
     /// host's port.
+    #[test]
+    fn a_restored_device_tells_the_guest_its_connections_are_gone_and_connects_again() {
+        let (mut d, h) = device();
+        let (mut before, _) = connect(&mut d, &h);
+        // The guest's driver keeps event buffers posted.
+        const EVENT_BUF: u64 = 0xc0_0000;
+        d.put(EVENT_BUF, &[0xff; 8]);
+        d.add_chain(EVENT, &[(EVENT_BUF, 8, true)]);
+        d.kick(EVENT);
+        assert!(d.used(EVENT).is_empty(), "no event before a restore");
+
+        // Restored into a new device (another process in the real thing): the old host end is
+        // not carried over, the guest hears of it on the event queue.
+        let (v, h2) = Vsock::new(GUEST_CID).unwrap();
+        let mut r = d.restored(v).expect("the saved state restores");
+        r.run();
+        assert_eq!(r.used(EVENT), vec![(0, 4)]);
+        assert_eq!(r.get(EVENT_BUF, 4), EVENT_TRANSPORT_RESET.to_le_bytes());
+        assert_eq!(
+            r.get(EVENT_BUF + 4, 4),
+            [0xff; 4],
+            "only the event was written"
+        );
+        // The rx buffers the guest posted before the snapshot still serve the new connection.
+        let (mut after, port) = connect(&mut r, &h2);
+        after.write_all(b"hello").unwrap();
+        r.run();
+        let pkts = received(&mut r);
+        assert_eq!(pkts.len(), 1);
+        assert_eq!(
+            (pkts[0].0.op, pkts[0].1.as_slice()),
+            (op::RW, &b"hello"[..])
+        );
+        send(&mut r, guest_header(op::RW, port, 5), b"world");
+        let mut buf = [0u8; 5];
+        after.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"world");
+        // The old device's connection is its own business: it still works until it is dropped.
+        before.write_all(b"x").unwrap();
+    }
+
     fn connect(d: &mut Driver<Vsock>, h: &VsockHandle) -> (UnixStream, u32) {
         let (tx, rx) = mpsc::channel();
         h.connect(52, Box::new(move |r| tx.send(r).unwrap()));

@@ -1,0 +1,890 @@
+//! Templates through the service (issue 15). On the KVM backend the first sandbox of a shape
+//! boots and its template is built beside it; the next ones are restored from it and work as a
+//! booted sandbox does: exec, files, the network (an allowed name reached, a refused address
+//! counted), each with its own random bytes and the host's clock. A template whose memory file
+//! is damaged is discarded and the create boots cold. On QEMU every sandbox boots. The guest
+//! image's clones (when this machine has the image) run Python, call a fake provider through
+//! interception, and take an archive and disk writes.
+//!
+//! The KVM part runs where this machine's /dev/kvm boots Linux, else inside the nested test
+//! host (`tests/nested/run.sh`), this binary and the service's two programs taken along.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{start, stock_image_missing};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A plain HTTP server on loopback answering every request with `body`.
+async fn http_server(body: &'static str) -> u16 {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_qemu_every_sandbox_boots() {
+    if stock_image_missing() || std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1") {
+        return;
+    }
+    let h = start(&[("SANDBOX_HOST_VMM", "qemu")]);
+    for _ in 0..2 {
+        let (s, v) = h
+            .json(
+                "POST",
+                "/v1/sandboxes",
+                Some(
+                    json!({"run_id": "r", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1}),
+                ),
+            )
+            .await;
+        assert_eq!(s, 201, "{v}");
+        assert_eq!(v["started_from"], "boot", "{v}");
+    }
+    let (_, metrics) = h.req("GET", "/metrics", vec![], &[]).await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics.contains("sandbox_host_templates_ready 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sandbox_host_template_restores_total 0"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
+    if stock_image_missing() {
+        return;
+    }
+    if std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(templates_on_kvm());
+        rt.block_on(guest_image_on_kvm());
+        return;
+    }
+    let store = sandbox_vmm::ImageStore::new(sandbox_vmm::config::image_dir());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    if rt.block_on(sandbox_vmm::select::kvm_usable(&store)).is_ok() {
+        rt.block_on(templates_on_kvm());
+        rt.block_on(guest_image_on_kvm());
+        return;
+    }
+    // One level down: this binary, the service and its VM program, at the paths the service's
+    // tests expect them (the binary's own path is compiled into this test). The nested host has
+    // no user sandbox-host: the service runs as root there, so CI's demand for that user
+    // (SANDBOX_HOST_REQUIRE_E2E, passed down with the other settings) is dropped for this run.
+    let me = std::env::current_exe().unwrap();
+    let service = std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"));
+    let vm = service.with_file_name("sandbox-vm");
+    let dir = service.parent().unwrap().display().to_string();
+    // The fake provider's CA and certificate, made here (the nested host has no openssl).
+    let certs = tempfile::tempdir().unwrap();
+    common::make_certs(certs.path(), &["api.provider.test"]);
+    // The guest image (a gigabyte) goes along when this machine has it: the nested host then
+    // needs more memory to hold it.
+    let guest_image = !common::guest_image_missing();
+    let mut extra: Vec<&str> = vec![];
+    if guest_image {
+        extra.extend(["--mem", "8192", "--image", "vantik-guest:latest"]);
+    }
+    let cmd = format!(
+        "mkdir -p {dir} && ln -sf /work/sandbox-host {dir}/sandbox-host && ln -sf /work/sandbox-vm {dir}/sandbox-vm && \
+         unset SANDBOX_HOST_REQUIRE_E2E; export SANDBOX_HOST_IN_NESTED=1 SANDBOX_HOST_TEST_GUEST_IMAGE={}; \
+         timeout 1500 ./{} --test-threads 1 --nocapture on_kvm 2>&1",
+        u8::from(guest_image),
+        me.file_name().unwrap().to_string_lossy()
+    );
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    let out = std::process::Command::new("bash")
+        .arg(root.join("tests/nested/run.sh"))
+        .args(["--timeout", "1800"])
+        .args(&extra)
+        .arg("--with")
+        .arg(certs.path().join("ca.pem"))
+        .arg("--with")
+        .arg(certs.path().join("srv.pem"))
+        .arg("--with")
+        .arg(certs.path().join("srv.key"))
+        .arg("--with")
+        .arg(&me)
+        .arg("--with")
+        .arg(service)
+        .arg("--with")
+        .arg(&vm)
+        .arg("--")
+        .arg(cmd)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(0) && text.contains("test result: ok. 1 passed"),
+        "the template test failed in the nested host:\n{text}\n{stderr}"
+    );
+    eprintln!("{text}");
+}
+
+/// Everything the KVM part checks, on a host where the KVM backend runs.
+async fn templates_on_kvm() {
+    let port = http_server("hello from the host").await;
+    let resolve = format!("allowed.test:{port}:127.0.0.1");
+    // The nested host has no system roots, which interception needs: the outer run made a
+    // CA for it (the fake provider's, used by `guest_image_on_kvm`; none is reached here).
+    let ca = std::path::Path::new("/work/ca.pem");
+    let ca_env = ca.to_string_lossy().into_owned();
+    let mut env = vec![
+        ("SANDBOX_HOST_VMM", "kvm"),
+        ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
+        // The disk image's 20 GiB sandbox disks are sparse; the nested host's /tmp is memory.
+        ("SANDBOX_HOST_DISK_OVERCOMMIT", "100"),
+    ];
+    if std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1") && ca.exists() {
+        env.push(("SANDBOX_HOST_EGRESS_CA_FILE", ca_env.as_str()));
+    }
+    let h = start(&env);
+    let create = || async {
+        let mut body = json!({"run_id": "run-t", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1});
+        body["egress"] = json!({"allow": ["allowed.test"]});
+        let (s, v) = h.json("POST", "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+        v
+    };
+    let first = create().await;
+    assert_eq!(first["started_from"], "boot", "{first}");
+    h.wait_log("Template ready", Duration::from_secs(600));
+
+    let mut seen = std::collections::BTreeSet::new();
+    let mut boot_ms = vec![];
+    for i in 0..10 {
+        let v = create().await;
+        assert_eq!(v["started_from"], "template", "clone {i}: {v}");
+        boot_ms.push(v["boot_ms"].as_u64().unwrap_or(0));
+        let id = v["id"].as_str().unwrap().to_string();
+        let before = std::time::SystemTime::now();
+        let (out, err, last) = h
+            .exec(
+                &id,
+                "head -c 64 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
+            )
+            .await;
+        let after = std::time::SystemTime::now();
+        assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+        let text = String::from_utf8_lossy(&out).to_string();
+        let mut lines = text.lines();
+        let random = lines.next().unwrap_or_default().to_string();
+        assert_eq!(random.len(), 128, "{text}");
+        assert!(
+            seen.insert(random),
+            "clone {i} read another clone's random bytes"
+        );
+        let guest: u64 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+        let secs =
+            |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        assert!(
+            secs(before) - 1 <= guest && guest <= secs(after) + 1,
+            "clone {i}: the guest's clock says {guest}, the host's {} to {}",
+            secs(before),
+            secs(after)
+        );
+        if i == 0 {
+            // The network as on a booted sandbox: the allowed name answers, an address that
+            // is not allowed is refused and counted.
+            let (out, err, last) = h
+                .exec(
+                    &id,
+                    &format!(
+                        "printf 'GET /hello HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n' | nc -w 5 allowed.test {port}"
+                    ),
+                )
+                .await;
+            assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+            assert!(
+                String::from_utf8_lossy(&out).contains("hello from the host"),
+                "{}",
+                String::from_utf8_lossy(&out)
+            );
+            let (_, _, last) = h.exec(&id, "nc -w 3 198.51.100.7 80 </dev/null").await;
+            assert_ne!(last["exit_code"], 0);
+            let (s, egress) = h
+                .json("GET", &format!("/v1/sandboxes/{id}/egress"), None)
+                .await;
+            assert_eq!(s, 200, "{egress}");
+            assert!(
+                egress["refused"].as_u64().unwrap_or(0) > 0,
+                "the refusal is counted: {egress}"
+            );
+            // Files in and out through the API.
+            let (s, body) = h
+                .req(
+                    "PUT",
+                    &format!("/v1/sandboxes/{id}/files?path=/tmp/in.txt"),
+                    b"from the API".to_vec(),
+                    &[],
+                )
+                .await;
+            assert!(s == 200 || s == 201 || s == 204, "{s}: {body:?}");
+            let (out, _, _) = h.exec(&id, "cat /tmp/in.txt").await;
+            assert_eq!(out, b"from the API");
+        }
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(s == 200 || s == 204, "{s}");
+    }
+    eprintln!("boot_ms of ten sandboxes restored from the template: {boot_ms:?}");
+    // A run with a provider key, restored: its placeholder and its sandbox's own CA are set up
+    // as after a boot (the template has neither), and the key is nowhere in the guest.
+    let key = "sk-ant-api03-REALKEY-0123456789abcdef";
+    let (s, v) = h
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(
+                json!({"run_id": "run-t", "time_limit_ms": 600000, "review": false,
+                "memory_mib": 256, "vcpus": 1,
+                "egress": {"allow": ["allowed.test"], "secrets": [
+                    {"env": "ANTHROPIC_API_KEY", "value": key, "hosts": ["api.provider.test"]}]}}),
+            ),
+        )
+        .await;
+    assert_eq!(
+        (s, v["started_from"].as_str()),
+        (201, Some("template")),
+        "{v}"
+    );
+    let id = v["id"].as_str().unwrap().to_string();
+    let (out, _, last) = h
+        .exec(
+            &id,
+            "echo $ANTHROPIC_API_KEY; head -1 /etc/ssl/certs/sandbox-egress-ca.pem; grep -rl REALKEY / --exclude-dir=proc --exclude-dir=sys 2>/dev/null | head -1; true",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines
+            .first()
+            .is_some_and(|l| l.starts_with("vantik-placeholder-")),
+        "{text}"
+    );
+    assert_eq!(
+        lines.get(1).copied(),
+        Some("-----BEGIN CERTIFICATE-----"),
+        "{text}"
+    );
+    assert_eq!(lines.len(), 2, "the key is in the guest: {text}");
+    let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s == 200 || s == 204);
+    let (_, metrics) = h.req("GET", "/metrics", vec![], &[]).await;
+    let metrics = String::from_utf8_lossy(&metrics).to_string();
+    assert!(
+        metrics.contains("sandbox_host_template_restores_total 11"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sandbox_host_templates_ready 1"),
+        "{metrics}"
+    );
+
+    // Pause and resume: a running process, a file, and the counters survive; the VM's memory
+    // goes back to the host meanwhile.
+    let v = create().await;
+    let id = v["id"].as_str().unwrap().to_string();
+    let (_, err, last) = h
+        .exec(
+            &id,
+            "sleep 100000 >/dev/null 2>&1 & echo kept > /tmp/kept; nc -w 3 198.51.100.9 80 </dev/null; true",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    let (_, egress_before) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/egress"), None)
+        .await;
+    let (_, usage_before) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+        .await;
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    let committed = |h: &serde_json::Value| h["capacity"]["memory_mib"]["committed"].as_u64();
+    let before = committed(&health).unwrap();
+    let vm_pids = || {
+        // The VM process of this sandbox: `sandbox-vm` with its state directory's id in its
+        // jail (its cgroup is named after the sandbox).
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| {
+                let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+                let cgroup = std::fs::read_to_string(e.path().join("cgroup")).ok()?;
+                (comm.trim() == "sandbox-vm" && cgroup.contains(&id)).then(|| e.file_name())
+            })
+            .count()
+    };
+    assert_eq!(vm_pids(), 1, "one VM process for the sandbox");
+    let (s, v) = h
+        .json("POST", &format!("/v1/sandboxes/{id}/pause"), None)
+        .await;
+    assert_eq!((s, v["state"].as_str()), (200, Some("paused")), "{v}");
+    eprintln!("pause: {v}");
+    assert_eq!(vm_pids(), 0, "the paused sandbox's VM process is gone");
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    assert_eq!(
+        committed(&health),
+        Some(before - 256),
+        "its memory no longer counts: {health}"
+    );
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"command": "true"})),
+        )
+        .await;
+    assert_eq!((s, v["code"].as_str()), (409, Some("paused")), "{v}");
+    let (s, v) = h.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!((s, v["state"].as_str()), (200, Some("paused")), "{v}");
+    let (s, v) = h
+        .json("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+        .await;
+    assert_eq!((s, v["state"].as_str()), (200, Some("ready")), "{v}");
+    eprintln!("resume: {v}");
+    let (out, err, last) = h
+        .exec(
+            &id,
+            "cat /tmp/kept; pidof sleep >/dev/null && echo running; date +%s; ps",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    let text = String::from_utf8_lossy(&out).to_string();
+    assert!(text.starts_with("kept\nrunning\n"), "{text}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let guest: u64 = text
+        .lines()
+        .nth(2)
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        guest + 2 >= now && guest <= now + 1,
+        "the resumed clock: {guest} vs {now}"
+    );
+    let (_, egress_after) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/egress"), None)
+        .await;
+    let (_, usage_after) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+        .await;
+    assert_eq!(
+        egress_after["refused"], egress_before["refused"],
+        "{egress_after}"
+    );
+    assert!(
+        egress_before["refused"].as_u64().unwrap_or(0) > 0,
+        "{egress_before}"
+    );
+    assert_eq!(usage_after, usage_before);
+    // The network still works after the resume.
+    let (out, _, _) = h
+        .exec(
+            &id,
+            &format!(
+                "printf 'GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n' | nc -w 5 allowed.test {port}"
+            ),
+        )
+        .await;
+    assert!(String::from_utf8_lossy(&out).contains("hello from the host"));
+    // Twice more: each pause writes the set of files the running VM does not map.
+    for round in 0..2 {
+        let (s, v) = h
+            .json("POST", &format!("/v1/sandboxes/{id}/pause"), None)
+            .await;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let (s, v) = h
+            .json("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+            .await;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let (out, _, _) = h.exec(&id, "cat /tmp/kept").await;
+        assert_eq!(out, b"kept\n", "round {round}");
+    }
+    let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s == 200 || s == 204);
+    assert!(
+        !h.state.join(format!("{id}.paused")).exists(),
+        "its snapshot files are removed"
+    );
+
+    // A damaged template: the create boots cold, says so, and the template is gone.
+    let templates = h.state.join("templates");
+    let tpl = std::fs::read_dir(&templates)
+        .unwrap()
+        .flatten()
+        .next()
+        .expect("a template directory")
+        .path();
+    let mem = tpl.join("snapshot.mem");
+    let len = std::fs::metadata(&mem).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&mem)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let v = create().await;
+    assert_eq!(v["started_from"], "boot", "{v}");
+    h.wait_log("a template failed to restore", Duration::from_secs(5));
+    let (_, metrics) = h.req("GET", "/metrics", vec![], &[]).await;
+    assert!(
+        String::from_utf8_lossy(&metrics).contains("sandbox_host_templates_ready 0"),
+        "the damaged template is discarded"
+    );
+    let id = v["id"].as_str().unwrap();
+    let (out, _, _) = h.exec(id, "echo cold").await;
+    assert_eq!(out, b"cold\n");
+
+    // Pause and resume a sandbox with a disk, twice: its files, on the disk and only in the
+    // page cache, come back each time, read back from the disk itself too.
+    let store = common::stock_only_store(&h.state);
+    install_small_disk_image(&store);
+    let (s, v) = h
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(
+                json!({"run_id": "run-d", "time_limit_ms": 600000, "review": false,
+                "memory_mib": 256, "vcpus": 1, "image": "small"}),
+            ),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["image"], "small", "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let (_, err, last) = h
+        .exec(
+            &id,
+            "echo on-disk > /workspace/synced; sync; echo cached > /workspace/cached; df -k /run/sandbox/upper | tail -1",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    for round in 0..2 {
+        let (s, v) = h
+            .json("POST", &format!("/v1/sandboxes/{id}/pause"), None)
+            .await;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let (s, v) = h
+            .json("POST", &format!("/v1/sandboxes/{id}/resume"), None)
+            .await;
+        assert_eq!(s, 200, "round {round}: {v}");
+        let (out, err, _) = h
+            .exec(
+                &id,
+                &format!(
+                    "cat /workspace/synced /workspace/cached; echo {round} > /workspace/round{round}; sync; \
+                     echo 3 > /proc/sys/vm/drop_caches; cat /workspace/synced /workspace/cached /workspace/round{round}"
+                ),
+            )
+            .await;
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("on-disk\ncached\non-disk\ncached\n{round}\n"),
+            "round {round}: {}",
+            String::from_utf8_lossy(&err)
+        );
+    }
+    let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert!(s == 200 || s == 204);
+}
+
+/// What a clone of the guest image's template says to an Anthropic call, with its usage.
+const PROVIDER_JSON: &str = r#"{"id":"msg_clone","type":"message","role":"assistant","model":"claude-test","content":[{"type":"text","text":"from the provider"}],"stop_reason":"end_turn","usage":{"input_tokens":1200,"output_tokens":85}}"#;
+
+/// A fake model provider on loopback: TLS with `srv.pem`/`srv.key` from `dir`, one HTTP/1.1
+/// request per connection, answered with `PROVIDER_JSON`; each request's head is kept.
+async fn fake_provider(dir: &std::path::Path) -> (u16, Arc<Mutex<Vec<String>>>) {
+    let acceptor = common::tls_acceptor(dir);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let (acceptor, log) = (acceptor.clone(), log.clone());
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    let mut b = [0u8; 4096];
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse().ok())?
+                    })
+                    .unwrap_or(0);
+                while buf.len() < end + len {
+                    let mut b = [0u8; 4096];
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                }
+                log.lock().unwrap().push(head);
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{PROVIDER_JSON}",
+                    PROVIDER_JSON.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// The guest image restored from its template: ten clones read different bytes from
+/// `/dev/urandom` and from Python's `os.urandom`, with the host's clock; and a clone's provider
+/// call goes through interception as a booted sandbox's does (curl, then Python, trusting the
+/// clone's own CA): the provider gets the key, the guest its placeholder and the answer, the
+/// usage is metered, and the key is nowhere in the guest. An archive goes in and comes out,
+/// and 8 MiB written to the clone's disk read back the same from the disk.
+async fn guest_image_on_kvm() {
+    let nested = std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1");
+    if nested {
+        if std::env::var("SANDBOX_HOST_TEST_GUEST_IMAGE").as_deref() != Ok("1") {
+            eprintln!("skipped: the outer run had no guest image to bring into the nested host");
+            return;
+        }
+    } else if common::guest_image_missing() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = if nested {
+        std::path::PathBuf::from("/work")
+    } else {
+        common::make_certs(tmp.path(), &["api.provider.test"]);
+        tmp.path().to_path_buf()
+    };
+    let (port, seen) = fake_provider(&dir).await;
+    let resolve = format!("api.provider.test:{port}:127.0.0.1");
+    let ca = dir.join("ca.pem").to_string_lossy().into_owned();
+    let store = common::image_store().to_string_lossy().into_owned();
+    let mut env = vec![
+        ("SANDBOX_HOST_VMM", "kvm"),
+        ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
+        ("SANDBOX_HOST_EGRESS_CA_FILE", ca.as_str()),
+        ("SANDBOX_HOST_IMAGE_DIR", store.as_str()),
+        ("SANDBOX_HOST_DISK_OVERCOMMIT", "100"),
+    ];
+    let state_in_memory = sandbox_vmm::host::in_memory(std::path::Path::new("/tmp"));
+    if state_in_memory {
+        // The state directory is a tmpfs (the nested host's /tmp): what a clone reads of its
+        // template's memory file allocates file pages charged to it, and its disk is memory
+        // too, so it needs room beyond the default 64 MiB (the service warns about this).
+        env.push(("SANDBOX_HOST_VMM_ALLOWANCE_MIB", "512"));
+    }
+    let h = start(&env);
+    if state_in_memory {
+        h.wait_log(
+            "The state directory is in memory (tmpfs)",
+            Duration::from_secs(5),
+        );
+    }
+    let key = "sk-ant-api03-REALKEY-0123456789abcdef";
+    let create = || async {
+        let (s, v) = h
+            .json(
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"run_id": "run-g", "time_limit_ms": 600000, "review": false,
+                    "memory_mib": 256, "vcpus": 1, "image": "vantik-guest:latest",
+                    "egress": {"secrets": [
+                        {"env": "ANTHROPIC_API_KEY", "value": key, "hosts": ["api.provider.test"]}]}})),
+            )
+            .await;
+        assert_eq!(s, 201, "{v}");
+        v
+    };
+    let first = create().await;
+    assert_eq!(first["started_from"], "boot", "{first}");
+    h.wait_log("Template ready", Duration::from_secs(900));
+    let mut seen_bytes = std::collections::BTreeSet::new();
+    let mut boot_ms = vec![];
+    // A known open defect (stop 29's note): now and then a restored guest-image VM's device
+    // thread traps on `openat` (glibc's fatal-error path, stopped by its seccomp filter). The
+    // service then does what it must, discards the template and boots the sandbox cold; here
+    // that is accepted twice at most, and only with that reason, then the next template is
+    // waited for. Any other way a clone fails to restore fails the test.
+    let count = |needle: &str| {
+        h.logs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    };
+    let mut trapped = 0;
+    let mut i = 0;
+    while i < 10 {
+        let v = create().await;
+        if v["started_from"] == "boot" && trapped < 2 {
+            let logs = h.logs.lock().unwrap().clone();
+            let discard = logs
+                .iter()
+                .rev()
+                .find(|l| l.contains("a template failed to restore"))
+                .cloned()
+                .unwrap_or_default();
+            assert!(
+                discard.contains("the device thread made system call 257"),
+                "clone {i} booted: {v} {discard}"
+            );
+            trapped += 1;
+            eprintln!("clone {i}: the known device-thread trap discarded the template ({trapped})");
+            let ready = count("Template ready");
+            // The next create of the shape boots and builds the next template beside it.
+            let again = create().await;
+            assert_eq!(again["started_from"], "boot", "{again}");
+            for gone in [&v, &again] {
+                let id = gone["id"].as_str().unwrap();
+                let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+                assert!(s == 200 || s == 204, "{s}");
+            }
+            let t = std::time::Instant::now();
+            while count("Template ready") <= ready {
+                assert!(t.elapsed() < Duration::from_secs(900), "no new template");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            continue;
+        }
+        assert_eq!(v["started_from"], "template", "clone {i}: {v}");
+        boot_ms.push(v["boot_ms"].as_u64().unwrap_or(0));
+        let id = v["id"].as_str().unwrap().to_string();
+        let before = std::time::SystemTime::now();
+        let (out, err, last) = h
+            .exec(
+                &id,
+                "head -c 64 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \
+                 python3 -c 'import os; print(os.urandom(64).hex())'; date +%s",
+            )
+            .await;
+        let after = std::time::SystemTime::now();
+        assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+        let text = String::from_utf8_lossy(&out).to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        for random in &lines[..2] {
+            assert_eq!(random.len(), 128, "{text}");
+            assert!(
+                seen_bytes.insert(random.to_string()),
+                "clone {i} read bytes another read gave: {text}"
+            );
+        }
+        let guest: u64 = lines[2].parse().unwrap_or(0);
+        let secs =
+            |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        assert!(
+            secs(before) - 1 <= guest && guest <= secs(after) + 1,
+            "clone {i}: the guest's clock says {guest}, the host's {} to {}",
+            secs(before),
+            secs(after)
+        );
+        if i == 0 {
+            let calls = [
+                format!(
+                    "curl -sS --max-time 60 -H \"x-api-key: $ANTHROPIC_API_KEY\" -H 'content-type: application/json' \
+                     -d '{{\"model\":\"m\"}}' https://api.provider.test:{port}/v1/messages"
+                ),
+                format!(
+                    "python3 -c \"import os,sys,urllib.request as u; r=u.Request('https://api.provider.test:{port}/v1/messages', \
+                     data=b'{{}}', headers={{'x-api-key': os.environ['ANTHROPIC_API_KEY']}}); \
+                     sys.stdout.write(u.urlopen(r, timeout=60).read().decode())\""
+                ),
+            ];
+            for call in &calls {
+                let (out, err, last) = h.exec(&id, call).await;
+                assert_eq!(
+                    (
+                        last["exit_code"].as_i64(),
+                        String::from_utf8_lossy(&out).as_ref()
+                    ),
+                    (Some(0), PROVIDER_JSON),
+                    "{call}: {}",
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            let heads = seen.lock().unwrap().clone();
+            assert_eq!(heads.len(), 2, "{heads:?}");
+            for head in &heads {
+                assert!(
+                    head.to_ascii_lowercase()
+                        .contains(&format!("x-api-key: {key}").to_ascii_lowercase()),
+                    "the provider got the key: {head}"
+                );
+            }
+            let mut u = json!(null);
+            for _ in 0..40 {
+                let (s, v) = h
+                    .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+                    .await;
+                assert_eq!(s, 200, "{v}");
+                u = v;
+                if u["totals"]["calls"] == 2 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            assert_eq!(
+                (&u["totals"]["calls"], &u["totals"]["output_tokens"]),
+                (&json!(2), &json!(170)),
+                "both calls metered: {u}"
+            );
+            let (out, _, last) = h
+                .exec(
+                    &id,
+                    // Where a key could land (the image's own gigabyte is read-only and the
+                    // same in every sandbox): configuration, run state, homes, the
+                    // workspace, temporary files, and every process's environment.
+                    "echo $ANTHROPIC_API_KEY; grep -rls REALKEY /etc /run /root /home /workspace /tmp /var/tmp /proc/[0-9]*/environ | head -1; true",
+                )
+                .await;
+            assert_eq!(last["exit_code"], 0);
+            let text = String::from_utf8_lossy(&out).to_string();
+            assert!(text.starts_with("vantik-placeholder-"), "{text}");
+            assert_eq!(text.lines().count(), 1, "the key is in the guest: {text}");
+
+            // An archive in and out, and disk writes read back from the disk, as on a booted
+            // sandbox of the image.
+            let mut tarball = tar::Builder::new(Vec::new());
+            for (name, body, mode) in [
+                ("a/hello.txt", &b"hello\n"[..], 0o644),
+                ("a/run.sh", &b"#!/bin/sh\necho ran\n"[..], 0o755),
+            ] {
+                let mut head = tar::Header::new_gnu();
+                head.set_size(body.len() as u64);
+                head.set_mode(mode);
+                head.set_cksum();
+                tarball.append_data(&mut head, name, body).unwrap();
+            }
+            let (s, b) = h
+                .req(
+                    "PUT",
+                    &format!("/v1/sandboxes/{id}/archive?path=/workspace/proj"),
+                    tarball.into_inner().unwrap(),
+                    &[("content-type", "application/x-tar")],
+                )
+                .await;
+            assert_eq!(s, 204, "{}", String::from_utf8_lossy(&b));
+            let (out, err, last) = h
+                .exec(
+                    &id,
+                    "cd /workspace/proj && ./a/run.sh && cat a/hello.txt && \
+                     head -c 8388608 /dev/urandom > big && sha256sum big > big.sum && sync && \
+                     echo 3 > /proc/sys/vm/drop_caches && sha256sum -c big.sum",
+                )
+                .await;
+            assert_eq!(
+                (
+                    last["exit_code"].as_i64(),
+                    String::from_utf8_lossy(&out).as_ref()
+                ),
+                (Some(0), "ran\nhello\nbig: OK\n"),
+                "{}",
+                String::from_utf8_lossy(&err)
+            );
+            let (s, back) = h
+                .req(
+                    "GET",
+                    &format!("/v1/sandboxes/{id}/archive?path=/workspace/proj"),
+                    vec![],
+                    &[],
+                )
+                .await;
+            assert_eq!(s, 200);
+            let names: Vec<String> = tar::Archive::new(&back[..])
+                .entries()
+                .unwrap()
+                .map(|e| e.unwrap().path().unwrap().to_string_lossy().into_owned())
+                .collect();
+            assert!(
+                ["a/hello.txt", "a/run.sh", "big"]
+                    .iter()
+                    .all(|want| names.iter().any(|n| n.ends_with(want))),
+                "{names:?}"
+            );
+        }
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(s == 200 || s == 204, "{s}");
+        i += 1;
+    }
+    eprintln!(
+        "boot_ms of ten guest-image sandboxes restored from the template: {boot_ms:?}; \
+         templates discarded by the device-thread trap: {trapped}"
+    );
+}
+
+/// A small disk image in `store` named `small`: the stock image's kernel and initramfs, and its
+/// initramfs's files as the read-only ext4 root (the same /init boots it as an overlay with a
+/// sandbox disk, as it boots the guest image).
+fn install_small_disk_image(store: &std::path::Path) {
+    let stock = std::fs::canonicalize(store.join("stock")).expect("the stock image");
+    let dir = store.join("small");
+    let tree = store.join("small-tree");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(&tree).unwrap();
+    for f in ["vmlinux", "initramfs.cpio"] {
+        std::fs::copy(stock.join(f), dir.join(f)).unwrap();
+    }
+    let ok = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "cd '{}' && cpio -id < '{}' 2>/dev/null; mkfs.ext4 -q -F -d '{}' '{}' 64M",
+            tree.display(),
+            stock.join("initramfs.cpio").display(),
+            tree.display(),
+            dir.join("rootfs.ext4").display()
+        ))
+        .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "the small disk image is made (cpio, mkfs.ext4 -d)");
+    std::fs::write(
+        dir.join("manifest.json"),
+        r#"{"name": "small", "arch": "x86_64", "kind": "disk", "kernel": "vmlinux", "initrd": "initramfs.cpio", "rootfs": "rootfs.ext4", "agent_version": "0.1.0"}"#,
+    )
+    .unwrap();
+}
