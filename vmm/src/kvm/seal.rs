@@ -72,6 +72,7 @@ pub fn install() -> Result<(), SealError> {
             .into_iter()
             .map(|k| Ok((k, program(k)?)))
             .collect::<Result<_, SealError>>()?;
+    settle_the_allocator();
     install_sigsys_handler();
     let _ = SEALER.set(Box::new(move |kind| {
         let (_, p) = programs
@@ -81,6 +82,31 @@ pub fn install() -> Result<(), SealError> {
         seccompiler::apply_filter(p).map_err(|e| SealError::Apply(kind.name(), e.to_string()))
     }));
     Ok(())
+}
+
+/// Has glibc make, before any filter, the one open its allocator makes lazily: the first time
+/// a thread's own arena shrinks, glibc reads `/proc/sys/vm/overcommit_memory` (`openat`; malloc's
+/// `check_may_shrink_heap`) and keeps the answer for the process. Under a filter that open is a
+/// trap, and a device thread that had moved a large transfer through its own buffers died of it
+/// (issue 15). A thread of its own gets an arena of its own at its first allocation; freeing
+/// blocks above the trim threshold (128 KiB) from the top shrinks it.
+fn settle_the_allocator() {
+    let warm = std::thread::Builder::new()
+        .name("allocator".into())
+        .spawn(|| {
+            // Below the mmap threshold (128 KiB), so they come from this thread's arena.
+            let blocks: Vec<Vec<u8>> = (0..8)
+                .map(|_| std::hint::black_box(Vec::with_capacity(100 << 10)))
+                .collect();
+            for b in blocks.into_iter().rev() {
+                drop(std::hint::black_box(b));
+            }
+        });
+    // A thread that cannot start leaves the allocator as it was: the filter still holds, and a
+    // later shrink is reported as the call it is.
+    if let Ok(t) = warm {
+        let _ = t.join();
+    }
 }
 
 /// Applies this thread's filter if the process installed a sealer; a no-op otherwise.
@@ -415,6 +441,43 @@ mod tests {
             let p = program(k).unwrap();
             assert!(!p.is_empty() && p.len() < 512, "{k:?}: {}", p.len());
         }
+    }
+
+    #[test]
+    fn a_thread_that_frees_a_large_heap_stays_inside_its_filter() {
+        // glibc shrinks a thread's own arena when much of it is freed, and the first time any
+        // arena shrinks it opens /proc/sys/vm/overcommit_memory (openat): a device thread that
+        // moved a large transfer through its own buffers died of it (issue 15).
+        let me = std::env::current_exe().unwrap();
+        if std::env::var_os("SEAL_CHILD").is_some() {
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+            install().unwrap();
+            std::thread::spawn(|| {
+                enter(ThreadKind::Device).unwrap();
+                for _ in 0..4 {
+                    // Below the mmap threshold, so they come from this thread's arena.
+                    let blocks: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 100 << 10]).collect();
+                    for b in blocks.into_iter().rev() {
+                        std::hint::black_box(b);
+                    }
+                }
+            })
+            .join()
+            .unwrap();
+            return;
+        }
+        let out = std::process::Command::new(me)
+            .args([
+                "--exact",
+                "kvm::seal::tests::a_thread_that_frees_a_large_heap_stays_inside_its_filter",
+                "--nocapture",
+            ])
+            .env("SEAL_CHILD", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {err}", out.status);
     }
 
     #[test]
