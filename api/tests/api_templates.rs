@@ -148,6 +148,54 @@ fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
     eprintln!("{text}");
 }
 
+/// Checks that clone `i` is a machine of its own: 64 bytes of its `/dev/urandom` (and, with
+/// `python`, of Python's `os.urandom`), each new to `seen`, and its clock within a second of the
+/// host's.
+async fn its_own_machine(
+    h: &common::Host,
+    id: &str,
+    i: usize,
+    python: bool,
+    seen: &mut std::collections::BTreeSet<String>,
+) {
+    let python_read = if python {
+        "python3 -c 'import os; print(os.urandom(64).hex())'; "
+    } else {
+        ""
+    };
+    let before = std::time::SystemTime::now();
+    let (out, err, last) = h
+        .exec(
+            id,
+            &format!(
+                "head -c 64 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; {python_read}date +%s"
+            ),
+        )
+        .await;
+    let after = std::time::SystemTime::now();
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    let text = String::from_utf8_lossy(&out).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let reads = if python { 2 } else { 1 };
+    assert_eq!(lines.len(), reads + 1, "{text}");
+    for random in &lines[..reads] {
+        assert_eq!(random.len(), 128, "{text}");
+        assert!(
+            seen.insert(random.to_string()),
+            "clone {i} read bytes another read gave: {text}"
+        );
+    }
+    let guest: u64 = lines[reads].parse().unwrap_or(0);
+    let secs =
+        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(
+        secs(before) - 1 <= guest && guest <= secs(after) + 1,
+        "clone {i}: the guest's clock says {guest}, the host's {} to {}",
+        secs(before),
+        secs(after)
+    );
+}
+
 /// Everything the KVM part checks, on a host where the KVM backend runs.
 async fn templates_on_kvm() {
     let port = http_server("hello from the host").await;
@@ -184,32 +232,7 @@ async fn templates_on_kvm() {
         assert_eq!(v["started_from"], "template", "clone {i}: {v}");
         boot_ms.push(v["boot_ms"].as_u64().unwrap_or(0));
         let id = v["id"].as_str().unwrap().to_string();
-        let before = std::time::SystemTime::now();
-        let (out, err, last) = h
-            .exec(
-                &id,
-                "head -c 64 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
-            )
-            .await;
-        let after = std::time::SystemTime::now();
-        assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
-        let text = String::from_utf8_lossy(&out).to_string();
-        let mut lines = text.lines();
-        let random = lines.next().unwrap_or_default().to_string();
-        assert_eq!(random.len(), 128, "{text}");
-        assert!(
-            seen.insert(random),
-            "clone {i} read another clone's random bytes"
-        );
-        let guest: u64 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
-        let secs =
-            |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-        assert!(
-            secs(before) - 1 <= guest && guest <= secs(after) + 1,
-            "clone {i}: the guest's clock says {guest}, the host's {} to {}",
-            secs(before),
-            secs(after)
-        );
+        its_own_machine(&h, &id, i, false, &mut seen).await;
         if i == 0 {
             // The network as on a booted sandbox: the allowed name answers, an address that
             // is not allowed is refused and counted.
@@ -651,35 +674,7 @@ async fn guest_image_on_kvm() {
         assert_eq!(v["started_from"], "template", "clone {i}: {v}");
         boot_ms.push(v["boot_ms"].as_u64().unwrap_or(0));
         let id = v["id"].as_str().unwrap().to_string();
-        let before = std::time::SystemTime::now();
-        let (out, err, last) = h
-            .exec(
-                &id,
-                "head -c 64 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \
-                 python3 -c 'import os; print(os.urandom(64).hex())'; date +%s",
-            )
-            .await;
-        let after = std::time::SystemTime::now();
-        assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
-        let text = String::from_utf8_lossy(&out).to_string();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 3, "{text}");
-        for random in &lines[..2] {
-            assert_eq!(random.len(), 128, "{text}");
-            assert!(
-                seen_bytes.insert(random.to_string()),
-                "clone {i} read bytes another read gave: {text}"
-            );
-        }
-        let guest: u64 = lines[2].parse().unwrap_or(0);
-        let secs =
-            |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-        assert!(
-            secs(before) - 1 <= guest && guest <= secs(after) + 1,
-            "clone {i}: the guest's clock says {guest}, the host's {} to {}",
-            secs(before),
-            secs(after)
-        );
+        its_own_machine(&h, &id, i, true, &mut seen_bytes).await;
         if i == 0 {
             let calls = [
                 format!(
