@@ -17,7 +17,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use sandbox_benches::{header, row, stats};
+use sandbox_benches::{header, in_nested, row, run_nested, stats};
 use sandbox_protocol::client::ExecEvent;
 use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::kvm::KvmBackend;
@@ -186,10 +186,6 @@ async fn measure(
     sb.stop().await;
 }
 
-fn in_nested() -> bool {
-    std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1")
-}
-
 fn main() {
     let runs: usize = std::env::var("BENCH_RUNS")
         .ok()
@@ -210,36 +206,7 @@ fn main() {
         println!(
             "this machine's KVM cannot run Linux ({why}); running the bench in the nested test host"
         );
-        let me = std::env::current_exe().expect("exe");
-        let name = me.file_name().unwrap().to_string_lossy().into_owned();
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-        // Each KVM VM runs in sandbox-vm, which goes down with the bench.
-        let vm = match sandbox_vmm::kvm::process::vm_binary() {
-            Ok(p) => p,
-            Err(why) => {
-                println!(
-                    "skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`"
-                );
-                return;
-            }
-        };
-        let st = std::process::Command::new("bash")
-            .arg(root.join("tests/nested/run.sh"))
-            .args([
-                "--with",
-                me.to_str().unwrap(),
-                "--with",
-                vm.to_str().unwrap(),
-                "--",
-            ])
-            .arg(format!(
-                "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
-            ))
-            // The nested console streams to stderr; stdout would print it all once more.
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("nested run");
-        std::process::exit(st.code().unwrap_or(1));
+        run_nested(runs);
     }
     let kvm = KvmBackend::new().expect("KVM backend");
     let in_process = KvmBackend::in_process().expect("KVM backend, in this process");

@@ -1,4 +1,5 @@
-//! Helpers shared by the benchmarks: statistics and table printing.
+//! Helpers shared by the benchmarks: statistics, table printing, and running a bench inside the
+//! nested test host.
 #![allow(missing_docs)]
 
 use std::time::Duration;
@@ -38,4 +39,47 @@ pub fn header() {
         "-".repeat(6),
         "-".repeat(8)
     );
+}
+
+/// Whether this bench runs inside the nested test host (`tests/nested/run.sh` sets it).
+pub fn in_nested() -> bool {
+    std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1")
+}
+
+/// Runs this bench again inside the nested test host, whose KVM boots Linux, with `sandbox-vm`
+/// taken along (each KVM VM runs in it), and exits with its status. A missing `sandbox-vm` is a
+/// skip that says how to build it.
+#[cfg(target_os = "linux")]
+pub fn run_nested(runs: usize) -> ! {
+    let me = std::env::current_exe().expect("exe");
+    let name = me.file_name().unwrap().to_string_lossy().into_owned();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    let vm = match sandbox_vmm::kvm::process::vm_binary() {
+        Ok(p) => p,
+        Err(why) => {
+            println!(
+                "skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`"
+            );
+            std::process::exit(0);
+        }
+    };
+    let st = std::process::Command::new("bash")
+        .arg(root.join("tests/nested/run.sh"))
+        .args([
+            "--with",
+            me.to_str().unwrap(),
+            "--with",
+            vm.to_str().unwrap(),
+            "--",
+        ])
+        .arg(format!(
+            "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
+        ))
+        // The nested console streams to stderr; stdout would print it all once more.
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("nested run");
+    std::process::exit(st.code().unwrap_or(1));
 }

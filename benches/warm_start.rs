@@ -27,7 +27,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use sandbox_benches::{header, row, stats};
+use sandbox_benches::{header, in_nested, row, run_nested, stats};
 use sandbox_vmm::kvm::KvmBackend;
 use sandbox_vmm::qemu::{QemuBackend, args};
 use sandbox_vmm::{Backend, ImageStore, SnapshotFiles, VmSpec, config};
@@ -250,41 +250,6 @@ fn qemu_migration(
         }
     }
     (boots, restores, size)
-}
-
-fn in_nested() -> bool {
-    std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1")
-}
-
-fn run_nested(runs: usize) -> ! {
-    let me = std::env::current_exe().expect("exe");
-    let name = me.file_name().unwrap().to_string_lossy().into_owned();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let vm = match sandbox_vmm::kvm::process::vm_binary() {
-        Ok(p) => p,
-        Err(why) => {
-            println!(
-                "skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`"
-            );
-            std::process::exit(0);
-        }
-    };
-    let st = std::process::Command::new("bash")
-        .arg(root.join("tests/nested/run.sh"))
-        .args([
-            "--with",
-            me.to_str().unwrap(),
-            "--with",
-            vm.to_str().unwrap(),
-            "--",
-        ])
-        .arg(format!(
-            "SANDBOX_HOST_IN_NESTED=1 BENCH_RUNS={runs} ./{name} --bench"
-        ))
-        .stdout(std::process::Stdio::null())
-        .status()
-        .expect("nested run");
-    std::process::exit(st.code().unwrap_or(1));
 }
 
 fn main() {
