@@ -24,6 +24,7 @@ mounts), debootstrap, e2fsprogs and the network to Debian, PyPI and the npm regi
 """
 
 import argparse
+import datetime
 import fcntl
 import hashlib
 import json
@@ -154,6 +155,12 @@ def load_config(path):
     for name, version in cfg["npm"].items():
         if not version or any(c in version for c in "^~*<> |"):
             die(f"{path}: npm package {name} must have an exact version, not `{version}`")
+    before = cfg.get("npm_options", {}).get("before")
+    if before is not None:
+        try:
+            datetime.datetime.strptime(before, "%Y-%m-%dT%H:%M:%SZ")
+        except (TypeError, ValueError):
+            die(f"{path}: npm_options.before must be a UTC time such as 2026-11-03T00:00:00Z, not `{before}`")
     return cfg
 
 
@@ -427,7 +434,10 @@ def main():
             log(f"npm install -g {pkgs}")
             allow = cfg.get("npm_options", {}).get("allow_scripts", [])
             allow_arg = f"--allow-scripts={','.join(allow)}" if allow else ""
-            chroot(tree, f"npm install -g --no-audit --no-fund --loglevel=warn {allow_arg} {pkgs}", build_env)
+            before = cfg.get("npm_options", {}).get("before")
+            before_arg = f"--before={before}" if before else ""
+            chroot(tree, f"npm install -g --no-audit --no-fund --loglevel=warn {allow_arg} {before_arg} {pkgs}",
+                   build_env)
             commands = cfg.get("run", {}).get("commands", [])
             for i, command in enumerate(commands):
                 log(f"run [{i + 1}/{len(commands)}]: {command}")
