@@ -477,6 +477,9 @@ impl Machine {
         };
         let console = Arc::new(Mutex::new(console));
 
+        // Without it no snapshot can be taken (each says so) and none restored; a booted
+        // machine runs anyway.
+        let msr_list = snapshot::msr_list(&kvm);
         let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
         for id in 0..cfg.vcpus {
             let vcpu = vm
@@ -487,14 +490,16 @@ impl Machine {
                 let saved = r.state.vcpus.get(usize::from(id)).ok_or_else(|| {
                     snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
                 })?;
-                snapshot::restore_vcpu(&vcpu, usize::from(id), saved)?;
+                let supported = msr_list.as_ref().map_err(|e| {
+                    snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}"))
+                })?;
+                snapshot::restore_vcpu(&vcpu, usize::from(id), saved, supported)?;
             } else if let Some(entry) = boot_entry {
                 cpu::setup(&kvm, &vcpu, id, cfg.vcpus, entry)?;
             }
             vcpus.push(vcpu);
         }
-        // Without it no snapshot can be taken (each says so); the machine runs anyway.
-        let msr_list = snapshot::msr_list(&kvm).ok();
+        let msr_list = msr_list.ok();
 
         let shared = Arc::new(Shared {
             exit: Mutex::new(None),

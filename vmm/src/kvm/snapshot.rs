@@ -377,9 +377,34 @@ fn read_msrs(vcpu: &VcpuFd, list: &[u32]) -> Result<Vec<(u32, u64)>, SnapshotErr
     Ok(out)
 }
 
-/// Puts a saved state into a freshly created vCPU whose CPUID is already set.
-pub fn restore_vcpu(vcpu: &VcpuFd, id: usize, s: &VcpuState) -> Result<(), SnapshotError> {
+/// Puts a saved state into a freshly created vCPU whose CPUID is already set. `supported` is
+/// KVM's MSR index list ([`msr_list`]): a state file is written by a VM process the guest may have
+/// taken over, and restoring runs before the restoring process's filters, so only MSRs a
+/// snapshot can hold are written, and only the run states an x86 vCPU has.
+pub fn restore_vcpu(
+    vcpu: &VcpuFd,
+    id: usize,
+    s: &VcpuState,
+    supported: &[u32],
+) -> Result<(), SnapshotError> {
     let step = |what: &str| format!("restoring vCPU {id}: {what}");
+    if s.mp_state.mp_state > kvm_bindings::KVM_MP_STATE_SIPI_RECEIVED {
+        return Err(SnapshotError::Format(format!(
+            "vCPU {id}: run state {} is none an x86 vCPU has",
+            s.mp_state.mp_state
+        )));
+    }
+    let mut known = supported.to_vec();
+    known.sort_unstable();
+    if let Some((index, _)) = s
+        .msrs
+        .iter()
+        .find(|(index, _)| known.binary_search(index).is_err())
+    {
+        return Err(SnapshotError::Format(format!(
+            "vCPU {id}: MSR {index:#x} is not one KVM lists, so no snapshot holds it"
+        )));
+    }
     vcpu.set_mp_state(s.mp_state)
         .map_err(kvm_err(step("KVM_SET_MP_STATE")))?;
     vcpu.set_regs(&s.regs)
@@ -611,6 +636,40 @@ pub fn map_memory(file: &File, mem_bytes: u64) -> Result<GuestMemoryMmap, Snapsh
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vcpu_state_with_an_msr_or_run_state_kvm_does_not_list_is_refused() {
+        // A real vCPU of this host's KVM (which runs simple guest code, so vCPUs exist).
+        let Ok(kvm) = Kvm::new() else {
+            assert!(
+                std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_none(),
+                "no /dev/kvm here"
+            );
+            eprintln!("skipped: no /dev/kvm on this machine");
+            return;
+        };
+        let vm = kvm.create_vm().unwrap();
+        vm.set_tss_address(layout::KVM_TSS_ADDRESS).unwrap();
+        vm.create_irq_chip().unwrap();
+        let vcpu = vm.create_vcpu(0).unwrap();
+        super::super::cpu::set_cpuid(&kvm, &vcpu, 0, 1).unwrap();
+        let supported = msr_list(&kvm).unwrap();
+        let mut state = save_vcpu(&vcpu, &supported).unwrap();
+        assert!(!state.msrs.is_empty());
+        restore_vcpu(&vcpu, 0, &state, &supported).expect("its own state restores");
+
+        state.msrs.push((0xdead_beef, 1));
+        let e = restore_vcpu(&vcpu, 0, &state, &supported).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("MSR 0xdeadbeef is not one KVM lists"),
+            "{e}"
+        );
+        state.msrs.pop();
+        state.mp_state.mp_state = 9;
+        let e = restore_vcpu(&vcpu, 0, &state, &supported).unwrap_err();
+        assert!(e.to_string().contains("run state 9"), "{e}");
+    }
 
     #[test]
     fn memory_round_trips_with_holes_where_the_guest_wrote_nothing() {
