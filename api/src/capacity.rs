@@ -221,7 +221,7 @@ fn open_fds() -> u64 {
     sandbox_vmm::host::open_fds()
 }
 
-fn statvfs_free_mib(path: &std::path::Path) -> Option<u64> {
+pub(crate) fn statvfs_free_mib(path: &std::path::Path) -> Option<u64> {
     sandbox_vmm::host::free_mib(path)
 }
 

@@ -422,7 +422,15 @@ pub async fn sweep(state: &AppState) {
         if let Some(why) = why
             && let Some(entry) = state.registry().take(&e.id)
         {
-            dispose(state, entry, why).await;
+            if entry.paused.try_lock().is_ok() {
+                dispose(state, entry, why).await;
+            } else {
+                // A pause or resume holds it (bounded, but by minutes for a guest that never
+                // answers): it is disposed of when that ends, and the others are not kept
+                // waiting behind it.
+                let state = state.clone();
+                tokio::spawn(async move { dispose(&state, entry, why).await });
+            }
         }
     }
 }

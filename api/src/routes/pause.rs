@@ -49,6 +49,21 @@ async fn pause_entry(entry: &Arc<SandboxEntry>) -> Result<Json<Value>, ApiError>
         return Ok(Json(json!({"id": entry.id, "state": "paused"})));
     }
     entry.ensure_alive()?;
+    // The memory file can grow to the guest's memory: a pause that could fill the state
+    // directory's file system (where the other sandboxes' disks grow) is refused instead.
+    let need = u64::from(entry.memory_mib) + PAUSE_MARGIN_MIB;
+    if let Some(free) = crate::capacity::statvfs_free_mib(&p.dir)
+        && free < need
+    {
+        return Err(ApiError::NoCapacity(format!(
+            "pausing sandbox `{}` writes up to {} MiB of its memory under {}, where {free} MiB \
+             are free (it needs {need} MiB); free space there or delete sandboxes, then pause \
+             again (it keeps running meanwhile)",
+            entry.id,
+            entry.memory_mib,
+            p.dir.display()
+        )));
+    }
     // Marked paused before requests are counted: a request counts itself before it checks the
     // mark (`SandboxEntry::enter`), so either it sees the mark or this sees it.
     entry.set_paused(true);
@@ -122,6 +137,9 @@ async fn pause_entry(entry: &Arc<SandboxEntry>) -> Result<Json<Value>, ApiError>
         "pause_ms": t0.elapsed().as_millis() as u64,
     })))
 }
+
+/// Free space a pause leaves beyond its memory file, for the sandboxes that go on writing.
+const PAUSE_MARGIN_MIB: u64 = 256;
 
 /// Where a paused sandbox's disk waits.
 fn pause_disk(p: &registry::Pausable) -> std::path::PathBuf {

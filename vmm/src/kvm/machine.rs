@@ -1183,6 +1183,9 @@ fn run_once(
     false
 }
 
+/// The most exits a vCPU handles while it completes its last one for a pause.
+const PARK_EXITS: usize = 2048;
+
 /// Parks a vCPU thread for a pause. First it completes its last exit (KVM finishes an I/O or
 /// MMIO read only on the next KVM_RUN, which `immediate_exit` makes return at once; an exit that
 /// run starts is handled the same way) and says it stopped. Its state is read only once every
@@ -1199,9 +1202,12 @@ fn park_vcpu(
 ) {
     let epoch = lock(&shared.pause).epoch;
     vcpu.set_kvm_immediate_exit(1);
-    // Each turn handles one exit the completion started; a guest cannot chain them forever.
+    // Each turn handles one exit the completion started; a guest cannot chain them forever:
+    // KVM emulates a `rep` string instruction on MMIO one exit per element but goes back to
+    // the guest's entry (where `immediate_exit` stops it) every 1024 elements at most, so a
+    // bound above that lets a guest that loops on one still be paused.
     let mut completed = false;
-    for _ in 0..64 {
+    for _ in 0..PARK_EXITS {
         if run_once(vcpu, id, shared, bus, console) || shared.stopping.load(Ordering::SeqCst) {
             completed = true;
             break;
