@@ -339,7 +339,7 @@ async fn templates_on_kvm() {
     let (_, err, last) = h
         .exec(
             &id,
-            "sleep 100000 >/dev/null 2>&1 & echo kept > /tmp/kept; nc -w 3 198.51.100.9 80 </dev/null; true",
+            "sleep 100000 >/dev/null 2>&1 & echo kept > /workspace/kept; nc -w 3 198.51.100.9 80 </dev/null; true",
         )
         .await;
     assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
@@ -352,26 +352,39 @@ async fn templates_on_kvm() {
     let (_, health) = h.json("GET", "/v1/health", None).await;
     let committed = |h: &serde_json::Value| h["capacity"]["memory_mib"]["committed"].as_u64();
     let before = committed(&health).unwrap();
-    let vm_pids = || {
-        // The VM process of this sandbox: `sandbox-vm` with its state directory's id in its
-        // jail (its cgroup is named after the sandbox).
+    let vm_rss_kib = || {
+        // The VM processes of this sandbox (`sandbox-vm` with its state directory's id in its
+        // jail: its cgroup is named after the sandbox), and their resident memory.
         std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
             .filter_map(|e| {
                 let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
                 let cgroup = std::fs::read_to_string(e.path().join("cgroup")).ok()?;
-                (comm.trim() == "sandbox-vm" && cgroup.contains(&id)).then(|| e.file_name())
+                (comm.trim() == "sandbox-vm" && cgroup.contains(&id)).then_some(())?;
+                let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             })
-            .count()
+            .collect::<Vec<u64>>()
     };
-    assert_eq!(vm_pids(), 1, "one VM process for the sandbox");
+    let running = vm_rss_kib();
+    assert_eq!(running.len(), 1, "one VM process for the sandbox");
     let (s, v) = h
         .json("POST", &format!("/v1/sandboxes/{id}/pause"), None)
         .await;
     assert_eq!((s, v["state"].as_str()), (200, Some("paused")), "{v}");
     eprintln!("pause: {v}");
-    assert_eq!(vm_pids(), 0, "the paused sandbox's VM process is gone");
+    assert!(
+        vm_rss_kib().is_empty(),
+        "the paused sandbox's VM process is gone"
+    );
+    eprintln!(
+        "the pause released the VM process's {} KiB of resident memory",
+        running[0]
+    );
     let (_, health) = h.json("GET", "/v1/health", None).await;
     assert_eq!(
         committed(&health),
@@ -396,7 +409,7 @@ async fn templates_on_kvm() {
     let (out, err, last) = h
         .exec(
             &id,
-            "cat /tmp/kept; pidof sleep >/dev/null && echo running; date +%s; ps",
+            "cat /workspace/kept; pidof sleep >/dev/null && echo running; date +%s; ps",
         )
         .await;
     assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
@@ -450,7 +463,7 @@ async fn templates_on_kvm() {
             .json("POST", &format!("/v1/sandboxes/{id}/resume"), None)
             .await;
         assert_eq!(s, 200, "round {round}: {v}");
-        let (out, _, _) = h.exec(&id, "cat /tmp/kept").await;
+        let (out, _, _) = h.exec(&id, "cat /workspace/kept").await;
         assert_eq!(out, b"kept\n", "round {round}");
     }
     let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
