@@ -671,14 +671,19 @@ mod tests {
         assert!(e.to_string().contains("run state 9"), "{e}");
     }
 
-    #[test]
-    fn memory_round_trips_with_holes_where_the_guest_wrote_nothing() {
-        let mem_bytes = 64u64 << 20;
+    /// Anonymous guest memory laid out as a machine of `mem_bytes` has it.
+    fn guest_memory(mem_bytes: u64) -> GuestMemoryMmap {
         let ranges: Vec<_> = layout::ram_regions(mem_bytes)
             .into_iter()
             .map(|(a, l)| (a, l as usize))
             .collect();
-        let mem = GuestMemoryMmap::<()>::from_ranges(&ranges).unwrap();
+        GuestMemoryMmap::<()>::from_ranges(&ranges).unwrap()
+    }
+
+    #[test]
+    fn memory_round_trips_with_holes_where_the_guest_wrote_nothing() {
+        let mem_bytes = 64u64 << 20;
+        let mem = guest_memory(mem_bytes);
         mem.write_slice(b"hello", GuestAddress(0x1000)).unwrap();
         mem.write_slice(&[7u8; 3 * PAGE], GuestAddress(0x20_0000 - PAGE as u64))
             .unwrap();
@@ -708,11 +713,7 @@ mod tests {
     #[test]
     fn the_clock_restored_is_never_behind_what_the_guest_saw() {
         let mem_bytes = 64u64 << 20;
-        let ranges: Vec<_> = layout::ram_regions(mem_bytes)
-            .into_iter()
-            .map(|(a, l)| (a, l as usize))
-            .collect();
-        let mem = GuestMemoryMmap::<()>::from_ranges(&ranges).unwrap();
+        let mem = guest_memory(mem_bytes);
         // A pvclock area at 0x5000: stamped at TSC 1,000,000 with 7 s of system time, and a
         // TSC at 2 GHz (shift 0, mul 2^31: half a nanosecond a tick).
         let mut area = [0u8; 32];
