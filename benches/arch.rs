@@ -35,10 +35,7 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str) -> VmSpec {
 }
 
 fn main() {
-    let runs: usize = std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+    let runs = sandbox_benches::runs(10);
     let mut guests = vec![];
     for arch in [Arch::X86_64, Arch::Aarch64] {
         let store = ImageStore::with_arch(config::image_dir_for(arch), arch);

@@ -13,10 +13,7 @@ use std::time::Instant;
 use sandbox_benches::{header, row, stats};
 
 fn main() {
-    let runs: usize = std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
+    let runs = sandbox_benches::runs(50);
     let jailer = sandbox_jail::Jailer::new(&sandbox_jail::Settings {
         mode: sandbox_jail::Mode::Auto,
         ids: None,

@@ -187,10 +187,7 @@ async fn measure(
 }
 
 fn main() {
-    let runs: usize = std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+    let runs = sandbox_benches::runs(10);
     let store = ImageStore::new(config::image_dir());
     let Ok(image) = store.resolve("stock") else {
         println!("skipped: no stock image; run `bash rootfs/build-stock.sh`");

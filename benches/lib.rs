@@ -41,6 +41,14 @@ pub fn header() {
     );
 }
 
+/// The number of runs: `BENCH_RUNS`, or `default` when it is unset or not a number.
+pub fn runs(default: usize) -> usize {
+    std::env::var("BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Whether this bench runs inside the nested test host (`tests/nested/run.sh` sets it).
 pub fn in_nested() -> bool {
     std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1")

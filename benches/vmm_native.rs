@@ -150,10 +150,7 @@ fn rss_without_guest_kib() -> u64 {
 }
 
 fn main() {
-    let runs: usize = std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
+    let runs = sandbox_benches::runs(50);
     if std::fs::File::open("/dev/kvm").is_err() {
         println!("skipped: no usable /dev/kvm here");
         return;
