@@ -32,6 +32,24 @@ fn spec(image: &sandbox_vmm::Image, dir: &Path, name: &str) -> VmSpec {
     image.vm_spec(name.into(), 256, 1, 0, dir.join(name))
 }
 
+/// The VM the others are restored from: booted with its snapshot files in `dir`.
+async fn boot_original(
+    backend: &dyn sandbox_vmm::Backend,
+    image: &sandbox_vmm::Image,
+    dir: &Path,
+) -> (sandbox_vmm::Sandbox, SnapshotFiles) {
+    let files = snapshot_files(dir);
+    let mut original = spec(image, dir, "original");
+    original.snapshot_to = Some(files.clone());
+    let vm = bounded(
+        "booting the original",
+        sandbox_vmm::boot(backend, original, BOOT_LIMIT),
+    )
+    .await
+    .expect("the original boots");
+    (vm, files)
+}
+
 /// The KVM backend, or `None` where it is not the one selected. Not a skip: `kvm_backend` runs
 /// this binary in the nested test host, where it must pass.
 async fn kvm_backend() -> Option<Box<dyn sandbox_vmm::Backend>> {
@@ -58,17 +76,8 @@ async fn restored_vms_run_on_from_the_snapshot_each_with_its_own_memory() {
         return;
     };
     let tmp = tempfile::tempdir_in("/tmp").expect("tempdir");
-    let files = snapshot_files(tmp.path());
-
     // The original: booted, given something to remember, snapshotted and stopped.
-    let mut original = spec(&image, tmp.path(), "original");
-    original.snapshot_to = Some(files.clone());
-    let vm = bounded(
-        "booting the original",
-        sandbox_vmm::boot(backend.as_ref(), original, BOOT_LIMIT),
-    )
-    .await
-    .expect("the original boots");
+    let (vm, files) = boot_original(backend.as_ref(), &image, tmp.path()).await;
     let out = sh(
         &vm.client,
         "echo before > /tmp/mark; cat /proc/sys/kernel/random/boot_id",
@@ -207,15 +216,7 @@ async fn damaged_snapshots_are_refused_with_the_reason_and_leave_nothing() {
         return;
     };
     let tmp = tempfile::tempdir_in("/tmp").expect("tempdir");
-    let files = snapshot_files(tmp.path());
-    let mut original = spec(&image, tmp.path(), "original");
-    original.snapshot_to = Some(files.clone());
-    let vm = bounded(
-        "booting the original",
-        sandbox_vmm::boot(backend.as_ref(), original, BOOT_LIMIT),
-    )
-    .await
-    .expect("the original boots");
+    let (vm, files) = boot_original(backend.as_ref(), &image, tmp.path()).await;
     vm.snapshot(false).await.expect("the snapshot");
     bounded("stopping the original", vm.vm.stop(Duration::ZERO)).await;
 
