@@ -192,7 +192,7 @@ fn e2e_suite_on_the_kvm_backend() {
         .parent()
         .unwrap();
     for script in [
-        &["guest-kernel/build.sh", "nested-host"][..],
+        &["guest-kernel/build.sh", "x86_64"][..],
         &["rootfs/build-stock.sh"],
     ] {
         let ok = std::process::Command::new("bash")

@@ -34,6 +34,22 @@ async fn exec_behaves() {
         "{out:?}"
     );
 
+    // No nested virtualisation on any backend (docs/threat-model.md, "CPUID"): the CPU shows
+    // neither VMX nor SVM, and the x86_64 guest kernel, which has KVM built in (it is also the
+    // nested test host's kernel), finds no hardware to run it on, so there is no /dev/kvm.
+    let out = sh(
+        c,
+        "grep -c -w -E 'vmx|svm' /proc/cpuinfo; \
+         if [ -e /dev/kvm ]; then echo kvm-device; else echo no-kvm-device; fi; \
+         if [ -d /sys/module/kvm ]; then echo kvm-built-in; fi",
+    )
+    .await;
+    let text = out.stdout_str();
+    assert!(text.starts_with("0\nno-kvm-device\n"), "{text}");
+    if sandbox_vmm::arch::Arch::guest() == sandbox_vmm::arch::Arch::X86_64 {
+        assert!(text.contains("kvm-built-in"), "the x86_64 guest kernel has KVM: {text}");
+    }
+
     // echo, through argv (no shell)
     let out = run(
         c,

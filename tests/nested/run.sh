@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The nested test host: runs a command inside a QEMU/TCG guest whose processor is emulated with
 # AMD SVM (`-cpu max`), so that /dev/kvm in there is real KVM, whatever this machine's own /dev/kvm
-# can do. The guest gets the nested-host kernel (guest kernel + built-in KVM), busybox, QEMU, the
+# can do. The guest gets the guest kernel (it has KVM built in), busybox, QEMU, the
 # stock image at /images/stock, and the files named with --with (binaries get their shared
 # libraries), and the images named with --image. The command's output streams to stderr as it runs
 # and to stdout once it ended; this script exits with the command's status.
@@ -33,7 +33,7 @@ done
 [ $# -eq 1 ] || { echo "give exactly one shell command after --" >&2; exit 2; }
 cmd=$1
 
-kernel=$(bash "$root/guest-kernel/build.sh" nested-host)
+kernel=$(bash "$root/guest-kernel/build.sh" x86_64)
 stock=$(bash "$root/rootfs/build-stock.sh")
 cache=$(sandbox_cache_dir)
 work=$(mktemp -d "${TMPDIR:-/tmp}/nested.XXXXXX")

@@ -39,6 +39,15 @@ const APIC_MODE_EXTINT: u32 = 0x7;
 
 /// CPUID leaf 1 ECX: running under a hypervisor.
 const CPUID_HYPERVISOR: u32 = 1 << 31;
+/// CPUID leaf 1 ECX: Intel VMX. Hidden: with it a guest drives the host kernel's nested-VMX code
+/// (KVM refuses CR4.VMXE to a guest whose CPUID lacks it), which has had guest-to-host escapes.
+const CPUID_VMX: u32 = 1 << 5;
+/// CPUID leaf 0x8000_0001 ECX: AMD SVM. Hidden for the same reason (KVM refuses EFER.SVME).
+const CPUID_SVM: u32 = 1 << 2;
+/// CPUID leaf 0x8000_0001 ECX: AMD's core performance counters (there is no PMU).
+const CPUID_PERFCTR_CORE: u32 = 1 << 23;
+/// CPUID leaf 0x8000_000A: SVM's revision and features, meaningless without SVM.
+const CPUID_SVM_FEATURES: u32 = 0x8000_000a;
 
 /// MSRs set on every vCPU: SYSENTER and SYSCALL targets cleared, TSC from zero, fast strings
 /// on, MTRRs enabled with write-back as the default type (else the guest maps all RAM
@@ -192,7 +201,8 @@ fn set_lapic(vcpu: &VcpuFd, id: u8) -> Result<(), CpuError> {
 }
 
 /// Topology: `count` single-threaded cores in one package, this one with APIC id `id`;
-/// no performance monitoring (the guest would program counters KVM may not emulate); the
+/// no performance monitoring (the guest would program counters KVM may not emulate); no VMX or
+/// SVM, so no guest reaches the host's nested virtualisation (docs/threat-model.md, "CPUID"); the
 /// hypervisor bit, so the guest takes the paravirtual paths.
 fn filter_cpuid(entries: &mut [kvm_bindings::kvm_cpuid_entry2], id: u8, count: u8) {
     let (id, count) = (u32::from(id), u32::from(count));
@@ -202,7 +212,7 @@ fn filter_cpuid(entries: &mut [kvm_bindings::kvm_cpuid_entry2], id: u8, count: u
         match e.function {
             1 => {
                 e.ebx = (e.ebx & 0x0000_ffff) | (count << 16) | (id << 24);
-                e.ecx |= CPUID_HYPERVISOR;
+                e.ecx = (e.ecx | CPUID_HYPERVISOR) & !CPUID_VMX;
                 if count > 1 {
                     e.edx |= 1 << 28; // HTT: the logical processor count is valid
                 }
@@ -211,7 +221,7 @@ fn filter_cpuid(entries: &mut [kvm_bindings::kvm_cpuid_entry2], id: u8, count: u
                 // Cores per package, minus one.
                 e.eax = (e.eax & 0x03ff_ffff) | ((count - 1) << 26);
             }
-            0xa => {
+            0xa | CPUID_SVM_FEATURES => {
                 e.eax = 0;
                 e.ebx = 0;
                 e.ecx = 0;
@@ -239,7 +249,7 @@ fn filter_cpuid(entries: &mut [kvm_bindings::kvm_cpuid_entry2], id: u8, count: u
                     }
                 }
             }
-            0x8000_0001 => e.ecx &= !(1 << 23), // AMD PERFCTR_CORE
+            0x8000_0001 => e.ecx &= !(CPUID_SVM | CPUID_PERFCTR_CORE),
             0x8000_0008 => e.ecx = (e.ecx & !0xff) | (count - 1),
             0x8000_001e => {
                 e.eax = id;
@@ -259,5 +269,34 @@ fn read_reg(regs: &[std::os::raw::c_char; 1024], off: usize) -> u32 {
 fn write_reg(regs: &mut [std::os::raw::c_char; 1024], off: usize, v: u32) {
     for (i, b) in v.to_le_bytes().into_iter().enumerate() {
         regs[off + i] = b as std::os::raw::c_char;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(function: u32, ecx: u32) -> kvm_bindings::kvm_cpuid_entry2 {
+        kvm_bindings::kvm_cpuid_entry2 {
+            function,
+            ecx,
+            eax: u32::MAX,
+            ebx: u32::MAX,
+            edx: u32::MAX,
+            ..Default::default()
+        }
+    }
+
+    /// Whatever KVM offers (nested=1 offers VMX or SVM), the guest is told of neither.
+    #[test]
+    fn virtualisation_extensions_are_hidden() {
+        let mut e = [entry(1, u32::MAX), entry(0x8000_0001, u32::MAX), entry(0x8000_000a, 0)];
+        filter_cpuid(&mut e, 0, 2);
+        assert_eq!(e[0].ecx & CPUID_VMX, 0, "VMX hidden");
+        assert_ne!(e[0].ecx & CPUID_HYPERVISOR, 0, "hypervisor bit set");
+        assert_eq!(e[1].ecx & CPUID_SVM, 0, "SVM hidden");
+        assert_eq!(e[1].ecx & CPUID_PERFCTR_CORE, 0);
+        assert_eq!(e[1].ecx | CPUID_SVM | CPUID_PERFCTR_CORE, u32::MAX, "the rest passed");
+        assert_eq!((e[2].eax, e[2].ebx, e[2].ecx, e[2].edx), (0, 0, 0, 0));
     }
 }

@@ -100,9 +100,9 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             // clock, PSCI. GICv3 (the kernel's driver); with KVM, the best the host's GIC gives.
             push("-M");
             push(if accel == Accel::Kvm {
-                "virt,highmem=on,gic-version=max"
+                "virt,highmem=on,gic-version=max,virtualization=off"
             } else {
-                "virt,highmem=on,gic-version=3"
+                "virt,highmem=on,gic-version=3,virtualization=off"
             });
         }
     }
@@ -113,8 +113,11 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
         // QEMU's own pointer-authentication algorithm instead of the architected QARMA5, which
         // costs TCG several times more per signed return.
         (Arch::Aarch64, Accel::Tcg) => "max,pauth-impdef=on",
-        (_, Accel::Tcg) => "max",
-        _ => "host",
+        (Arch::Aarch64, _) => "host",
+        // No VMX or SVM: a guest never reaches the nested virtualisation of QEMU or of the
+        // host's kernel (docs/threat-model.md, "CPUID").
+        (_, Accel::Tcg) => "max,-vmx,-svm",
+        _ => "host,-vmx,-svm",
     });
     push("-m");
     push(&spec.memory_mib.to_string());
@@ -264,7 +267,7 @@ mod tests {
     #[test]
     fn x86_64_tcg_microvm() {
         let s = joined(Arch::X86_64, Accel::Tcg);
-        assert!(s.starts_with("-M microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on -accel tcg -cpu max -m 4096 -smp 2 "), "{s}");
+        assert!(s.starts_with("-M microvm,acpi=off,isa-serial=on,rtc=off,x-option-roms=on -accel tcg -cpu max,-vmx,-svm -m 4096 -smp 2 "), "{s}");
         assert!(!s.contains("pit=off"));
         assert!(s.contains("-kernel /vm/kernel -initrd /vm/initrd -append console=ttyS0 reboot=t"));
         assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
@@ -311,14 +314,14 @@ mod tests {
     #[test]
     fn x86_64_kvm_drops_legacy_timers() {
         let s = joined(Arch::X86_64, Accel::Kvm);
-        assert!(s.contains("pit=off,pic=off -accel kvm -cpu host"), "{s}");
+        assert!(s.contains("pit=off,pic=off -accel kvm -cpu host,-vmx,-svm"), "{s}");
     }
 
     #[test]
     fn aarch64_hvf_virt() {
         let s = joined(Arch::Aarch64, Accel::Hvf);
         assert!(
-            s.starts_with("-M virt,highmem=on,gic-version=3 -accel hvf -cpu host -m 4096 -smp 2"),
+            s.starts_with("-M virt,highmem=on,gic-version=3,virtualization=off -accel hvf -cpu host -m 4096 -smp 2"),
             "{s}"
         );
         assert!(s.contains("-append console=ttyAMA0 panic=-1"));
@@ -335,13 +338,13 @@ mod tests {
         let s = joined(Arch::Aarch64, Accel::Tcg);
         assert!(
             s.starts_with(
-                "-M virt,highmem=on,gic-version=3 -accel tcg -cpu max,pauth-impdef=on -m 4096"
+                "-M virt,highmem=on,gic-version=3,virtualization=off -accel tcg -cpu max,pauth-impdef=on -m 4096"
             ),
             "{s}"
         );
         let s = joined(Arch::Aarch64, Accel::Kvm);
         assert!(
-            s.starts_with("-M virt,highmem=on,gic-version=max -accel kvm -cpu host"),
+            s.starts_with("-M virt,highmem=on,gic-version=max,virtualization=off -accel kvm -cpu host"),
             "{s}"
         );
         assert!(!s.contains("isa-debugcon"));
