@@ -7,10 +7,15 @@
 //! the value can have in a longer encoded text). An occurrence is overwritten with `*` of the
 //! same length, so lengths, `Content-Length` and framing stay valid, and is counted.
 //!
-//! Streaming: a chunk is passed on at once except for its last bytes when they are the start of
-//! one of the forms; those wait for the next chunk (never more than the longest form minus one
-//! byte), so a value split across chunks, frames or TLS records is still found, and an SSE
-//! event that ends a chunk is not held back.
+//! Streaming: a chunk is passed on at once except for its tail, which waits for the next chunk so
+//! that a value split across chunks, frames or TLS records is still found. What is held back
+//! depends on nothing secret (issue 29): it is every byte after the chunk's last *barrier* byte (a
+//! control or non-ASCII byte, which no form of any value can hold: values are printable ASCII and
+//! so is each of their encodings), up to [`HOLD_BACK`] bytes, the longest form any value can
+//! have. Whether the tail begins a form plays no part, so a guest that makes an upstream reflect a
+//! guess of a key's next character sees the same bytes, the same chunk and frame boundaries and
+//! the same moments of release for a right guess and a wrong one; only a whole occurrence
+//! differs, masked. An SSE event (`…\n\n`) ends on a barrier and so is never held back.
 
 use std::sync::Arc;
 
@@ -21,13 +26,24 @@ use base64::Engine;
 pub const MASK: u8 = b'*';
 /// Base64 forms shorter than this are not looked for (too likely to occur by chance).
 const MIN_BASE64_FORM: usize = 12;
+/// The most a scan holds back between chunks: the longest form of the longest value a secret may
+/// have (URL-encoding triples a value), less one byte. A constant, not the longest form of this
+/// sandbox's values, whose length would tell the guest how many bytes of the key need escaping.
+pub const HOLD_BACK: usize = 3 * crate::secrets::MAX_VALUE_LEN - 1;
+
+/// Whether no form of any value can hold `b`, so no occurrence straddles it.
+fn is_barrier(b: u8) -> bool {
+    !(0x20..0x7f).contains(&b)
+}
 
 /// Every form of every secret value, compiled once per sandbox.
 #[derive(Debug)]
 pub struct EchoForms {
     matcher: AhoCorasick,
-    forms: Vec<Vec<u8>>,
-    longest: usize,
+    /// The most held back: HOLD_BACK, or more for a value the secrets module would refuse.
+    hold: usize,
+    /// Whether a barrier byte ends what must be held back (see `held_back`).
+    barriers: bool,
 }
 
 impl EchoForms {
@@ -44,6 +60,13 @@ impl EchoForms {
         if forms.is_empty() {
             return None;
         }
+        // What the barrier rule relies on: no form holds a barrier or outgrows what is held back.
+        // The secrets module admits only printable ASCII values of at most MAX_VALUE_LEN bytes, so
+        // this always holds there; a caller that passed another value still gets every form
+        // found, by holding back HOLD_BACK bytes (or the longest form) whatever the bytes are.
+        let barriers = forms
+            .iter()
+            .all(|f| f.len() <= HOLD_BACK + 1 && !f.iter().any(|&b| is_barrier(b)));
         let matcher = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
             .build(&forms)
@@ -51,8 +74,8 @@ impl EchoForms {
         let longest = forms.iter().map(Vec::len).max().unwrap_or(1);
         Some(Arc::new(EchoForms {
             matcher,
-            forms,
-            longest,
+            hold: HOLD_BACK.max(longest - 1),
+            barriers,
         }))
     }
 
@@ -69,20 +92,17 @@ impl EchoForms {
         found.len()
     }
 
-    /// How many bytes at the end of `buf` are the beginning of a form (and must wait for more).
-    fn pending(&self, buf: &[u8]) -> usize {
-        let mut keep = 0;
-        for f in &self.forms {
-            let window = (f.len() - 1).min(buf.len());
-            for i in buf.len() - window..buf.len() {
-                let rest = buf.len() - i;
-                if rest > keep && buf[i] == f[0] && f.starts_with(&buf[i..]) {
-                    keep = rest;
-                    break;
-                }
-            }
+    /// How many bytes at the end of `buf` wait for more: those after its last barrier byte, at
+    /// most [`HOLD_BACK`]. A function of the bytes alone, never of the forms (see the module's
+    /// documentation): any start of a form at the end is among them, as no form holds a barrier
+    /// and none is longer than `HOLD_BACK + 1`.
+    fn held_back(&self, buf: &[u8]) -> usize {
+        let window = self.hold.min(buf.len());
+        let tail = &buf[buf.len() - window..];
+        match tail.iter().rposition(|&b| is_barrier(b)) {
+            Some(i) if self.barriers => window - i - 1,
+            _ => window,
         }
-        keep
     }
 }
 
@@ -134,8 +154,8 @@ fn forms_of(v: &[u8]) -> Vec<Vec<u8>> {
     out
 }
 
-/// One response body's scan: bytes in, masked bytes out, at most the longest form minus one
-/// byte held back between chunks.
+/// One response body's scan: bytes in, masked bytes out, the tail after the last barrier byte
+/// (at most [`HOLD_BACK`] bytes) held back between chunks.
 #[derive(Debug)]
 pub struct EchoScanner {
     forms: Arc<EchoForms>,
@@ -156,7 +176,7 @@ impl EchoScanner {
         let mut buf = std::mem::take(&mut self.held);
         buf.extend_from_slice(chunk);
         let found = self.forms.mask(&mut buf);
-        let keep = self.forms.pending(&buf).min(self.forms.longest - 1);
+        let keep = self.forms.held_back(&buf);
         self.held = buf.split_off(buf.len() - keep);
         (buf, found)
     }
@@ -193,7 +213,7 @@ mod tests {
         let (mut out, mut n) = (Vec::new(), 0);
         for c in body.chunks(size) {
             let (o, f) = s.feed(c);
-            assert!(s.held.len() < forms().longest, "held back at most a form");
+            assert!(s.held.len() <= HOLD_BACK, "held back at most HOLD_BACK");
             out.extend(o);
             n += f;
         }
@@ -264,17 +284,79 @@ mod tests {
         let (out, _) = s.feed(b"data: {\"type\":\"ping\"}\n\n");
         assert_eq!(out, b"data: {\"type\":\"ping\"}\n\n");
         assert!(!s.holding());
-        // The start of the key is held, then released once it is not the key after all.
+        // A tail with no barrier waits for the next chunk, whatever it is.
         let (out, _) = s.feed(b"data: sk-ant-api0");
-        assert_eq!(out, b"data: ");
+        assert_eq!(out, b"");
         let (out, n) = s.feed(b"9 is fine\n\n");
-        assert_eq!((out.as_slice(), n), (&b"sk-ant-api09 is fine\n\n"[..], 0));
+        assert_eq!((out.as_slice(), n), (&b"data: sk-ant-api09 is fine\n\n"[..], 0));
+    }
+
+    /// The framing (each feed's output length) and what is held, for `body` in chunks of `size`.
+    fn framing(body: &[u8], size: usize) -> Vec<(usize, bool)> {
+        let mut s = EchoScanner::new(forms());
+        let mut frames: Vec<(usize, bool)> = body
+            .chunks(size)
+            .map(|c| (s.feed(c).0.len(), s.holding()))
+            .collect();
+        frames.push((s.finish().len(), false));
+        frames
+    }
+
+    /// The oracle of issue 29: a reflected guess of the key's next character, right or wrong,
+    /// leaves the same chunk boundaries and the same bytes held, for every prefix of every
+    /// form, in every split (a whole occurrence, masked, is the one thing allowed to differ).
+    #[test]
+    fn a_right_and_a_wrong_guess_are_framed_alike() {
+        for enc in encodings() {
+            let enc = enc.as_bytes();
+            for k in 1..enc.len() {
+                let right = enc[k];
+                let wrong = if right == b'Q' { b'R' } else { b'Q' };
+                for tail in [&b""[..], b"\"}", b"\n", b"&x=1\r\n\r\n"] {
+                    let body = |next: u8| {
+                        let mut b = b"{\"echo\":\"q=".to_vec();
+                        b.extend_from_slice(&enc[..k]);
+                        b.push(next);
+                        b.extend_from_slice(tail);
+                        b
+                    };
+                    let (r, w) = (body(right), body(wrong));
+                    for size in [1, 5, 16, r.len()] {
+                        assert_eq!(
+                            framing(&r, size),
+                            framing(&w, size),
+                            "prefix {k} of {}, tail {tail:?}, chunks of {size}",
+                            String::from_utf8_lossy(enc)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is held back ends at the last barrier, and an event or line goes on at once.
+    #[test]
+    fn held_back_ends_at_a_barrier() {
+        let mut s = EchoScanner::new(forms());
+        let (out, _) = s.feed(b"line one\nline tw");
+        assert_eq!(out, b"line one\n");
+        let (out, _) = s.feed(b"o\r\n");
+        assert_eq!(out, b"line two\r\n");
+        assert!(!s.holding());
+        // Binary data holds at most the bytes after its last non-ASCII byte.
+        let (out, _) = s.feed(&[b'a', 0xff, b'b', b'c']);
+        assert_eq!(out, [b'a', 0xff]);
+        // Text with no barrier at all: at most HOLD_BACK bytes wait.
+        let big = vec![b'x'; HOLD_BACK + 100];
+        let (out, _) = s.feed(&big);
+        assert_eq!(out.len(), 2 + 100);
+        assert_eq!(s.finish().len(), HOLD_BACK);
     }
 
     #[test]
     fn short_values_have_no_base64_forms_that_match_by_chance() {
+        assert!(forms_of(b"abcdefgh").iter().all(|x| x.len() >= 8));
         let f = EchoForms::new(["abcdefgh"]).unwrap();
-        assert!(f.forms.iter().all(|x| x.len() >= 8));
         let mut text = b"YWJjZGVm ordinary base64 QUJD".to_vec();
         assert_eq!(f.mask(&mut text), 0);
         assert!(EchoForms::new([]).is_none());
