@@ -10,8 +10,9 @@ it, swapped with one rename, so a sandbox starting during a build gets the old i
 one, never part of one. The previous build is kept for sandboxes that resolved it just before.
 
 Layers are cached under <cache>/guest: the debootstrap tree (by the [debian] section and the
-architecture), and the downloads (Debian packages, wheels, npm tarballs). A build whose inputs did
-not change is a no-op.
+architecture), the image's whole tree (by the config, this script and the copied files: everything
+but the kernel and the initramfs, so --tree-only builds it before they exist), and the downloads
+(Debian packages, wheels, npm tarballs). A build whose inputs did not change is a no-op.
 
 --arch (default: SANDBOX_HOST_ARCH, else this host's) builds for another architecture: the same
 Debian packages, wheels and npm packages for arm64, on an x86_64 host through qemu-user-static
@@ -327,77 +328,32 @@ def make_ext4(tree, out, label):
     return size
 
 
-def stock_image(arch):
-    env = dict(os.environ, SANDBOX_HOST_ARCH=arch)
-    r = subprocess.run(["bash", str(ROOT / "rootfs" / "build-stock.sh")], capture_output=True,
-                       text=True, env=env)
-    sys.stderr.write(r.stderr)
-    if r.returncode != 0:
-        die("building the stock image (kernel, agent, initramfs) failed")
-    d = Path(r.stdout.strip()).resolve()
-    return d, json.loads((d / "manifest.json").read_text())
+def tree_key(config_bytes, file_bytes, arch):
+    """What decides the image's tree: the config, this script, the copied files, the arch."""
+    return digest(config_bytes, Path(__file__).read_bytes(), arch, *file_bytes)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", help="x86_64 or aarch64 (default: SANDBOX_HOST_ARCH, else this host's)")
-    ap.add_argument("--config", type=Path, default=ROOT / "rootfs" / "guest" / "image.toml")
-    ap.add_argument("--store", type=Path, help="image store (default: SANDBOX_HOST_IMAGE_DIR, else "
-                    "<cache>/images for this host's architecture and <cache>/images-<arch> for another)")
-    ap.add_argument("--cache", type=Path, help="layer cache (default: <cache>/guest)")
-    ap.add_argument("--download-cache", type=Path,
-                    help="where Debian packages, wheels and npm tarballs are kept (default: the layer cache)")
-    args = ap.parse_args()
-
-    if sys.platform != "linux":
-        die("the guest image is built on Linux (debootstrap and ext4); build it on the Linux host that runs sandbox-host")
-    if os.geteuid() != 0:
-        die("run as root: debootstrap, chroot and the mounts it makes need it "
-            "(sudo python3 rootfs/build-guest.py)")
-    for tool, pkg in [("debootstrap", "debootstrap"), ("mkfs.ext4", "e2fsprogs"), ("chroot", "coreutils")]:
-        if not shutil.which(tool):
-            log(f"{tool} is missing: installing the build dependencies")
-            run(["bash", str(ROOT / "scripts" / "install-deps.sh")])
-            if not shutil.which(tool):
-                die(f"{tool} is still missing; install Debian's {pkg}")
-
-    arch = guest_arch(args.arch)
-    cfg = load_config(args.config)
-    name, tag = cfg["name"], cfg["tag"]
-    default_store = cache_dir() / ("images" if arch == host_arch() else f"images-{arch}")
-    store = args.store or Path(os.environ.get("SANDBOX_HOST_IMAGE_DIR") or default_store)
-    cache = args.cache or cache_dir() / "guest"
-    downloads = args.download_cache or cache
-    cache.mkdir(parents=True, exist_ok=True)
-    store.mkdir(parents=True, exist_ok=True)
-
-    # One build per image and store at a time; the lock goes with the process.
-    lock = open(store / f".build-{name}.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        die(f"another build of {name} into {store} is running; wait for it to finish")
-    # A build killed earlier may have left its work directory (and mounts) behind.
-    for stale in store.glob(f".tmp-{name}-*"):
-        log(f"removing {stale.name}, left by an interrupted build")
-        remove_tree(stale)
-    stock_dir, stock = stock_image(arch)
-    if stock.get("arch", "x86_64") != arch:
-        die(f"the stock image {stock_dir} is {stock.get('arch', 'x86_64')}, not {arch}")
-    files = sorted(cfg.get("files", {}).items())
-    file_bytes = [(ROOT / src).read_bytes() for src, _ in files]
-    key = digest(args.config.read_bytes(), Path(__file__).read_bytes(), stock["key"], *file_bytes)
-    build = f".{name}-{tag}-{key}"
-    link = store / name / tag
-    current = os.readlink(link) if link.is_symlink() else None
-    if current == f"../{build}" and (store / build / "manifest.json").exists():
-        log(f"cached: {link} (nothing changed)")
-        print(link)
-        return
-
+def build_tree(cfg, config_path, files, file_bytes, cache, downloads, arch):
+    """The image's root file system as a directory, cached in the layer cache by tree_key: the
+    Debian base, the wheels, links and files, the npm packages and the [run] commands. It needs
+    neither the kernel nor the stock image, so bin/test builds it (--tree-only) while the kernel
+    compiles. One build per layer cache and architecture at a time: a second waits for it."""
+    key = tree_key(config_path.read_bytes(), file_bytes, arch)
+    prefix = f"tree-{ARCHES[arch][0]}-"
+    layer = cache / f"{prefix}{key}"
+    lock = open(cache / f".{prefix}lock", "w")
+    if not try_lock(lock):
+        log(f"waiting for another build of the {ARCHES[arch][0]} tree in {cache}")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    if (layer / ".complete").exists():
+        log(f"the image's tree: cached ({layer})")
+        return layer
     # Only a build that runs the image's programs needs them runnable (a cached build does not).
     ensure_binfmt(arch)
-    work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
+    for stale in cache.glob(f".{prefix}tmp-*"):
+        log(f"removing {stale.name}, left by an interrupted build")
+        remove_tree(stale)
+    work = Path(tempfile.mkdtemp(prefix=f".{prefix}tmp-", dir=cache))
     try:
         base = build_base(cfg, cache, downloads / "debs", arch)
         tree = work / "tree"
@@ -453,6 +409,115 @@ def main():
         vantik = tree / "opt" / "vantik"
         vantik.mkdir(parents=True, exist_ok=True)
         (vantik / "pi-version").write_text(harness_version + "\n")
+        for junk in ["var/lib/apt/lists", "var/cache/apt", "var/log", "tmp", "root/.npm"]:
+            p = tree / junk
+            if p.exists():
+                shutil.rmtree(p)
+                p.mkdir(mode=0o1777 if junk == "tmp" else 0o755)
+        os.chmod(tree / "tmp", 0o1777)
+        # Older trees of this architecture only (a key is 16 hex digits).
+        for old in cache.glob(f"{prefix}*"):
+            if len(old.name) == len(prefix) + 16 and old != layer:
+                remove_tree(old)
+        remove_tree(layer)
+        (tree / ".complete").touch()
+        tree.rename(layer)
+    finally:
+        remove_tree(work)
+    return layer
+
+
+def try_lock(f):
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def stock_image(arch):
+    env = dict(os.environ, SANDBOX_HOST_ARCH=arch)
+    r = subprocess.run(["bash", str(ROOT / "rootfs" / "build-stock.sh")], capture_output=True,
+                       text=True, env=env)
+    sys.stderr.write(r.stderr)
+    if r.returncode != 0:
+        die("building the stock image (kernel, agent, initramfs) failed")
+    d = Path(r.stdout.strip()).resolve()
+    return d, json.loads((d / "manifest.json").read_text())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", help="x86_64 or aarch64 (default: SANDBOX_HOST_ARCH, else this host's)")
+    ap.add_argument("--config", type=Path, default=ROOT / "rootfs" / "guest" / "image.toml")
+    ap.add_argument("--store", type=Path, help="image store (default: SANDBOX_HOST_IMAGE_DIR, else "
+                    "<cache>/images for this host's architecture and <cache>/images-<arch> for another)")
+    ap.add_argument("--cache", type=Path, help="layer cache (default: <cache>/guest)")
+    ap.add_argument("--download-cache", type=Path,
+                    help="where Debian packages, wheels and npm tarballs are kept (default: the layer cache)")
+    ap.add_argument("--tree-only", action="store_true",
+                    help="build (or find) only the image's tree in the layer cache: no kernel or stock "
+                    "image needed, nothing tagged (bin/test runs it while the kernel compiles)")
+    args = ap.parse_args()
+
+    if sys.platform != "linux":
+        die("the guest image is built on Linux (debootstrap and ext4); build it on the Linux host that runs sandbox-host")
+    if os.geteuid() != 0:
+        die("run as root: debootstrap, chroot and the mounts it makes need it "
+            "(sudo python3 rootfs/build-guest.py)")
+    for tool, pkg in [("debootstrap", "debootstrap"), ("mkfs.ext4", "e2fsprogs"), ("chroot", "coreutils")]:
+        if not shutil.which(tool):
+            log(f"{tool} is missing: installing the build dependencies")
+            run(["bash", str(ROOT / "scripts" / "install-deps.sh")])
+            if not shutil.which(tool):
+                die(f"{tool} is still missing; install Debian's {pkg}")
+
+    arch = guest_arch(args.arch)
+    cfg = load_config(args.config)
+    name, tag = cfg["name"], cfg["tag"]
+    default_store = cache_dir() / ("images" if arch == host_arch() else f"images-{arch}")
+    store = args.store or Path(os.environ.get("SANDBOX_HOST_IMAGE_DIR") or default_store)
+    cache = args.cache or cache_dir() / "guest"
+    downloads = args.download_cache or cache
+    cache.mkdir(parents=True, exist_ok=True)
+    store.mkdir(parents=True, exist_ok=True)
+
+    files = sorted(cfg.get("files", {}).items())
+    file_bytes = [(ROOT / src).read_bytes() for src, _ in files]
+    if args.tree_only:
+        print(build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch))
+        return
+    # One build per image and store at a time; the lock goes with the process.
+    lock = open(store / f".build-{name}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        die(f"another build of {name} into {store} is running; wait for it to finish")
+    # A build killed earlier may have left its work directory (and mounts) behind.
+    for stale in store.glob(f".tmp-{name}-*"):
+        log(f"removing {stale.name}, left by an interrupted build")
+        remove_tree(stale)
+    stock_dir, stock = stock_image(arch)
+    if stock.get("arch", "x86_64") != arch:
+        die(f"the stock image {stock_dir} is {stock.get('arch', 'x86_64')}, not {arch}")
+    key = digest(args.config.read_bytes(), Path(__file__).read_bytes(), stock["key"], *file_bytes)
+    build = f".{name}-{tag}-{key}"
+    link = store / name / tag
+    current = os.readlink(link) if link.is_symlink() else None
+    if current == f"../{build}" and (store / build / "manifest.json").exists():
+        log(f"cached: {link} (nothing changed)")
+        print(link)
+        return
+
+    tree_layer = build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch)
+    harness_pkg = cfg["harness"]["npm_package"]
+    harness_version = cfg["npm"][harness_pkg]
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
+    try:
+        tree = work / "tree"
+        log("copying the image's tree")
+        run(["cp", "-a", "--reflink=auto", str(tree_layer), str(tree)])
+        (tree / ".complete").unlink()
         record = {
             "name": name, "tag": tag, "key": key, "arch": arch,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -462,13 +527,7 @@ def main():
             "wheels": {w["name"]: w["version"] for w in cfg.get("wheels", [])},
             "agent_version": stock.get("agent_version"),
         }
-        (vantik / "image.json").write_text(json.dumps(record, indent=2) + "\n")
-        for junk in ["var/lib/apt/lists", "var/cache/apt", "var/log", "tmp", "root/.npm"]:
-            p = tree / junk
-            if p.exists():
-                shutil.rmtree(p)
-                p.mkdir(mode=0o1777 if junk == "tmp" else 0o755)
-        os.chmod(tree / "tmp", 0o1777)
+        (tree / "opt" / "vantik" / "image.json").write_text(json.dumps(record, indent=2) + "\n")
 
         log("making rootfs.ext4")
         size = make_ext4(tree, work / "rootfs.ext4", name[:16])

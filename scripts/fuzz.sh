@@ -7,10 +7,13 @@
 # <cache>/fuzz/artifacts/<target>/ (reproduce: cargo +nightly fuzz run -a TARGET FILE).
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]     # default: 60 s each, every target
+#   scripts/fuzz.sh --build-only              # the toolchain, cargo-fuzz and the build alone
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/cache-dir.sh"
 cache=$(sandbox_cache_dir)/fuzz
+build_only=0
+if [ "${1:-}" = --build-only ]; then build_only=1; shift; fi
 seconds=${1:-60}
 shift || true
 log() { printf '[fuzz %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -23,7 +26,9 @@ if ! rustup run nightly rustc --version >/dev/null 2>&1; then
 fi
 if ! cargo fuzz --version 2>/dev/null | grep -q "$cargo_fuzz_version"; then
   log "installing cargo-fuzz $cargo_fuzz_version"
-  cargo install --locked --quiet cargo-fuzz --version "$cargo_fuzz_version" >&2
+  # In a target directory of its own: under the workspace's (CARGO_TARGET_DIR) it would hold that
+  # directory's lock while bin/test builds beside it.
+  CARGO_TARGET_DIR=$cache/install-target cargo install --locked --quiet cargo-fuzz --version "$cargo_fuzz_version" >&2
 fi
 
 cd "$root/fuzz"
@@ -32,6 +37,7 @@ targets=("$@")
 export CARGO_TARGET_DIR=$cache/target
 log "building ${#targets[@]} targets (nightly, optimised, debug assertions)"
 cargo +nightly fuzz build --debug-assertions >&2
+[ $build_only = 0 ] || exit 0
 
 failed=()
 printf '%-18s %12s %8s %8s %8s  %s\n' target executions exec/s cov corpus result

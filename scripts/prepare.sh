@@ -5,6 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 . "$root/scripts/cache-dir.sh"
+. "$root/scripts/phase.sh"
 cache=$(sandbox_cache_dir)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
 log() { printf '[prepare %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -21,15 +22,25 @@ if [ "$(uname -s)" = Darwin ]; then
   fi
 else
   # SANDBOX_HOST_ARCH=aarch64 on an x86_64 host: the cross compilers and QEMU of that guest too.
-  if [ "$(sandbox_guest_arch)" = "$(SANDBOX_HOST_ARCH=auto sandbox_guest_arch)" ]; then
-    bash "$root/scripts/install-deps.sh" >&2
+  arch=$(sandbox_guest_arch)
+  if [ "$arch" = "$(SANDBOX_HOST_ARCH=auto sandbox_guest_arch)" ]; then
+    phase "Debian packages" bash "$root/scripts/install-deps.sh" >&2
   else
-    bash "$root/scripts/install-deps.sh" --aarch64 >&2
+    phase "Debian packages" bash "$root/scripts/install-deps.sh" --aarch64 >&2
   fi
-  bash "$root/rootfs/build-stock.sh" >/dev/null
-  # The default image of a create request; building it needs root (debootstrap, chroot, mounts).
+  # The guest image's tree (debootstrap, npm: the network and one processor) while the kernel
+  # compiles; the image is assembled from it once the stock image exists.
+  tree_pid=""
   if [ "$(id -u)" -eq 0 ]; then
-    python3 "$root/rootfs/build-guest.py" >/dev/null
+    phase "guest image tree $arch (background)" python3 "$root/rootfs/build-guest.py" --tree-only >/dev/null &
+    tree_pid=$!
+  fi
+  phase "kernel $arch" bash "$root/guest-kernel/build.sh" "$arch" >/dev/null
+  phase "stock image $arch" bash "$root/rootfs/build-stock.sh" >/dev/null
+  # The default image of a create request; building it needs root (debootstrap, chroot, mounts).
+  [ -z "$tree_pid" ] || wait "$tree_pid" || { log "building the guest image's tree failed (its log is above)"; exit 1; }
+  if [ "$(id -u)" -eq 0 ]; then
+    phase "guest image $arch" python3 "$root/rootfs/build-guest.py" >/dev/null
   else
     log "not root, so the guest image vantik-guest:latest is not built and sandboxes get the stock image; build it with: sudo python3 rootfs/build-guest.py"
   fi
@@ -39,10 +50,10 @@ fi
 profile=${SANDBOX_HOST_BUILD_PROFILE:-release}
 case "$profile" in
   release) log "building sandbox-host and its VM program sandbox-vm (release; the first time takes a few minutes)"
-           (cd "$root" && cargo build --quiet --release -p sandbox-host -p sandbox-vmm --bins) >&2
+           phase "cargo build (release)" bash -c 'cd "$1" && cargo build --quiet --release -p sandbox-host -p sandbox-vmm --bins' _ "$root" >&2
            echo "$CARGO_TARGET_DIR/release/sandbox-host" ;;
   dev)     log "building sandbox-host and sandbox-vm (dev profile)"
-           (cd "$root" && cargo build --quiet -p sandbox-host -p sandbox-vmm --bins) >&2
+           phase "cargo build (dev)" bash -c 'cd "$1" && cargo build --quiet -p sandbox-host -p sandbox-vmm --bins' _ "$root" >&2
            echo "$CARGO_TARGET_DIR/debug/sandbox-host" ;;
   *)       log "SANDBOX_HOST_BUILD_PROFILE must be release or dev, not $profile"; exit 2 ;;
 esac

@@ -36,6 +36,9 @@ mkdir -m 0755 "$rt" 2>/dev/null || true
 if [ -L "$rt" ] || [ ! -d "$rt" ] || [ "$(stat -c %u "$rt")" != 0 ] || [ -n "$(find "$rt" -maxdepth 0 -perm /022)" ]; then
   say "$rt is not a directory of root's that only root can write: remove it, or pick another"; exit 1
 fi
+# One hand-over at a time (bin/test runs test binaries side by side, each may hand over).
+exec 9>"$rt/.hand-over.lock"
+flock 9
 install -d -m 0755 -o root -g root "$rt/bin"
 install -d -m 0700 -o "$user" -g "$user" "$rt/cache" "$rt/state"
 
@@ -72,9 +75,16 @@ if [ -d "$store" ]; then
     say "image files in $store that $user could not read, or that others could change: $(echo $bad); make them root's, mode 0644 (or rebuild the image)"
     exit 1
   fi
-  [ -e "$rt/images" ] && mv "$rt/images" "$rt/images.old.$$"
-  mv "$new" "$rt/images"
-  rm -rf "$rt/images.old.$$"
+  # The same files already there (the same inodes): nothing to swap, and a service reading the
+  # store never sees it missing for the instant between the two renames.
+  listing() { (cd "$1" && find . -mindepth 1 \( -type d -printf '%P dir %m\n' \) -o -printf '%P %i %m %l\n' | sort); }
+  if [ -d "$rt/images" ] && [ ! -L "$rt/images" ] && [ "$(listing "$new")" = "$(listing "$rt/images")" ]; then
+    rm -rf "$new"
+  else
+    [ -e "$rt/images" ] && mv "$rt/images" "$rt/images.old.$$"
+    mv "$new" "$rt/images"
+    rm -rf "$rt/images.old.$$"
+  fi
 else
   install -d -m 0755 "$rt/images"
   say "no image store at $store: build the stock image (bash rootfs/build-stock.sh)"

@@ -15,12 +15,20 @@
 #     grace period, and the container exits 0.
 # Needs root (podman's root storage, debootstrap). Every wait is bounded.
 #
-#   tests/container/run.sh [--prebuilt-profile release|dev]   (default dev: what bin/test built)
+#   tests/container/run.sh [--prebuilt-profile release|dev] [--prepare-only]
+#     (default dev: what bin/test built; --prepare-only builds the images and stops, so that
+#     bin/test can make them beside the other tests)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 . "$root/scripts/cache-dir.sh"
-profile=dev
-[ "${1:-}" = --prebuilt-profile ] && profile=$2
+profile=dev prepare_only=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuilt-profile) profile=$2; shift 2 ;;
+    --prepare-only) prepare_only=1; shift ;;
+    *) echo "usage: $0 [--prebuilt-profile release|dev] [--prepare-only]" >&2; exit 2 ;;
+  esac
+done
 log() { printf '[container-test %s] %s\n' "$(date +%T)" "$*" >&2; }
 fail() { log "FAILED: $*"; exit 1; }
 [ "$(id -u)" -eq 0 ] || { log "skipped: needs root (podman's root storage and debootstrap)"; exit 77; }
@@ -33,6 +41,10 @@ image=$(bash "$root/deploy/container/build.sh" --prebuilt --profile "$profile" -
 # Built every time (podman's layer cache makes an unchanged one instant).
 podman build -q -f "$root/deploy/container/server.Containerfile" -t localhost/sandbox-host-server:latest \
   "$root/deploy/container" >/dev/null
+if [ $prepare_only = 1 ]; then
+  log "images ready: $image, localhost/sandbox-host-server:latest"
+  exit 0
+fi
 
 project=sbxtest
 work=$(mktemp -d "${TMPDIR:-/tmp}/container-test.XXXXXX")

@@ -85,10 +85,14 @@ pub async fn boots_cached(
     };
     if let Some(dir) = record_path.parent() {
         let _ = std::fs::create_dir_all(dir);
-        let _ = std::fs::write(
-            &record_path,
-            serde_json::to_vec(&record).unwrap_or_default(),
-        );
+        // Written aside and renamed: another process (a second test binary, `sandbox-host run`)
+        // reading the record meanwhile sees the old one or this one, never half of one.
+        let tmp = record_path.with_extension(format!("json.{}", std::process::id()));
+        if std::fs::write(&tmp, serde_json::to_vec(&record).unwrap_or_default()).is_ok()
+            && std::fs::rename(&tmp, &record_path).is_err()
+        {
+            let _ = std::fs::remove_file(&tmp);
+        }
     }
     result
 }
