@@ -42,6 +42,10 @@ pub struct EchoForms {
     matcher: AhoCorasick,
     /// The most held back: HOLD_BACK, or more for a value the secrets module would refuse.
     hold: usize,
+    /// The longest form: how far before a chunk an occurrence ending in it can start, so how much
+    /// of what is held is scanned again (the work per chunk stays that plus the chunk, however
+    /// small the chunks an upstream sends).
+    longest: usize,
     /// Whether a barrier byte ends what must be held back (see `held_back`).
     barriers: bool,
 }
@@ -75,6 +79,7 @@ impl EchoForms {
         Some(Arc::new(EchoForms {
             matcher,
             hold: HOLD_BACK.max(longest - 1),
+            longest,
             barriers,
         }))
     }
@@ -92,17 +97,16 @@ impl EchoForms {
         found.len()
     }
 
-    /// How many bytes at the end of `buf` wait for more: those after its last barrier byte, at
-    /// most [`HOLD_BACK`]. A function of the bytes alone, never of the forms (see the module's
-    /// documentation): any start of a form at the end is among them, as no form holds a barrier
-    /// and none is longer than `HOLD_BACK + 1`.
-    fn held_back(&self, buf: &[u8]) -> usize {
-        let window = self.hold.min(buf.len());
-        let tail = &buf[buf.len() - window..];
-        match tail.iter().rposition(|&b| is_barrier(b)) {
-            Some(i) if self.barriers => window - i - 1,
-            _ => window,
-        }
+    /// How many of `pending` bytes, whose last barrier byte (if any) is at `barrier`, wait for
+    /// more: those after that barrier, at most [`HOLD_BACK`]. A function of the bytes alone,
+    /// never of the forms (see the module's documentation): any start of a form at the end is
+    /// among them, as no form holds a barrier and none is longer than `HOLD_BACK + 1`.
+    fn held_back(&self, pending: usize, barrier: Option<usize>) -> usize {
+        let after = match barrier {
+            Some(i) if self.barriers => pending - i - 1,
+            _ => pending,
+        };
+        after.min(self.hold)
     }
 }
 
@@ -155,11 +159,20 @@ fn forms_of(v: &[u8]) -> Vec<Vec<u8>> {
 }
 
 /// One response body's scan: bytes in, masked bytes out, the tail after the last barrier byte
-/// (at most [`HOLD_BACK`] bytes) held back between chunks.
+/// (at most [`HOLD_BACK`] bytes) held back between chunks. Each chunk costs work in proportion to
+/// itself and the longest form, never to what is held: the held bytes are neither scanned again
+/// (but for the last `longest - 1`) nor moved but once for as many bytes released.
 #[derive(Debug)]
 pub struct EchoScanner {
     forms: Arc<EchoForms>,
-    held: Vec<u8>,
+    /// Released bytes (before `start`), then the held ones.
+    buf: Vec<u8>,
+    start: usize,
+    /// Where in `buf` the last barrier byte is, if it is among the held ones.
+    barrier: Option<usize>,
+    /// Bytes scanned and moved, for the test that bounds the work per chunk.
+    #[cfg(test)]
+    work: usize,
 }
 
 impl EchoScanner {
@@ -167,23 +180,60 @@ impl EchoScanner {
     pub fn new(forms: Arc<EchoForms>) -> EchoScanner {
         EchoScanner {
             forms,
-            held: Vec::new(),
+            buf: Vec::new(),
+            start: 0,
+            barrier: None,
+            #[cfg(test)]
+            work: 0,
         }
     }
 
     /// Takes the next chunk; returns what may go on now and the occurrences found.
     pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, usize) {
-        let mut buf = std::mem::take(&mut self.held);
-        buf.extend_from_slice(chunk);
-        let found = self.forms.mask(&mut buf);
-        let keep = self.forms.held_back(&buf);
-        self.held = buf.split_off(buf.len() - keep);
-        (buf, found)
+        let old = self.buf.len();
+        self.buf.extend_from_slice(chunk);
+        if let Some(i) = chunk.iter().rposition(|&b| is_barrier(b)) {
+            self.barrier = Some(old + i);
+        }
+        // An occurrence not seen before ends in the chunk, so starts at most longest - 1 bytes
+        // before it; everything earlier was scanned (and masked) already.
+        let from = old.saturating_sub(self.forms.longest - 1).max(self.start);
+        let found = self.forms.mask(&mut self.buf[from..]);
+        #[cfg(test)]
+        {
+            self.work += self.buf.len() - from;
+        }
+        let pending = self.buf.len() - self.start;
+        let keep = self
+            .forms
+            .held_back(pending, self.barrier.map(|b| b - self.start));
+        let end = self.buf.len() - keep;
+        let out = self.buf[self.start..end].to_vec();
+        self.start = end;
+        if self.barrier.is_some_and(|b| b < self.start) {
+            self.barrier = None;
+        }
+        // Drop what was released once it outweighs what is held: each held byte moves once per
+        // as many bytes released.
+        if self.start > self.buf.len() - self.start {
+            #[cfg(test)]
+            {
+                self.work += self.buf.len() - self.start;
+            }
+            self.buf.drain(..self.start);
+            self.barrier = self.barrier.map(|b| b - self.start);
+            self.start = 0;
+        }
+        (out, found)
     }
 
     /// The bytes still held back (the body ended: they cannot complete a form).
     pub fn finish(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.held)
+        let out = self.buf.split_off(self.start);
+        self.buf.clear();
+        self.start = 0;
+        self.barrier = None;
+        out
     }
 
     /// What it looks for.
@@ -193,7 +243,13 @@ impl EchoScanner {
 
     /// Whether bytes are held back.
     pub fn holding(&self) -> bool {
-        !self.held.is_empty()
+        self.start < self.buf.len()
+    }
+
+    /// How many bytes are held back.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.buf.len() - self.start
     }
 }
 
@@ -213,7 +269,7 @@ mod tests {
         let (mut out, mut n) = (Vec::new(), 0);
         for c in body.chunks(size) {
             let (o, f) = s.feed(c);
-            assert!(s.held.len() <= HOLD_BACK, "held back at most HOLD_BACK");
+            assert!(s.held() <= HOLD_BACK, "held back at most HOLD_BACK");
             out.extend(o);
             n += f;
         }
@@ -332,6 +388,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An upstream that sends a long text with no barrier a byte at a time (the guest's own
+    /// server, over plain HTTP) costs the scan a bounded amount per byte, not the whole
+    /// HOLD_BACK again for each one.
+    #[test]
+    fn work_per_chunk_is_bounded() {
+        let mut s = EchoScanner::new(forms());
+        let body = vec![b'x'; 200_000];
+        let mut out = Vec::new();
+        for b in body.chunks(1) {
+            out.extend(s.feed(b).0);
+        }
+        out.extend(s.finish());
+        assert_eq!(out, body);
+        let longest = forms().longest;
+        assert!(
+            s.work <= body.len() * (longest + 2),
+            "{} bytes of work for {} bytes (longest form {longest})",
+            s.work,
+            body.len()
+        );
     }
 
     /// What is held back ends at the last barrier, and an event or line goes on at once.
