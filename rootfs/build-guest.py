@@ -337,7 +337,9 @@ def build_tree(cfg, config_path, files, file_bytes, cache, downloads, arch):
     """The image's root file system as a directory, cached in the layer cache by tree_key: the
     Debian base, the wheels, links and files, the npm packages and the [run] commands. It needs
     neither the kernel nor the stock image, so bin/test builds it (--tree-only) while the kernel
-    compiles. One build per layer cache and architecture at a time: a second waits for it."""
+    compiles. One build per layer cache and architecture at a time: a second waits for it.
+    Returns the layer and its lock, held until the caller has copied the layer (a build of
+    another config removes older layers)."""
     key = tree_key(config_path.read_bytes(), file_bytes, arch)
     prefix = f"tree-{ARCHES[arch][0]}-"
     layer = cache / f"{prefix}{key}"
@@ -347,7 +349,7 @@ def build_tree(cfg, config_path, files, file_bytes, cache, downloads, arch):
         fcntl.flock(lock, fcntl.LOCK_EX)
     if (layer / ".complete").exists():
         log(f"the image's tree: cached ({layer})")
-        return layer
+        return layer, lock
     # Only a build that runs the image's programs needs them runnable (a cached build does not).
     ensure_binfmt(arch)
     for stale in cache.glob(f".{prefix}tmp-*"):
@@ -424,7 +426,7 @@ def build_tree(cfg, config_path, files, file_bytes, cache, downloads, arch):
         tree.rename(layer)
     finally:
         remove_tree(work)
-    return layer
+    return layer, lock
 
 
 def try_lock(f):
@@ -485,7 +487,7 @@ def main():
     files = sorted(cfg.get("files", {}).items())
     file_bytes = [(ROOT / src).read_bytes() for src, _ in files]
     if args.tree_only:
-        print(build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch))
+        print(build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch)[0])
         return
     # One build per image and store at a time; the lock goes with the process.
     lock = open(store / f".build-{name}.lock", "w")
@@ -509,7 +511,7 @@ def main():
         print(link)
         return
 
-    tree_layer = build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch)
+    tree_layer, tree_lock = build_tree(cfg, args.config, files, file_bytes, cache, downloads, arch)
     harness_pkg = cfg["harness"]["npm_package"]
     harness_version = cfg["npm"][harness_pkg]
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=store))
@@ -517,6 +519,7 @@ def main():
         tree = work / "tree"
         log("copying the image's tree")
         run(["cp", "-a", "--reflink=auto", str(tree_layer), str(tree)])
+        tree_lock.close()
         (tree / ".complete").unlink()
         record = {
             "name": name, "tag": tag, "key": key, "arch": arch,
