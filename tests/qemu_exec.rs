@@ -47,7 +47,10 @@ async fn exec_behaves() {
     let text = out.stdout_str();
     assert!(text.starts_with("0\nno-kvm-device\n"), "{text}");
     if sandbox_vmm::arch::Arch::guest() == sandbox_vmm::arch::Arch::X86_64 {
-        assert!(text.contains("kvm-built-in"), "the x86_64 guest kernel has KVM: {text}");
+        assert!(
+            text.contains("kvm-built-in"),
+            "the x86_64 guest kernel has KVM: {text}"
+        );
     }
 
     // echo, through argv (no shell)

@@ -103,8 +103,8 @@ pub struct Config {
     /// `SANDBOX_HOST_METER_BODY_MAX_MIB` in bytes: the largest model request body the meter
     /// holds to ask for usage (a sandbox holds at most twice this at once).
     pub meter_body_max: usize,
-    /// `SANDBOX_HOST_TEMPLATES` (`on` by default, `off`): on the KVM backend, sandboxes are
-    /// restored from a template of their shape instead of booting (issue 15).
+    /// `SANDBOX_HOST_TEMPLATES` (`on` by default, `off`): sandboxes are restored from a
+    /// template of their shape instead of booting (issue 15; on QEMU too, issue 36).
     pub templates: bool,
 }
 

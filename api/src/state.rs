@@ -57,8 +57,8 @@ impl AppState {
         let token_digest = Sha256::digest(config.token.as_bytes()).into();
         let store = ImageStore::new(config.image_dir.clone());
         let capacity = crate::capacity::Capacity::new(config.limits, config.state_dir.clone());
-        // Only the KVM backend restores snapshots; QEMU boots every sandbox.
-        let templates = (backend.as_ref().is_some_and(|b| b.name() == "kvm") && config.templates)
+        // Both backends restore snapshots: the KVM backend its own, QEMU its migration to a file.
+        let templates = (backend.is_some() && config.templates)
             .then(|| crate::templates::Templates::new(&config.state_dir));
         AppState {
             inner: Arc::new(Inner {

@@ -1,4 +1,5 @@
-//! Templates (issue 15): on the KVM backend, sandboxes start from a snapshot instead of a boot.
+//! Templates (issue 15): sandboxes start from a snapshot instead of a boot, on the KVM backend
+//! (its own snapshot) and on QEMU (its migration to a file, `sandbox_vmm::qemu`).
 //!
 //! For each shape in use (image build, memory, vCPUs, sandbox disk size) the service boots one
 //! VM to agent-ready, before anything of a run exists in it (no network set-up, no CA, no

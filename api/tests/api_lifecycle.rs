@@ -127,7 +127,11 @@ async fn a_dead_vm_answers_with_its_reason_and_is_swept() {
     while !state_entries(&h.state).is_empty() && t.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(state_entries(&h.state).is_empty(), "{:?}", state_entries(&h.state));
+    assert!(
+        state_entries(&h.state).is_empty(),
+        "{:?}",
+        state_entries(&h.state)
+    );
 }
 
 /// Puts the freezer into a sandbox and freezes its agent (see tests/guest/freeze.c).

@@ -2,7 +2,8 @@
 //! boots and its template is built beside it; the next ones are restored from it and work as a
 //! booted sandbox does: exec, files, the network (an allowed name reached, a refused address
 //! counted), each with its own random bytes and the host's clock. A template whose memory file
-//! is damaged is discarded and the create boots cold. On QEMU every sandbox boots. The guest
+//! is damaged is discarded and the create boots cold. On QEMU the same holds with QEMU's
+//! migration to a file as the snapshot (pause stays the KVM backend's). The guest
 //! image's clones (when this machine has the image) run Python, call a fake provider through
 //! interception, and take an archive and disk writes.
 //!
@@ -38,12 +39,98 @@ async fn http_server(body: &'static str) -> u16 {
     port
 }
 
+/// On QEMU a template is QEMU's migration to a file: the first sandbox of a shape boots, the
+/// next are restored from it, each a machine of its own with a working network and files; a
+/// damaged template is discarded and that create boots; with templates off, every one boots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_qemu_every_sandbox_boots() {
+async fn on_qemu_sandboxes_are_restored_from_their_shapes_template() {
     if stock_image_missing() || std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1") {
         return;
     }
-    let h = start(&[("SANDBOX_HOST_VMM", "qemu")]);
+    let port = http_server("hello from the host").await;
+    let resolve = format!("allowed.test:{port}:127.0.0.1");
+    let h = start(&[
+        ("SANDBOX_HOST_VMM", "qemu"),
+        ("SANDBOX_HOST_TEMPLATES", "on"),
+        ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
+    ]);
+    let create = || async {
+        let body = json!({"run_id": "r", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1,
+            "egress": {"allow": ["allowed.test"]}});
+        let (s, v) = h.json("POST", "/v1/sandboxes", Some(body)).await;
+        assert_eq!(s, 201, "{v}");
+        v
+    };
+    let first = create().await;
+    assert_eq!(first["started_from"], "boot", "{first}");
+    let boot_ms = first["boot_ms"].as_u64().unwrap_or(0);
+    h.wait_log("Template ready", Duration::from_secs(300));
+    let mut seen = std::collections::BTreeSet::new();
+    let mut restore_ms = vec![];
+    for i in 0..3 {
+        let v = create().await;
+        assert_eq!(v["started_from"], "template", "clone {i}: {v}");
+        restore_ms.push(v["boot_ms"].as_u64().unwrap_or(0));
+        let id = v["id"].as_str().unwrap().to_string();
+        its_own_machine(&h, &id, i, false, &mut seen).await;
+        let (out, err, last) = h
+            .exec(
+                &id,
+                &format!(
+                    "printf 'GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n' | nc -w 5 allowed.test {port}; \
+                     echo {i} > /workspace/f; cat /workspace/f"
+                ),
+            )
+            .await;
+        assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+        let out = String::from_utf8_lossy(&out);
+        assert!(
+            out.contains("hello from the host") && out.ends_with(&format!("{i}\n")),
+            "{out}"
+        );
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(s == 200 || s == 204, "{s}");
+    }
+    eprintln!(
+        "QEMU: boot_ms of the first sandbox {boot_ms}, of three restored from its template {restore_ms:?}"
+    );
+    let (_, metrics) = h.req("GET", "/metrics", vec![], &[]).await;
+    let metrics = String::from_utf8_lossy(&metrics).to_string();
+    assert!(
+        metrics.contains("sandbox_host_template_restores_total 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sandbox_host_templates_ready 1"),
+        "{metrics}"
+    );
+
+    // A damaged template: the create boots cold, says so, and the template is gone.
+    let tpl = std::fs::read_dir(h.state.join("templates"))
+        .unwrap()
+        .flatten()
+        .next()
+        .expect("a template directory")
+        .path();
+    let mem = tpl.join("snapshot.mem");
+    let len = std::fs::metadata(&mem).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&mem)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let v = create().await;
+    assert_eq!(v["started_from"], "boot", "{v}");
+    h.wait_log("a template failed to restore", Duration::from_secs(5));
+    let (out, _, _) = h.exec(v["id"].as_str().unwrap(), "echo cold").await;
+    assert_eq!(out, b"cold\n");
+    drop(h);
+
+    let h = start(&[
+        ("SANDBOX_HOST_VMM", "qemu"),
+        ("SANDBOX_HOST_TEMPLATES", "off"),
+    ]);
     for _ in 0..2 {
         let (s, v) = h
             .json(
@@ -206,6 +293,7 @@ async fn templates_on_kvm() {
     let ca_env = ca.to_string_lossy().into_owned();
     let mut env = vec![
         ("SANDBOX_HOST_VMM", "kvm"),
+        ("SANDBOX_HOST_TEMPLATES", "on"),
         ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
         // The disk image's 20 GiB sandbox disks are sparse; the nested host's /tmp is memory.
         ("SANDBOX_HOST_DISK_OVERCOMMIT", "100"),
@@ -641,6 +729,7 @@ async fn guest_image_on_kvm() {
     let store = common::image_store().to_string_lossy().into_owned();
     let mut env = vec![
         ("SANDBOX_HOST_VMM", "kvm"),
+        ("SANDBOX_HOST_TEMPLATES", "on"),
         ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
         ("SANDBOX_HOST_EGRESS_CA_FILE", ca.as_str()),
         ("SANDBOX_HOST_IMAGE_DIR", store.as_str()),

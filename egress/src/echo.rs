@@ -344,7 +344,10 @@ mod tests {
         let (out, _) = s.feed(b"data: sk-ant-api0");
         assert_eq!(out, b"");
         let (out, n) = s.feed(b"9 is fine\n\n");
-        assert_eq!((out.as_slice(), n), (&b"data: sk-ant-api09 is fine\n\n"[..], 0));
+        assert_eq!(
+            (out.as_slice(), n),
+            (&b"data: sk-ant-api09 is fine\n\n"[..], 0)
+        );
     }
 
     /// The framing (each feed's output length) and what is held, for `body` in chunks of `size`.

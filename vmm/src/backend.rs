@@ -40,10 +40,11 @@ pub struct VmSpec {
     /// the backend's own bound). `boot` sets it to its ready timeout, so a guest that never
     /// listens fails within that bound with its console lines.
     pub start_timeout: Option<Duration>,
-    /// Where [`Vm::snapshot`] writes, if the VM may be snapshotted (the KVM backend only). The
-    /// files are created by the caller and given to the VM at start: a jailed VM has no path.
+    /// Where [`Vm::snapshot`] writes, if the VM may be snapshotted. The files are created by
+    /// the caller and given to the VM at start: a jailed VM has no path. On QEMU the memory
+    /// file holds QEMU's migration stream, and a VM is snapshotted at most once.
     pub snapshot_to: Option<SnapshotFiles>,
-    /// Start from this snapshot instead of booting (the KVM backend only). The spec must be the
+    /// Start from this snapshot instead of booting. The spec must be the
     /// one the snapshot was taken with, and its disks in the state they had then.
     pub restore_from: Option<SnapshotFiles>,
 }
@@ -208,7 +209,7 @@ pub trait Vm: Send + Sync {
     async fn snapshot(&self, resume: bool) -> Result<SnapshotDone, VmError> {
         let _ = resume;
         Err(VmError::Unsupported(
-            "this backend cannot snapshot a VM (only the KVM backend can)".into(),
+            "this backend cannot snapshot a VM".into(),
         ))
     }
     /// From the backend's `start` to the guest's first instruction (the machine built and its

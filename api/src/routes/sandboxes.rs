@@ -203,7 +203,7 @@ async fn create(
             state.metrics().refused_for_capacity();
             ApiError::NoCapacity(why)
         })?;
-    // On the KVM backend, a sandbox of a shape that has a template is restored from it; a
+    // A sandbox of a shape that has a template is restored from it; a
     // template that fails is discarded and the sandbox boots cold (templates.rs).
     let shape = crate::templates::Shape {
         image_dir: image.dir.clone(),

@@ -299,6 +299,12 @@ pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
     if !env.iter().any(|(k, _)| *k == "SANDBOX_HOST_IMAGE_DIR") {
         cmd.env("SANDBOX_HOST_IMAGE_DIR", stock_only_store(state));
     }
+    // Templates are the service's default, but a template is one more boot beside the first
+    // sandbox of a shape: most tests make one or two sandboxes per service and would pay for it
+    // without using it. The tests of templates, and the load test, ask for them.
+    if !env.iter().any(|(k, _)| *k == "SANDBOX_HOST_TEMPLATES") {
+        cmd.env("SANDBOX_HOST_TEMPLATES", "off");
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -510,7 +516,8 @@ pub fn state_entries(dir: &Path) -> Vec<String> {
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n != ".lock")
+                // The service's templates stay until it stops (api_load checks what they hold).
+                .filter(|n| n != ".lock" && n != "templates")
                 .collect()
         })
         .unwrap_or_default()

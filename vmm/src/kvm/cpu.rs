@@ -290,13 +290,21 @@ mod tests {
     /// Whatever KVM offers (nested=1 offers VMX or SVM), the guest is told of neither.
     #[test]
     fn virtualisation_extensions_are_hidden() {
-        let mut e = [entry(1, u32::MAX), entry(0x8000_0001, u32::MAX), entry(0x8000_000a, 0)];
+        let mut e = [
+            entry(1, u32::MAX),
+            entry(0x8000_0001, u32::MAX),
+            entry(0x8000_000a, 0),
+        ];
         filter_cpuid(&mut e, 0, 2);
         assert_eq!(e[0].ecx & CPUID_VMX, 0, "VMX hidden");
         assert_ne!(e[0].ecx & CPUID_HYPERVISOR, 0, "hypervisor bit set");
         assert_eq!(e[1].ecx & CPUID_SVM, 0, "SVM hidden");
         assert_eq!(e[1].ecx & CPUID_PERFCTR_CORE, 0);
-        assert_eq!(e[1].ecx | CPUID_SVM | CPUID_PERFCTR_CORE, u32::MAX, "the rest passed");
+        assert_eq!(
+            e[1].ecx | CPUID_SVM | CPUID_PERFCTR_CORE,
+            u32::MAX,
+            "the rest passed"
+        );
         assert_eq!((e[2].eax, e[2].ebx, e[2].ecx, e[2].edx), (0, 0, 0, 0));
     }
 }

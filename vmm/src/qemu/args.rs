@@ -73,7 +73,19 @@ pub struct Wiring {
     /// Per disk of the spec, its descriptors: one read-only, and one read-write for a writable
     /// disk (QEMU opens a writable disk both ways).
     pub disk_fds: Vec<Vec<i32>>,
+    /// A connected stream socket for QEMU's monitor (QMP): only a VM that may be snapshotted
+    /// has one.
+    pub qmp_fd: Option<i32>,
+    /// The snapshot's memory file, open for writing: where a migration to a file goes.
+    pub snapshot_fd: Option<i32>,
+    /// A snapshot's memory file, open for reading: the VM starts from it instead of booting.
+    pub restore_fd: Option<i32>,
 }
+
+/// The fd set of [`Wiring::snapshot_fd`]: the snapshot is a migration to `file:/dev/fdset/N`.
+pub const SNAPSHOT_FDSET: u32 = 1000;
+/// The fd set of [`Wiring::restore_fd`].
+pub const RESTORE_FDSET: u32 = 1001;
 
 /// QEMU's own seccomp filter with every optional part set to deny: no obsolete system calls, no
 /// privilege changes, no new processes or programs, no scheduling or resource changes.
@@ -215,6 +227,31 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             .into(),
         );
     }
+    // Snapshots: QEMU's migration to a file, through descriptors (its jail has no path to
+    // write), and its monitor to start one. A VM restored from one starts with the machine
+    // state in the file instead of booting its kernel.
+    if let Some(fd) = wiring.qmp_fd {
+        a.extend([
+            "-chardev".into(),
+            format!("socket,id=qmp,fd={fd}").into(),
+            "-mon".into(),
+            "chardev=qmp,mode=control".into(),
+        ]);
+    }
+    if let Some(fd) = wiring.snapshot_fd {
+        a.extend([
+            "-add-fd".into(),
+            format!("fd={fd},set={SNAPSHOT_FDSET}").into(),
+        ]);
+    }
+    if let Some(fd) = wiring.restore_fd {
+        a.extend([
+            "-add-fd".into(),
+            format!("fd={fd},set={RESTORE_FDSET}").into(),
+            "-incoming".into(),
+            format!("file:/dev/fdset/{RESTORE_FDSET}").into(),
+        ]);
+    }
     a
 }
 
@@ -253,7 +290,31 @@ mod tests {
             marker_fd: Some(4),
             net_fd: Some(5),
             disk_fds: vec![vec![6]],
+            qmp_fd: None,
+            snapshot_fd: None,
+            restore_fd: None,
         }
+    }
+
+    #[test]
+    fn snapshots_go_through_inherited_descriptors() {
+        let s = joined(Arch::X86_64, Accel::Tcg);
+        assert!(!s.contains("qmp") && !s.contains("-incoming") && !s.contains("set=1000"));
+        let w = Wiring {
+            qmp_fd: Some(7),
+            snapshot_fd: Some(8),
+            restore_fd: Some(9),
+            ..wiring()
+        };
+        let s = qemu_args(Arch::X86_64, Accel::Tcg, &spec(), &w)
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            s.contains("-chardev socket,id=qmp,fd=7 -mon chardev=qmp,mode=control -add-fd fd=8,set=1000 -add-fd fd=9,set=1001 -incoming file:/dev/fdset/1001"),
+            "{s}"
+        );
     }
 
     fn joined(arch: Arch, accel: Accel) -> String {
@@ -314,7 +375,10 @@ mod tests {
     #[test]
     fn x86_64_kvm_drops_legacy_timers() {
         let s = joined(Arch::X86_64, Accel::Kvm);
-        assert!(s.contains("pit=off,pic=off -accel kvm -cpu host,-vmx,-svm"), "{s}");
+        assert!(
+            s.contains("pit=off,pic=off -accel kvm -cpu host,-vmx,-svm"),
+            "{s}"
+        );
     }
 
     #[test]
@@ -344,7 +408,9 @@ mod tests {
         );
         let s = joined(Arch::Aarch64, Accel::Kvm);
         assert!(
-            s.starts_with("-M virt,highmem=on,gic-version=max,virtualization=off -accel kvm -cpu host"),
+            s.starts_with(
+                "-M virt,highmem=on,gic-version=max,virtualization=off -accel kvm -cpu host"
+            ),
             "{s}"
         );
         assert!(!s.contains("isa-debugcon"));

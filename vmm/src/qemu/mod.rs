@@ -6,6 +6,8 @@ mod accel;
 pub mod args;
 pub(crate) mod netpump;
 mod process;
+mod qmp;
+mod snapshot;
 
 use std::path::{Path, PathBuf};
 
@@ -123,13 +125,10 @@ impl Backend for QemuBackend {
     }
 
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError> {
-        if spec.restore_from.is_some() {
-            return Err(VmError::Unsupported(
-                "the QEMU backend boots every VM; restoring a snapshot needs the KVM backend"
-                    .into(),
-            ));
-        }
         validate(&spec)?;
+        if let Some(from) = &spec.restore_from {
+            snapshot::Header::of(self.arch, self.accel, &spec).check(&from.state)?;
+        }
         let spec = crate::backend::prepare(&spec)?;
         let started = process::spawn(&self.program, self.arch, self.accel, &spec).await;
         if started.is_err() {

@@ -32,6 +32,16 @@ pub struct QemuVm {
     state_dir: PathBuf,
     /// From spawning QEMU to the guest's boot marker, once it came.
     marker: Arc<std::sync::OnceLock<Duration>>,
+    /// A VM that may be snapshotted: its monitor (taken by the one snapshot it may have), what
+    /// its snapshot is of, and where its state file goes.
+    snapshot: Option<SnapshotTarget>,
+}
+
+/// What [`Vm::snapshot`] of a QEMU VM needs.
+struct SnapshotTarget {
+    monitor: tokio::sync::Mutex<Option<std::os::unix::net::UnixStream>>,
+    header: super::snapshot::Header,
+    state: PathBuf,
 }
 
 /// Memory QEMU itself may use beyond the guest's, in its cgroup: TCG keeps a translation cache
@@ -87,8 +97,39 @@ pub async fn spawn(
         net_fd = Some(fds.len() as i32 - 1);
         (host, link)
     });
+    // A VM that may be snapshotted gets its monitor and its snapshot's memory file; a VM
+    // restored from one gets that file to read.
+    let mut qmp_fd = None;
+    let mut snapshot_fd = None;
+    let mut monitor = None;
+    if let Some(to) = &spec.snapshot_to {
+        let (host, vm) = socket_pair("monitor")?;
+        fds.push(vm);
+        qmp_fd = Some(fds.len() as i32 - 1);
+        monitor = Some(host);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&to.memory)
+            .map_err(|e| VmError::io(format!("opening {}", to.memory.display()), e))?;
+        fds.push(f.into());
+        snapshot_fd = Some(fds.len() as i32 - 1);
+    }
+    let mut restore_fd = None;
+    if let Some(from) = &spec.restore_from {
+        let f = std::fs::File::open(&from.memory)
+            .map_err(|e| VmError::io(format!("opening {}", from.memory.display()), e))?;
+        fds.push(f.into());
+        restore_fd = Some(fds.len() as i32 - 1);
+    }
     let mut disk_fds = vec![];
-    let mut fsize = 0u64;
+    // The largest file QEMU may write: its disks, and a snapshot (the guest's memory, a header
+    // per page, and the devices' state).
+    let mut fsize = if spec.snapshot_to.is_some() {
+        (u64::from(spec.memory_mib) << 20) + (u64::from(spec.memory_mib) << 10) * 3 + (64 << 20)
+    } else {
+        0
+    };
     for d in &spec.disks {
         let open = |write: bool| {
             std::fs::OpenOptions::new()
@@ -126,6 +167,9 @@ pub async fn spawn(
         marker_fd,
         net_fd,
         disk_fds,
+        qmp_fd,
+        snapshot_fd,
+        restore_fd,
     };
     let args = super::args::qemu_args(arch, accel, spec, &wiring);
 
@@ -232,7 +276,27 @@ pub async fn spawn(
             .map_err(|e| VmError::io("connecting the network socket", e))?;
         tokio::spawn(super::netpump::run(s, link, exit_rx.clone()));
     }
+    let snapshot = match (monitor, &spec.snapshot_to) {
+        (Some(m), Some(to)) => Some(SnapshotTarget {
+            monitor: tokio::sync::Mutex::new(Some(m)),
+            header: super::snapshot::Header::of(arch, accel, spec),
+            state: to.state.clone(),
+        }),
+        _ => None,
+    };
+    if spec.restore_from.is_some() {
+        // The restored agent waits in a read on its port, as it did when the snapshot was
+        // taken, and does not know the host is new: a ping on the control stream makes it
+        // announce itself there (its `Ready` is what the boot waits for). The socket is empty
+        // and its buffer far larger than one header, so this never blocks.
+        use std::io::Write;
+        let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new());
+        (&agent_host)
+            .write_all(&ping.encode())
+            .map_err(|e| VmError::io("greeting the restored agent", e))?;
+    }
     let vm = QemuVm {
+        snapshot,
         pid,
         jailed,
         console,
@@ -414,6 +478,35 @@ impl Vm for QemuVm {
 
     fn pid(&self) -> Option<u32> {
         Some(self.pid)
+    }
+
+    async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+        let Some(target) = &self.snapshot else {
+            return Err(VmError::Unsupported(
+                "this VM was started without a snapshot file, so it cannot be snapshotted".into(),
+            ));
+        };
+        // One snapshot per VM: its memory file is written once, from its start.
+        let Some(monitor) = target.monitor.lock().await.take() else {
+            return Err(VmError::Snapshot(
+                "this VM has been snapshotted already; a QEMU VM is snapshotted once".into(),
+            ));
+        };
+        let monitor = tokio::net::UnixStream::from_std(monitor)
+            .map_err(|e| VmError::io("connecting QEMU's monitor", e))?;
+        let taking = async {
+            let mut qmp = super::qmp::Qmp::connect(monitor, Duration::from_secs(10))
+                .await
+                .map_err(|e| VmError::Snapshot(format!("QEMU's monitor: {e}")))?;
+            super::snapshot::take(&mut qmp, &target.header, &target.state, resume).await
+        };
+        tokio::select! {
+            r = taking => r,
+            exit = self.wait() => Err(VmError::Snapshot(format!(
+                "the VM ended while its snapshot was taken: {}",
+                exit.reason
+            ))),
+        }
     }
 }
 
