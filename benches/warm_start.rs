@@ -88,6 +88,9 @@ impl Qemu {
             marker_fd: Some(4),
             net_fd: None,
             disk_fds: vec![],
+            qmp_fd: None,
+            snapshot_fd: None,
+            restore_fd: None,
         };
         let mut a: Vec<String> =
             args::qemu_args(args::Arch::X86_64, args::Accel::Kvm, spec, &wiring)
