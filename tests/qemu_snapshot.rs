@@ -21,7 +21,10 @@ fn spec(image: &sandbox_vmm::Image, dir: &Path, name: &str) -> VmSpec {
 async fn qemu_backend() -> Option<Box<dyn sandbox_vmm::Backend>> {
     let backend = sandbox_e2e::backend().await?;
     if backend.name() != "qemu" {
-        eprintln!("skipped: QEMU's snapshots need the QEMU backend; this one is {}", backend.name());
+        eprintln!(
+            "skipped: QEMU's snapshots need the QEMU backend; this one is {}",
+            backend.name()
+        );
         return None;
     }
     Some(backend)
@@ -180,7 +183,13 @@ async fn restored_vms_run_on_from_the_snapshot_and_damaged_ones_are_refused() {
     let bad_state = tmp.path().join("bad.state");
     std::fs::write(&bad_state, b"{\"format\": 1}").unwrap();
     expect_refused(
-        restore_spec(&image, tmp.path(), "garbage-state", &bad_state, &files.memory),
+        restore_spec(
+            &image,
+            tmp.path(),
+            "garbage-state",
+            &bad_state,
+            &files.memory,
+        ),
         "not a snapshot",
     )
     .await;
