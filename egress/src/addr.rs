@@ -27,6 +27,8 @@ pub enum Blocked {
     /// IETF protocol assignments, documentation, benchmarking (our DNS pool), 6to4 relay,
     /// 240/4, site-local and other special-purpose ranges.
     Reserved,
+    /// One of the machine's own addresses, public or not (`host_addrs`).
+    HostAddress,
 }
 
 impl Blocked {
@@ -41,6 +43,7 @@ impl Blocked {
             Blocked::Metadata => "metadata",
             Blocked::Multicast => "multicast",
             Blocked::Reserved => "reserved",
+            Blocked::HostAddress => "host_address",
         }
     }
 }
@@ -104,12 +107,11 @@ fn blocked_v6(a: Ipv6Addr) -> Option<Blocked> {
             Blocked::Loopback
         });
     }
-    // Forms that carry an IPv4 address are judged by it. Mapped (::ffff:a.b.c.d) and NAT64
-    // (64:ff9b::a.b.c.d) reach that IPv4 host, public or not; compatible (::a.b.c.d, deprecated)
-    // and 6to4 (2002:AABB:CCDD::) are never a legitimate target, so only their reason differs.
-    if in_v6(a, [0, 0, 0, 0, 0, 0xffff, 0, 0], 96)
-        || in_v6(a, [0x0064, 0xff9b, 0, 0, 0, 0, 0, 0], 96)
-    {
+    // Forms that carry an IPv4 address are judged by it. Mapped (::ffff:a.b.c.d), SIIT's
+    // translated (::ffff:0:a.b.c.d) and NAT64 (64:ff9b::a.b.c.d) reach that IPv4 host, public
+    // or not; compatible (::a.b.c.d, deprecated) and 6to4 (2002:AABB:CCDD::) are never a
+    // legitimate target, so only their reason differs.
+    if embedded_v4(a).is_some() || in_v6(a, [0x0064, 0xff9b, 0, 0, 0, 0, 0, 0], 96) {
         return blocked_v4(low32);
     }
     if in_v6(a, [0; 8], 96) {
@@ -122,6 +124,14 @@ fn blocked_v6(a: Ipv6Addr) -> Option<Blocked> {
     V6.iter()
         .find(|(net, len, _)| in_v6(a, *net, *len))
         .map(|(_, _, why)| *why)
+}
+
+/// The IPv4 address an IPv4-mapped (`::ffff:0:0/96`) or SIIT-translated (`::ffff:0:0:0/96`)
+/// IPv6 address stands for: the same host, whichever form names it.
+pub(crate) fn embedded_v4(a: Ipv6Addr) -> Option<Ipv4Addr> {
+    let v = u128::from(a);
+    (in_v6(a, [0, 0, 0, 0, 0, 0xffff, 0, 0], 96) || in_v6(a, [0, 0, 0, 0, 0xffff, 0, 0, 0], 96))
+        .then(|| Ipv4Addr::from((v & 0xffff_ffff) as u32))
 }
 
 fn blocked_v4(a: Ipv4Addr) -> Option<Blocked> {
@@ -196,6 +206,11 @@ mod tests {
         assert_eq!(b("::ffff:127.0.0.1"), Some(Blocked::Loopback));
         assert_eq!(b("::ffff:169.254.169.254"), Some(Blocked::LinkLocal));
         assert_eq!(b("::ffff:8.8.8.8"), None);
+        // SIIT (RFC 7915's IPv4-translated form): the IPv4 host it names.
+        assert_eq!(b("::ffff:0:127.0.0.1"), Some(Blocked::Loopback));
+        assert_eq!(b("::ffff:0:169.254.169.254"), Some(Blocked::LinkLocal));
+        assert_eq!(b("::ffff:0:10.0.0.1"), Some(Blocked::Private));
+        assert_eq!(b("::ffff:0:8.8.8.8"), None);
         assert_eq!(b("::10.0.0.1"), Some(Blocked::Private));
         assert_eq!(b("64:ff9b::7f00:1"), Some(Blocked::Loopback));
         assert_eq!(b("64:ff9b::808:808"), None);

@@ -13,6 +13,7 @@ pub mod dns;
 pub mod echo;
 pub mod gate;
 mod guest_io;
+pub mod host_addrs;
 pub mod intercept;
 pub mod link;
 pub mod meter;

@@ -76,13 +76,22 @@ impl ResolveOverrides {
     }
 }
 
-/// Whether a connection may go to `addr`: public addresses always; loopback only when an
-/// operator override named it; every other internal address never.
+/// Whether a connection may go to `addr`: public addresses that are not the machine's own;
+/// loopback only when an operator override named it; every other internal address never.
 pub fn check_target(addr: IpAddr, from_override: bool) -> Result<(), Blocked> {
+    judge(addr, from_override, crate::host_addrs::is_host_address)
+}
+
+fn judge(
+    addr: IpAddr,
+    from_override: bool,
+    is_host: impl Fn(IpAddr) -> bool,
+) -> Result<(), Blocked> {
     match blocked(addr) {
-        None => Ok(()),
         Some(Blocked::Loopback) if from_override => Ok(()),
         Some(why) => Err(why),
+        None if is_host(addr) => Err(Blocked::HostAddress),
+        None => Ok(()),
     }
 }
 
@@ -132,5 +141,19 @@ mod tests {
         let md: IpAddr = "169.254.169.254".parse().unwrap();
         assert_eq!(check_target(md, true), Err(Blocked::LinkLocal));
         assert_eq!(check_target("8.8.8.8".parse().unwrap(), false), Ok(()));
+        // A public address of the machine itself (this one's are all in internal ranges, so
+        // the list is given): refused, in its mapped forms too, even from an override.
+        let own: Vec<IpAddr> = vec!["8.8.4.4".parse().unwrap()];
+        let is_host = |a| crate::host_addrs::is_among(a, &own);
+        for a in ["8.8.4.4", "::ffff:8.8.4.4", "::ffff:0:8.8.4.4"] {
+            for from_override in [false, true] {
+                assert_eq!(
+                    judge(a.parse().unwrap(), from_override, is_host),
+                    Err(Blocked::HostAddress),
+                    "{a}"
+                );
+            }
+        }
+        assert_eq!(judge("8.8.8.8".parse().unwrap(), false, is_host), Ok(()));
     }
 }
