@@ -438,7 +438,7 @@ impl Proxy {
             } else {
                 v.clone()
             };
-            match self.substitute(k.as_str(), &v) {
+            match self.substitute(k.as_str(), &v, Shape::Header) {
                 Ok(v) => {
                     headers.append(k.clone(), v);
                 }
@@ -711,7 +711,7 @@ impl Proxy {
     /// the request goes over TLS to the secret's hosts and `name` is one of its credential
     /// headers; `Err` for a placeholder anywhere else (another secret's host, another header,
     /// plain HTTP).
-    fn substitute(&self, name: &str, v: &HeaderValue) -> Result<HeaderValue, ()> {
+    fn substitute(&self, name: &str, v: &HeaderValue, shape: Shape) -> Result<HeaderValue, ()> {
         let bytes = v.as_bytes();
         let mut out: Option<Vec<u8>> = None;
         for s in self.secrets() {
@@ -723,7 +723,7 @@ impl Proxy {
             if !self.tls
                 || !s.applies_to(&self.name)
                 || !s.substitutes_in(name)
-                || !credential_shape(cur, p)
+                || !credential_shape(cur, p, shape)
             {
                 return Err(());
             }
@@ -758,7 +758,7 @@ impl Proxy {
         let Ok(inner) = HeaderValue::from_bytes(&decoded) else {
             return Ok(v.clone());
         };
-        let replaced = self.substitute(name, &inner)?;
+        let replaced = self.substitute(name, &inner, Shape::BasicPair)?;
         if replaced.as_bytes() == decoded.as_slice() {
             return Ok(v.clone());
         }
@@ -1184,27 +1184,40 @@ fn mask_headers(forms: &EchoForms, headers: &mut HeaderMap) -> usize {
     found
 }
 
-/// Whether a header value holding `placeholder` has the shape of a credential: the placeholder
-/// alone, after one short scheme word (`Bearer <placeholder>`), or as the password of a short
-/// user name (`user:<placeholder>`, inside Basic). Padding around it would let a guest choose
-/// where a provider that quotes a truncated header cuts the key.
-fn credential_shape(value: &[u8], placeholder: &[u8]) -> bool {
-    if value == placeholder {
-        return true;
-    }
+/// Where a placeholder is being substituted: a header value as sent, or the `user:password`
+/// pair decoded from `Authorization: Basic`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Header,
+    BasicPair,
+}
+
+/// Whether a value holding `placeholder` has the shape of a credential: in a header, the
+/// placeholder alone or after one short scheme word (`Bearer <placeholder>`); inside Basic, the
+/// password of a short user name (`user:<placeholder>`), and only there (issue 29, item 3).
+/// Padding around it would let a guest choose where a provider that quotes a truncated header
+/// cuts the key.
+fn credential_shape(value: &[u8], placeholder: &[u8], shape: Shape) -> bool {
     let Some(before) = value.strip_suffix(placeholder) else {
         return false;
     };
-    if let Some(user) = before.strip_suffix(b":") {
-        return user.len() <= 64 && !user.contains(&b':');
+    match shape {
+        Shape::BasicPair => before
+            .strip_suffix(b":")
+            .is_some_and(|user| user.len() <= 64 && !user.contains(&b':')),
+        Shape::Header => {
+            if before.is_empty() {
+                return true;
+            }
+            let word = before.strip_suffix(b" ").unwrap_or(b"");
+            !word.is_empty() && word.len() <= 16 && word.iter().all(u8::is_ascii_alphanumeric)
+        }
     }
-    let word = before.strip_suffix(b" ").unwrap_or(b"");
-    !word.is_empty() && word.len() <= 16 && word.iter().all(u8::is_ascii_alphanumeric)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Arc, Pending, Stats, Unmetered, credential_shape};
+    use super::{Arc, Pending, Shape, Stats, Unmetered, credential_shape};
 
     #[test]
     fn a_call_is_recorded_once_whatever_ends_it() {
@@ -1247,23 +1260,38 @@ mod tests {
     #[test]
     fn only_credential_shapes_get_the_key() {
         let p = b"vantik-placeholder-0123";
-        for ok in [
-            &b"vantik-placeholder-0123"[..],
-            b"Bearer vantik-placeholder-0123",
-            b"x-access-token:vantik-placeholder-0123",
-        ] {
-            assert!(credential_shape(ok, p), "{}", String::from_utf8_lossy(ok));
-        }
-        for bad in [
-            &b"AAAAvantik-placeholder-0123"[..],
-            b"vantik-placeholder-0123AAAA",
-            b"Bearer  vantik-placeholder-0123",
-            b"a b vantik-placeholder-0123",
-            b"Averyveryverylongschemeword vantik-placeholder-0123",
-            b"u:v:vantik-placeholder-0123",
+        for (ok, shape) in [
+            (&b"vantik-placeholder-0123"[..], Shape::Header),
+            (b"Bearer vantik-placeholder-0123", Shape::Header),
+            (b"x-access-token:vantik-placeholder-0123", Shape::BasicPair),
+            (b":vantik-placeholder-0123", Shape::BasicPair),
         ] {
             assert!(
-                !credential_shape(bad, p),
+                credential_shape(ok, p, shape),
+                "{}",
+                String::from_utf8_lossy(ok)
+            );
+        }
+        for (bad, shape) in [
+            (&b"AAAAvantik-placeholder-0123"[..], Shape::Header),
+            (b"vantik-placeholder-0123AAAA", Shape::Header),
+            (b"Bearer  vantik-placeholder-0123", Shape::Header),
+            (b"a b vantik-placeholder-0123", Shape::Header),
+            (
+                b"Averyveryverylongschemeword vantik-placeholder-0123",
+                Shape::Header,
+            ),
+            (b"u:v:vantik-placeholder-0123", Shape::BasicPair),
+            // `user:` outside Basic: a guest-chosen prefix the provider may quote.
+            (b"Bearer abc:vantik-placeholder-0123", Shape::Header),
+            (b"junk:vantik-placeholder-0123", Shape::Header),
+            (b"x-access-token:vantik-placeholder-0123", Shape::Header),
+            // Inside Basic only the pair: not a scheme word, not the placeholder alone.
+            (b"vantik-placeholder-0123", Shape::BasicPair),
+            (b"Bearer vantik-placeholder-0123", Shape::BasicPair),
+        ] {
+            assert!(
+                !credential_shape(bad, p, shape),
                 "{}",
                 String::from_utf8_lossy(bad)
             );
