@@ -49,8 +49,6 @@ pub use rustls::ClientConfig;
 pub const UPSTREAM_CONNECTIONS: usize = 8;
 /// Upstream connections of one sandbox's proxied and intercepted requests at once.
 pub const SANDBOX_UPSTREAM_CONNECTIONS: usize = 64;
-/// How often a request waiting for an upstream connection looks at the pool again.
-const POOL_POLL: Duration = Duration::from_millis(20);
 /// Concurrent HTTP/2 streams a guest may open on one intercepted connection.
 pub const MAX_GUEST_STREAMS: u32 = 32;
 /// How long the guest's and the upstream's TLS handshakes may take.
@@ -242,8 +240,8 @@ pub(crate) async fn run(
         cx,
         icp: Some(icp),
         tls: true,
-        pool: Mutex::new(Vec::new()),
-        returned: tokio::sync::Notify::new(),
+        pool: Arc::new(Mutex::new(Vec::new())),
+        returned: Arc::new(tokio::sync::Notify::new()),
         slots: Arc::new(tokio::sync::Semaphore::new(UPSTREAM_CONNECTIONS)),
         first: std::sync::Mutex::new(Some(first)),
     });
@@ -267,8 +265,8 @@ pub(crate) async fn run_plain(
         cx,
         icp,
         tls: false,
-        pool: Mutex::new(Vec::new()),
-        returned: tokio::sync::Notify::new(),
+        pool: Arc::new(Mutex::new(Vec::new())),
+        returned: Arc::new(tokio::sync::Notify::new()),
         slots: Arc::new(tokio::sync::Semaphore::new(UPSTREAM_CONNECTIONS)),
         first: std::sync::Mutex::new(Some(first)),
     });
@@ -333,9 +331,11 @@ struct Proxy {
     icp: Option<Arc<Interception>>,
     /// Whether upstream is TLS (intercepted) or plain HTTP.
     tls: bool,
-    pool: Mutex<Vec<Sender>>,
+    /// Free upstream connections: a sender is put back once its response has been read to the
+    /// end, by the task that waits for that.
+    pool: Arc<Mutex<Vec<Sender>>>,
     /// Signalled when a sender goes back to the pool.
-    returned: tokio::sync::Notify,
+    returned: Arc<tokio::sync::Notify>,
     /// This guest connection's share of upstream connections.
     slots: Arc<tokio::sync::Semaphore>,
     /// The connection made (and checked) before the guest's handshake was answered.
@@ -584,8 +584,19 @@ impl Proxy {
                 return bad_gateway(&format!("the request to {target} failed: {e}"));
             }
         };
-        self.pool.lock().await.push(sender);
-        self.returned.notify_one();
+        // The connection is free again once this response's body has been read to its end
+        // (hyper's `ready`): the task that waits for that puts it back and wakes one waiter, so
+        // a request waiting for a connection is woken by the release, never by a timer (issue
+        // 29, item 7). A connection that closes instead (a body the guest abandoned) is dropped;
+        // its places in the bounds come back with its connection task.
+        let (pool, returned) = (self.pool.clone(), self.returned.clone());
+        tokio::spawn(async move {
+            let mut sender = sender;
+            if sender.send.ready().await.is_ok() {
+                pool.lock().await.push(sender);
+                returned.notify_one();
+            }
+        });
         drop(asked.hold);
         let (mut parts, body) = resp.into_parts();
         for h in HOP {
@@ -781,17 +792,14 @@ impl Proxy {
                 }
             }
             // No free connection: a new one when both bounds have room, else wait for one to be
-            // given back or to finish its response (polled: a pooled sender becomes ready when
-            // its body ends, which nothing signals).
+            // given back (its response read to the end) or to close (its places come back).
             let slot = tokio::select! {
                 slot = self.slots.clone().acquire_owned() => slot.map_err(|e| e.to_string())?,
                 _ = self.returned.notified() => continue,
-                _ = tokio::time::sleep(POOL_POLL) => continue,
             };
             let shared = tokio::select! {
                 shared = self.cx.upstream.clone().acquire_owned() => shared.map_err(|e| e.to_string())?,
                 _ = self.returned.notified() => continue,
-                _ = tokio::time::sleep(POOL_POLL) => continue,
             };
             let send = self.connect((slot, shared)).await?;
             return Ok(Sender { send });

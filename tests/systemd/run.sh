@@ -81,10 +81,13 @@ id=$(api -H 'content-type: application/json' -d '{"run_id":"systemd-test","time_
 [ -n "$id" ] || fail "create under systemd gave no sandbox id"
 out=$(api -H 'content-type: application/json' -d '{"argv":["uname","-m"]}' "http://127.0.0.1:3004/v1/sandboxes/$id/exec")
 echo "$out" | grep -q "\"stdout\":\"$(printf 'x86_64\n' | base64)\"" || fail "exec under systemd: $out"
-vm_uid=$(inside sh -c 'for p in /proc/[0-9]*; do [ "$(cat $p/comm 2>/dev/null)" = qemu-system-x86 ] && stat -c %u $p; done; true' | head -1)
+# The first QEMU's (the service may be building a template beside the sandbox: two of them). No
+# `| head` here: with pipefail, the writer's SIGPIPE would fail the run.
+vm_uid=$(inside sh -c 'for p in /proc/[0-9]*; do [ "$(cat $p/comm 2>/dev/null)" = qemu-system-x86 ] && { stat -c %u $p; break; }; done; true')
 case "$vm_uid" in 16000*) ;; *) fail "the VM process runs as uid '${vm_uid}', not one of the jail's (1600000000-1600065535)" ;; esac
 inside systemctl stop sandbox-host
-inside journalctl -u sandbox-host --no-pager -o cat | grep 'Disposed of sandbox' | grep -q "$id" \
+inside journalctl -u sandbox-host --no-pager -o cat > "$work/journal"
+grep 'Disposed of sandbox' "$work/journal" | grep "$id" >/dev/null \
   || fail "systemctl stop did not dispose of $id"
 result=$(inside systemctl show -p Result --value sandbox-host)
 [ "$result" = success ] || fail "the service's stop result is $result, not success"
