@@ -497,7 +497,7 @@ fn pass_through(total: usize, scan: bool) -> f64 {
         "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOP",
         "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
     ];
-    let forms = EchoForms::new(keys).expect("three keys");
+    let forms = EchoForms::new(keys).expect("compiles").expect("three keys");
     // SSE-like text: what model responses are.
     let event = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
     let chunk: Vec<u8> = event.iter().copied().cycle().take(16 * 1024).collect();

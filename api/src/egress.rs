@@ -108,7 +108,16 @@ pub fn start(
         let secrets = spec
             .secrets
             .iter()
-            .map(|s| Secret::new(&s.env, &s.value, &s.hosts, s.headers.as_deref()))
+            .map(|s| {
+                Secret::scoped(
+                    &s.env,
+                    &s.value,
+                    &s.hosts,
+                    s.headers.as_deref(),
+                    s.paths.as_deref(),
+                    s.wildcard,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| StartError::Bad(e.to_string()))?;
         let client =
@@ -250,7 +259,8 @@ pub fn usage_json(egress: &Egress) -> Value {
                 "host": c.host,
                 "status": c.status,
                 "complete": c.complete,
-                "usage_missing": r.is_none(),
+                "usage_missing": r.is_none_or(|r| r.estimated),
+                "output_tokens_estimated": r.is_some_and(|r| r.estimated),
                 "unmetered": c.unmetered.map(Unmetered::as_str),
                 "provider": r.map(|r| r.provider),
                 "response_id": r.and_then(|r| r.response_id.clone()),
@@ -260,6 +270,21 @@ pub fn usage_json(egress: &Egress) -> Value {
                 "cache_read_tokens": r.map_or(0, |r| r.cache_read_tokens),
                 "cache_write_tokens": r.map_or(0, |r| r.cache_write_tokens),
                 "billed_cost_usd": r.and_then(|r| r.cost),
+                "service_tier": r.and_then(|r| r.details.service_tier.clone()),
+                "server_tool_use": r.map_or_else(serde_json::Map::new, |r| {
+                    r.details
+                        .server_tool_use
+                        .iter()
+                        .map(|(k, n)| (k.clone(), json!(n)))
+                        .collect()
+                }),
+                "cache_write_5m_tokens": r.and_then(|r| r.details.cache_write_5m_tokens),
+                "cache_write_1h_tokens": r.and_then(|r| r.details.cache_write_1h_tokens),
+                "input_audio_tokens": r.and_then(|r| r.details.input_audio_tokens),
+                "output_audio_tokens": r.and_then(|r| r.details.output_audio_tokens),
+                "input_image_tokens": r.and_then(|r| r.details.input_image_tokens),
+                "output_image_tokens": r.and_then(|r| r.details.output_image_tokens),
+                "reasoning_tokens": r.and_then(|r| r.details.reasoning_tokens),
             })
         })
         .collect();

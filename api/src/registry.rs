@@ -27,6 +27,13 @@ pub struct SecretSpec {
     /// Request headers the placeholder is replaced in (default `authorization`, `x-api-key`).
     #[serde(default, deserialize_with = "crate::routes::present")]
     pub headers: Option<Vec<String>>,
+    /// Path prefixes the key may be sent to (default: a known provider's inference endpoints
+    /// on its host, any path on other hosts).
+    #[serde(default, deserialize_with = "crate::routes::present")]
+    pub paths: Option<Vec<String>>,
+    /// A `*.domain` host is meant: every name under it is the run's.
+    #[serde(default)]
+    pub wildcard: bool,
 }
 
 impl std::fmt::Debug for SecretSpec {
@@ -36,6 +43,8 @@ impl std::fmt::Debug for SecretSpec {
             .field("value", &"<redacted>")
             .field("hosts", &self.hosts)
             .field("headers", &self.headers)
+            .field("paths", &self.paths)
+            .field("wildcard", &self.wildcard)
             .finish()
     }
 }

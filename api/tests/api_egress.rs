@@ -907,7 +907,10 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
 /// keep-alive, chunked): `/headers` echoes the request headers as JSON (like httpbin) and the
 /// credential in a response header; `/error` is Anthropic's 400 quoting the `x-api-key` value;
 /// `/split` sends the credential raw, JSON-escaped and base64-encoded, cut across chunks one
-/// byte at a time; `/big` streams 10 MiB of bytes that hold no key.
+/// byte at a time; `/forms` sends it in the forms programs write it in besides those
+/// (`echo_forms`), in chunks of 7 bytes; `/te-gzip` answers with `Transfer-Encoding: gzip,
+/// chunked`; `/v1/messages` is a model call that puts the key in its `id` and `model`; `/big`
+/// streams 10 MiB of bytes that hold no key.
 async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
     let acceptor = common::tls_acceptor(dir);
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -935,6 +938,17 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                             })
                             .unwrap_or_default()
                     };
+                    // A request body (the model call's) is read, so the connection can be used
+                    // again.
+                    let length: usize = header("content-length").parse().unwrap_or(0);
+                    while buf.len() < length {
+                        let mut b = [0u8; 4096];
+                        match s.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    }
+                    buf.drain(..length);
                     let key = header("x-api-key");
                     let key = if key.is_empty() {
                         header("authorization")
@@ -944,7 +958,7 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                         key
                     };
                     let (status, pieces): (&str, Vec<Vec<u8>>) = match path.as_str() {
-                        "/headers" => {
+                        "/headers" | "/v1/models" => {
                             let map: serde_json::Map<String, Value> = head
                                 .lines()
                                 .skip(1)
@@ -973,6 +987,35 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                                 "200 OK",
                                 text.into_bytes().chunks(1).map(<[u8]>::to_vec).collect(),
                             )
+                        }
+                        "/forms" => {
+                            let (text, mime) = echo_forms(&key);
+                            let mut body = text
+                                .iter()
+                                .map(|(name, form)| format!("{name} {form} "))
+                                .collect::<String>();
+                            body.push_str(&format!("end\r\n\r\n{mime}\r\nend\n"));
+                            (
+                                "200 OK",
+                                body.into_bytes().chunks(7).map(<[u8]>::to_vec).collect(),
+                            )
+                        }
+                        "/te-gzip" => ("200 OK", vec![b"not really gzip".to_vec()]),
+                        p if p.starts_with("/reflect?q=") => (
+                            "200 OK",
+                            vec![
+                                b"{\"note\":\"what you asked for, and 2 s later the end\",\n\"q\":\""
+                                    .to_vec(),
+                                p.as_bytes()["/reflect?q=".len()..].to_vec(),
+                                b"\"}\n".to_vec(),
+                            ],
+                        ),
+                        "/v1/messages" => {
+                            let body = json!({"id": key, "type": "message", "role": "assistant",
+                                "model": key, "content": [], "stop_reason": "end_turn",
+                                "usage": {"input_tokens": 3, "output_tokens": 5}})
+                            .to_string();
+                            ("200 OK", vec![body.into_bytes()])
                         }
                         _ => {
                             let mut x = 0x2545_f491_4f6c_dd1d_u64;
@@ -1003,13 +1046,22 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
                     } else {
                         status.to_string()
                     };
+                    let coding = if path == "/te-gzip" {
+                        "gzip, chunked"
+                    } else {
+                        "chunked"
+                    };
                     let h = format!(
-                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\n{encoding}transfer-encoding: chunked\r\n\r\n"
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\nx-echo-key: {key}\r\n{encoding}transfer-encoding: {coding}\r\n\r\n"
                     );
                     if s.write_all(h.as_bytes()).await.is_err() {
                         return;
                     }
-                    for p in pieces {
+                    let pause_before = path.starts_with("/reflect").then(|| pieces.len() - 1);
+                    for (i, p) in pieces.into_iter().enumerate() {
+                        if pause_before == Some(i) {
+                            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                        }
                         let mut chunk = format!("{:x}\r\n", p.len()).into_bytes();
                         chunk.extend(p);
                         chunk.extend(b"\r\n");
@@ -1029,16 +1081,71 @@ async fn echo_provider(dir: &std::path::Path) -> (u16, Seen) {
     (port, seen)
 }
 
+/// `key` as programs write it besides raw, JSON and plain base64 (issue 29, item 2): named
+/// text forms, and a MIME part's base64 of a text that holds it (76 columns, CRLF).
+fn echo_forms(key: &str) -> (Vec<(&'static str, String)>, String) {
+    use base64::Engine;
+    let url = |keep: &[u8]| -> String {
+        key.bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || keep.contains(&b) {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect()
+    };
+    let text = vec![
+        // Python's urllib.parse.quote: `/` kept.
+        ("quote", url(b"/")),
+        // JavaScript's encodeURI.
+        ("uri", url(b";,/?:@&=+$!*'()#")),
+        // JSON's \u escapes, every other character, the hex in capitals.
+        (
+            "unicode",
+            key.bytes()
+                .enumerate()
+                .map(|(i, b)| {
+                    if i % 2 == 0 {
+                        format!("\\u{b:04X}")
+                    } else {
+                        (b as char).to_string()
+                    }
+                })
+                .collect(),
+        ),
+    ];
+    let b64 = base64::engine::general_purpose::STANDARD.encode(format!(
+        "{}{key} and more text after it",
+        "The lead of a file: ".repeat(3)
+    ));
+    let mime: Vec<&str> = b64
+        .as_bytes()
+        .chunks(76)
+        .map(|c| std::str::from_utf8(c).unwrap())
+        .collect();
+    (text, mime.join("\r\n"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     if stock_image_missing() || guest_image_missing() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    common::make_certs(dir.path(), &["api.provider.test", "gemini.provider.test"]);
+    common::make_certs(
+        dir.path(),
+        &[
+            "api.provider.test",
+            "gemini.provider.test",
+            "api.openai.com",
+        ],
+    );
     let (port, seen) = echo_provider(dir.path()).await;
-    let resolve =
-        format!("api.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1");
+    let resolve = format!(
+        "api.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1,api.openai.com:{port}:127.0.0.1"
+    );
     let ca = dir.path().join("ca.pem");
     let store = common::image_store();
     let h = start(&[
@@ -1048,13 +1155,15 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     ]);
     let key = "sk-ant-api03-REALKEY-9/8+7\"6_5";
     let gemini = "AIzaREALKEY-gemini-0123456789";
+    let openai = "sk-proj-REALKEY-openai-0123456789";
     let id = h
         .create(json!({
             "image": "vantik-guest:latest",
             "egress": {"secrets": [
                 {"env": "ANTHROPIC_API_KEY", "value": key, "hosts": ["api.provider.test"]},
                 {"env": "GEMINI_API_KEY", "value": gemini, "hosts": ["gemini.provider.test"],
-                 "headers": ["x-goog-api-key"]}
+                 "headers": ["x-goog-api-key"], "paths": ["/headers"]},
+                {"env": "OPENAI_API_KEY", "value": openai, "hosts": ["api.openai.com"]}
             ]}
         }))
         .await;
@@ -1080,7 +1189,11 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         async move {
             let (out, err, last) = h.exec(&id, &cmd).await;
             let all = format!("{}{}", text(&out), text(&err));
-            for f in forms(key).into_iter().chain(forms(gemini)) {
+            for f in forms(key)
+                .into_iter()
+                .chain(forms(gemini))
+                .chain(forms(openai))
+            {
                 assert!(
                     !all.contains(&f),
                     "`{f}` reached the guest through `{cmd}`: {all}"
@@ -1132,24 +1245,177 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
         out.starts_with("HTTP/1.1 502") || out.starts_with("HTTP/2 502"),
         "{out}"
     );
+    // The key in the forms a program would write it in: each masked whole, the MIME part's
+    // base64 all but the characters it shares with the text around it.
+    let (out, _) = run(format!(
+        "curl -sS --http1.1 -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/forms"
+    ))
+    .await;
+    let (forms_sent, mime) = echo_forms(key);
+    for (name, form) in &forms_sent {
+        assert!(
+            out.contains(&format!("{name} {} ", "*".repeat(form.len()))),
+            "{name}: {out}"
+        );
+    }
+    let part = out
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .replace("\r\n", "");
+    assert_eq!(
+        part.len(),
+        mime.replace("\r\n", "").len() + "end\n".len(),
+        "{out}"
+    );
+    assert!(
+        part.contains(&"*".repeat(key.len() * 4 / 3 - 4)),
+        "the wrapped base64 is masked: {out}"
+    );
+    // `Transfer-Encoding: gzip, chunked` is as unreadable as a Content-Encoding: refused.
+    let (out, _) = run(format!(
+        "curl -sS -i -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/te-gzip"
+    ))
+    .await;
+    assert!(
+        out.starts_with("HTTP/1.1 502") || out.starts_with("HTTP/2 502"),
+        "{out}"
+    );
+    assert!(!out.contains("not really gzip"), "{out}");
+    // A model call whose answer carries the key as its id and model: the meter reads it masked.
+    let (out, _) = run(format!(
+        "curl -sS -H \"x-api-key: $ANTHROPIC_API_KEY\" -H 'content-type: application/json' \
+         -d '{{\"model\":\"m\",\"max_tokens\":1,\"messages\":[]}}' {base}/v1/messages"
+    ))
+    .await;
+    assert!(out.contains("\"model\":\"****"), "{out}");
+    let (s, u) = h
+        .json("GET", &format!("/v1/sandboxes/{id}/usage"), None)
+        .await;
+    assert_eq!(s, 200, "{u}");
+    let usage = u.to_string();
+    assert!(
+        usage.contains("\"output_tokens\":5"),
+        "the call was metered: {u}"
+    );
+    for f in forms(key) {
+        assert!(!usage.contains(&f), "`{f}` reached /usage: {u}");
+    }
+    // The oracle of issue 29: the provider reflects a guess of the key's next character and
+    // waits 2 s before its last chunk. A right guess and a wrong one reach the guest framed
+    // alike and at the same moments, raw HTTP/1.1 chunks read off TLS and HTTP/2 DATA frames
+    // alike: split where the 2 s pause falls, what came before it and after it is the same.
+    let reader = format!(
+        "cat > /tmp/reflect.mjs <<'EOF'\n{}\nEOF\n",
+        r#"import tls from 'node:tls';
+import http2 from 'node:http2';
+const [mode, q] = process.argv.slice(2);
+const host = 'api.provider.test', port = Number(process.env.PORT);
+const key = process.env.ANTHROPIC_API_KEY, got = [], t0 = Date.now();
+const seen = d => got.push([Date.now() - t0, d.toString('latin1')]);
+const done = () => { console.log(JSON.stringify(got)); process.exit(0); };
+if (mode === 'h1') {
+  const s = tls.connect({ host, port, servername: host }, () => s.write(
+    `GET /reflect?q=${q} HTTP/1.1\r\nhost: ${host}\r\nx-api-key: ${key}\r\nconnection: close\r\n\r\n`));
+  s.on('data', seen);
+  s.on('close', done);
+} else {
+  const c = http2.connect(`https://${host}:${port}`);
+  const r = c.request({ ':path': `/reflect?q=${q}`, 'x-api-key': key });
+  r.on('data', seen);
+  r.on('end', () => { c.close(); done(); });
+}"#
+    );
+    let arrivals = |mode: &'static str, q: String| {
+        let (run, reader) = (&run, &reader);
+        async move {
+            let (out, _) = run(format!(
+                "{reader}PORT={port} node /tmp/reflect.mjs {mode} {q}"
+            ))
+            .await;
+            let got: Vec<(u64, String)> = serde_json::from_str(out.trim())
+                .unwrap_or_else(|e| panic!("{mode} {q}: {e}: {out}"));
+            // What came before the longest pause, and after it; the framing of each.
+            let gap = (1..got.len())
+                .max_by_key(|&i| got[i].0.saturating_sub(got[i - 1].0))
+                .unwrap_or(got.len());
+            let part = |p: &[(u64, String)]| {
+                let data: String = p.iter().map(|(_, d)| d.as_str()).collect();
+                // The response's Date header is the one byte-for-byte difference allowed.
+                data.lines()
+                    .filter(|l| !l.to_ascii_lowercase().starts_with("date:"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            (part(&got[..gap]), part(&got[gap..]), got.len())
+        }
+    };
+    for mode in ["h1", "h2"] {
+        let guess = &key[..16];
+        let right = format!("{guess}{}", &key[16..17]);
+        let wrong = format!("{guess}X");
+        assert_ne!(right, wrong);
+        let (r, w) = (
+            arrivals(mode, right.clone()).await,
+            arrivals(mode, wrong.clone()).await,
+        );
+        assert!(
+            r.1.contains("\"}"),
+            "{mode}: the end came after the pause: {r:?}"
+        );
+        assert_eq!(
+            (r.0.replace(&right, &wrong), r.1.replace(&right, &wrong)),
+            (w.0.clone(), w.1.clone()),
+            "{mode}: a right guess ({r:?}) and a wrong one ({w:?}) differ"
+        );
+    }
     // A credential header the run named for a provider that reads another one.
     let (out, _) = run(format!(
         "curl -sS -H \"x-goog-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/headers"
     ))
     .await;
     assert!(out.contains("\"headers\""), "{out}");
+    // Issue 29, item 6: a key goes only to the paths its secret is for. The run's own `paths`
+    // (gemini's: /headers); a known provider's inference endpoints (api.openai.com: no minting
+    // of credentials, no files).
+    for cmd in [
+        format!(
+            "-H \"x-goog-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/upload"
+        ),
+        format!(
+            "-X POST -H \"authorization: Bearer $OPENAI_API_KEY\" https://api.openai.com:{port}/v1/realtime/client_secrets"
+        ),
+        format!(
+            "-H \"authorization: Bearer $OPENAI_API_KEY\" https://api.openai.com:{port}/v1/models/../files"
+        ),
+    ] {
+        let (out, _) = run(format!("curl -sS -i --path-as-is {cmd}")).await;
+        assert!(
+            out.contains("x-sandbox-egress-refused: path_not_allowed"),
+            "{cmd}: {out}"
+        );
+    }
+    let (out, _) = run(format!(
+        "curl -sS -H \"authorization: Bearer $OPENAI_API_KEY\" https://api.openai.com:{port}/v1/models"
+    ))
+    .await;
+    assert!(
+        out.contains("\"headers\"") && out.contains("Bearer ****"),
+        "{out}"
+    );
     let provider_got: Vec<String> = seen
         .lock()
         .unwrap()
         .iter()
         .map(|(h, _)| h.clone())
         .collect();
-    assert_eq!(provider_got.len(), 7, "{provider_got:?}");
+    assert_eq!(provider_got.len(), 15, "{provider_got:?}");
     assert!(
-        provider_got[..6].iter().all(|h| h.contains(key)),
+        provider_got[..13].iter().all(|h| h.contains(key)),
         "{provider_got:?}"
     );
-    assert!(provider_got[6].contains(&format!("x-goog-api-key: {gemini}")));
+    assert!(provider_got[13].contains(&format!("x-goog-api-key: {gemini}")));
+    assert!(provider_got[14].starts_with("GET /v1/models ") && provider_got[14].contains(openai));
 
     // A placeholder anywhere but a credential header is refused before the provider sees it.
     for (what, cmd) in [
@@ -1184,7 +1450,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
     }
     assert_eq!(
         seen.lock().unwrap().len(),
-        7,
+        15,
         "nothing refused reached the provider"
     );
 
@@ -1208,6 +1474,7 @@ async fn a_provider_that_echoes_never_gives_the_key_to_the_guest() {
 
     let v = egress(&h, &id).await;
     assert_eq!(v["by_reason"]["placeholder_leak"], 5, "{v}");
+    assert_eq!(v["by_reason"]["path_not_allowed"], 3, "{v}");
     // /headers twice (value and echoed header), the error, the split (three forms), gemini.
     assert!(v["by_reason"]["secret_echo"].as_u64().unwrap() >= 8, "{v}");
     let (_, m) = h.req("GET", "/metrics", vec![], &[]).await;

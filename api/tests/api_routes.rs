@@ -152,6 +152,19 @@ async fn every_route_and_its_bad_input() {
             "x-goog-api-key",
         ),
         (json!({"intercept": "everything"}), "intercept"),
+        // Issue 29, item 6: a wildcard host unless marked meant, paths that cannot be matched.
+        (
+            json!({"secrets": [{"env": "K", "value": "sk-long-enough-0000", "hosts": ["*.azure-api.net"]}]}),
+            "\"wildcard\": true",
+        ),
+        (
+            json!({"secrets": [{"env": "K", "value": "sk-long-enough-0000", "hosts": ["a.example.com"], "paths": ["/v1/../admin"]}]}),
+            "dot segment",
+        ),
+        (
+            json!({"secrets": [{"env": "K", "value": "sk-long-enough-0000", "hosts": ["a.example.com"], "paths": []}]}),
+            "leave `paths` out",
+        ),
     ] {
         let (s, v) = h
             .json("POST", "/v1/sandboxes", Some(json!({"run_id": "r", "time_limit_ms": 1000, "review": false, "egress": egress})))

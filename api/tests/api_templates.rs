@@ -7,8 +7,11 @@
 //! image's clones (when this machine has the image) run Python, call a fake provider through
 //! interception, and take an archive and disk writes.
 //!
-//! The KVM part runs where this machine's /dev/kvm boots Linux, else inside the nested test
-//! host (`tests/nested/run.sh`), this binary and the service's two programs taken along.
+//! The two KVM parts (the stock image's templates, and the guest image's clones) run where this
+//! machine's /dev/kvm boots Linux, else each inside a nested test host of its own
+//! (`tests/nested/run.sh`), this binary and the service's two programs taken along: each nested
+//! host has one emulated processor, so the two side by side use both of this machine's, and
+//! each boots about a dozen guests, half of what wedges one (tests/nested/README.md, "Wedged").
 
 mod common;
 
@@ -156,8 +159,39 @@ async fn on_qemu_sandboxes_are_restored_from_their_shapes_template() {
     );
 }
 
+/// On the KVM backend: the first sandbox of a shape boots, the next ones are restored from its
+/// template and work as booted ones do, a damaged template is discarded, pause and resume keep
+/// a sandbox's processes (`templates_on_kvm`).
 #[test]
 fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
+    on_kvm(
+        "on_kvm_sandboxes_are_restored_from_their_shapes_template",
+        false,
+        templates_on_kvm,
+    );
+}
+
+/// On the KVM backend, the guest image's clones (`guest_image_on_kvm`).
+#[test]
+fn on_kvm_the_guest_image_is_restored_from_its_template() {
+    if std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() != Ok("1")
+        && common::guest_image_missing()
+    {
+        return;
+    }
+    on_kvm(
+        "on_kvm_the_guest_image_is_restored_from_its_template",
+        true,
+        guest_image_on_kvm,
+    );
+}
+
+/// Runs `part` where the KVM backend runs: here, or one level down in a nested test host of
+/// its own (this binary and the service's two programs taken along), which then runs this
+/// test (`name`) alone. Each KVM part has its nested host: one emulated processor each, so the
+/// two use both of this machine's, and each boots half the guests (a nested host wedges after
+/// about twenty: tests/nested/README.md, "Wedged").
+fn on_kvm<F: std::future::Future<Output = ()>>(name: &str, guest_image: bool, part: fn() -> F) {
     if stock_image_missing() {
         return;
     }
@@ -167,15 +201,13 @@ fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
             .enable_all()
             .build()
             .unwrap();
-        rt.block_on(templates_on_kvm());
-        rt.block_on(guest_image_on_kvm());
+        rt.block_on(part());
         return;
     }
     let store = sandbox_vmm::ImageStore::new(sandbox_vmm::config::image_dir());
     let rt = tokio::runtime::Runtime::new().unwrap();
     if rt.block_on(sandbox_vmm::select::kvm_usable(&store)).is_ok() {
-        rt.block_on(templates_on_kvm());
-        rt.block_on(guest_image_on_kvm());
+        rt.block_on(part());
         return;
     }
     // One level down: this binary, the service and its VM program, at the paths the service's
@@ -189,9 +221,8 @@ fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
     // The fake provider's CA and certificate, made here (the nested host has no openssl).
     let certs = tempfile::tempdir().unwrap();
     common::make_certs(certs.path(), &["api.provider.test"]);
-    // The guest image (a gigabyte) goes along when this machine has it: the nested host then
+    // The guest image (a gigabyte) goes along for the part that uses it: the nested host then
     // needs more memory to hold it.
-    let guest_image = !common::guest_image_missing();
     let mut extra: Vec<&str> = vec![];
     if guest_image {
         extra.extend(["--mem", "8192", "--image", "vantik-guest:latest"]);
@@ -199,7 +230,7 @@ fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
     let cmd = format!(
         "mkdir -p {dir} && ln -sf /work/sandbox-host {dir}/sandbox-host && ln -sf /work/sandbox-vm {dir}/sandbox-vm && \
          unset SANDBOX_HOST_REQUIRE_E2E; export SANDBOX_HOST_IN_NESTED=1 SANDBOX_HOST_TEST_GUEST_IMAGE={}; \
-         timeout 1500 ./{} --test-threads 1 --nocapture on_kvm 2>&1",
+         timeout 1500 ./{} --test-threads 1 --nocapture --exact {name} 2>&1",
         u8::from(guest_image),
         me.file_name().unwrap().to_string_lossy()
     );
@@ -230,7 +261,7 @@ fn on_kvm_sandboxes_are_restored_from_their_shapes_template() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.code() == Some(0) && text.contains("test result: ok. 1 passed"),
-        "the template test failed in the nested host:\n{text}\n{stderr}"
+        "{name} failed in the nested host:\n{text}\n{stderr}"
     );
     eprintln!("{text}");
 }

@@ -63,6 +63,12 @@ pub(crate) struct Context {
     pub(crate) stats: Arc<Stats>,
     pub(crate) sniff_timeout: Duration,
     pub(crate) idle_timeout: Duration,
+    pub(crate) header_timeout: Duration,
+    pub(crate) body_idle_timeout: Duration,
+    /// Paces the sandbox's new upstream connections.
+    pub(crate) connects: crate::pace::Bucket,
+    /// The sandbox's share of the service's log.
+    pub(crate) log: crate::pace::LogLimit,
     /// The sandbox's TLS interception, when it has secret or meter hosts.
     pub(crate) interception: Option<Arc<crate::intercept::Interception>>,
     /// Upstream connections the sandbox's proxied and intercepted requests may hold at once
@@ -134,6 +140,7 @@ impl End {
 /// Runs one connection to `port` of the address handed out for `name`, to its end.
 pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
     let target = format!("{name}:{port}");
+    cx.connects.pace().await;
     let upstream = match upstream::connect(&name, port, &cx.overrides, &*cx.resolver).await {
         Ok((s, _)) => s,
         Err(e) => {
@@ -141,7 +148,7 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
                 UpstreamError::Internal { .. } => cx.stats.refuse(Reason::InternalAddress, &target),
                 _ => Stats::add(&cx.stats.upstream_failures, 1),
             }
-            tracing::warn!("egress: {e}");
+            cx.log.log(|| tracing::warn!("egress: {e}"));
             io.control(Ctl::ABORT);
             return;
         }
@@ -194,7 +201,7 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
             if let Err(e) =
                 crate::intercept::run(guest, upstream, name, port, cx.clone(), icp).await
             {
-                tracing::info!("egress: {target}: {e}");
+                cx.log.log(|| tracing::info!("egress: {target}: {e}"));
                 end.abort();
             }
             return;

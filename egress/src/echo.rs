@@ -1,50 +1,78 @@
 //! Responses of intercepted hosts, scanned for the real values of the sandbox's secrets.
 //!
 //! A key can come back from a provider in many ways: an error that quotes a header, a debug
-//! endpoint, a redirect. Every response header and every body byte of an intercepted host is
-//! checked, as it streams, for each secret's value raw, JSON-escaped, URL-encoded (either hex
-//! case) and base64-encoded (standard and URL-safe alphabets, at each of the three alignments
-//! the value can have in a longer encoded text). An occurrence is overwritten with `*` of the
-//! same length, so lengths, `Content-Length` and framing stay valid, and is counted.
+//! endpoint, a redirect, a file the guest stored through the key's host and reads back. Every
+//! response header and every body byte of an intercepted host is checked, as it streams, for
+//! each secret's value in every text form a program may have written it in, and in base64.
+//!
+//! - **Text:** each character of the value raw or escaped, each on its own, in any mixture:
+//!   URL-encoded in either hex case, so partial encodings too (Python's `quote` leaves `/`,
+//!   JavaScript's `encodeURI` leaves `+=&;:` and more), `+` for a space (form encoding), JSON's
+//!   `\"`, `\\` and `\/`, and JSON's `\uXXXX` for any character.
+//! - **Base64:** standard and URL-safe alphabets (and a mixture of the two), at each of the three
+//!   alignments the value can have in a longer encoded text, and wrapped at any point by a line
+//!   break (MIME's 76 columns, PEM's 64).
+//!
+//! An occurrence is overwritten with `*` of the same length (its line breaks kept), so lengths,
+//! `Content-Length` and framing stay valid, and is counted.
 //!
 //! Streaming: a chunk is passed on at once except for its tail, which waits for the next chunk so
 //! that a value split across chunks, frames or TLS records is still found. What is held back
-//! depends on nothing secret (issue 29): it is every byte after the chunk's last *barrier* byte (a
-//! control or non-ASCII byte, which no form of any value can hold: values are printable ASCII and
-//! so is each of their encodings), up to [`HOLD_BACK`] bytes, the longest form any value can
-//! have. Whether the tail begins a form plays no part, so a guest that makes an upstream reflect a
-//! guess of a key's next character sees the same bytes, the same chunk and frame boundaries and
-//! the same moments of release for a right guess and a wrong one; only a whole occurrence
-//! differs, masked. An SSE event (`…\n\n`) ends on a barrier and so is never held back.
+//! depends on nothing secret (issue 29): it is every byte after the chunk's last *barrier* byte,
+//! up to [`HOLD_BACK`] bytes, the longest form any value can have. A barrier is a control or
+//! non-ASCII byte, which no text form holds (values are printable ASCII and so are their
+//! escapes), except the line break that ends a line of exactly 64 or 76 bytes with nothing but
+//! printable ASCII in it: that is where base64 is wrapped, so it holds nothing back. Whether
+//! the tail begins a form plays no part: the rule reads only line lengths and which bytes are
+//! printable, so a guest that makes an upstream reflect a guess of a key's next character sees
+//! the same bytes, the same chunk and frame boundaries and the same moments of release for a
+//! right guess and a wrong one; only a whole occurrence differs, masked. An SSE event (`…\n\n`)
+//! ends on a barrier (the empty line's break) and so is never held back.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 
-use aho_corasick::{AhoCorasick, MatchKind};
 use base64::Engine;
+use regex_automata::meta::Regex;
+use regex_automata::util::syntax;
 
 /// The byte an occurrence is overwritten with.
 pub const MASK: u8 = b'*';
 /// Base64 forms shorter than this are not looked for (too likely to occur by chance).
 const MIN_BASE64_FORM: usize = 12;
+/// The most bytes one character of a value can take in a text form: JSON's `\u00XX`.
+const WIDEST_ESCAPE: usize = 6;
 /// The most a scan holds back between chunks: the longest form of the longest value a secret may
-/// have (URL-encoding triples a value), less one byte. A constant, not the longest form of this
-/// sandbox's values, whose length would tell the guest how many bytes of the key need escaping.
-pub const HOLD_BACK: usize = 3 * crate::secrets::MAX_VALUE_LEN - 1;
+/// have, less one byte. A constant, not the longest form of this sandbox's values, whose length
+/// would tell the guest how long the key is.
+pub const HOLD_BACK: usize = WIDEST_ESCAPE * crate::secrets::MAX_VALUE_LEN - 1;
+/// The line lengths at which base64 is wrapped: PEM's and MIME's.
+const WRAPS: [usize; 2] = [64, 76];
+/// What the compiled forms of one sandbox may take (a 4,096-byte value needs about 4 MiB).
+const MATCHER_LIMIT: usize = 64 << 20;
 
-/// Whether no form of any value can hold `b`, so no occurrence straddles it.
+/// Whether no text form of any value can hold `b`.
 fn is_barrier(b: u8) -> bool {
     !(0x20..0x7f).contains(&b)
 }
 
-/// Every form of every secret value, compiled once per sandbox.
+/// Why a sandbox's secrets could not be compiled into a scan (its sandbox does not start).
+#[derive(Debug, thiserror::Error)]
+pub enum EchoError {
+    /// The matcher outgrew its limit (the secrets module's bounds on values keep it far below).
+    #[error("compiling the response scan for the sandbox's secrets: {0}")]
+    Build(String),
+}
+
+/// Every form of every secret value, compiled once per sandbox into one matcher.
 #[derive(Debug)]
 pub struct EchoForms {
-    matcher: AhoCorasick,
+    matcher: Regex,
     /// The most held back: HOLD_BACK, or more for a value the secrets module would refuse.
     hold: usize,
-    /// The longest form: how far before a chunk an occurrence ending in it can start, so how much
-    /// of what is held is scanned again (the work per chunk stays that plus the chunk, however
-    /// small the chunks an upstream sends).
+    /// The longest match: how far before a chunk an occurrence ending in it can start, so how
+    /// much of what is held is scanned again (the work per chunk stays that plus the chunk,
+    /// however small the chunks an upstream sends).
     longest: usize,
     /// Whether a barrier byte ends what must be held back (see `held_back`).
     barriers: bool,
@@ -52,39 +80,48 @@ pub struct EchoForms {
 
 impl EchoForms {
     /// The forms of `values`; `None` when there is nothing to look for.
-    pub fn new<'a>(values: impl IntoIterator<Item = &'a str>) -> Option<Arc<EchoForms>> {
-        let mut forms: Vec<Vec<u8>> = Vec::new();
-        for v in values {
-            for f in forms_of(v.as_bytes()) {
-                if !f.is_empty() && !forms.contains(&f) {
-                    forms.push(f);
-                }
-            }
-        }
-        if forms.is_empty() {
-            return None;
-        }
-        // What the barrier rule relies on: no form holds a barrier or outgrows what is held back.
-        // The secrets module admits only printable ASCII values of at most MAX_VALUE_LEN bytes, so
-        // this always holds there; a caller that passed another value still gets every form
-        // found, by holding back HOLD_BACK bytes (or the longest form) whatever the bytes are.
-        let barriers = forms
-            .iter()
-            .all(|f| f.len() <= HOLD_BACK + 1 && !f.iter().any(|&b| is_barrier(b)));
-        let matcher = AhoCorasick::builder()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(&forms)
-            .ok()?;
-        let longest = forms.iter().map(Vec::len).max().unwrap_or(1);
-        Some(Arc::new(EchoForms {
+    pub fn new<'a>(
+        values: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Option<Arc<EchoForms>>, EchoError> {
+        let mut values: Vec<&[u8]> = values
+            .into_iter()
+            .map(str::as_bytes)
+            .filter(|v| !v.is_empty())
+            .collect();
+        // Longest first: of two values where one holds the other, the whole of the longer one
+        // is masked.
+        values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+        values.dedup();
+        let Some(widest) = values.first().map(|v| v.len()) else {
+            return Ok(None);
+        };
+        // What the barrier rule relies on: no text form holds a barrier or outgrows what is held
+        // back. The secrets module admits only printable ASCII values of at most MAX_VALUE_LEN
+        // bytes, so this always holds there; a caller that passed another value still gets every
+        // form found, by holding back HOLD_BACK bytes (or the longest form) whatever the bytes are.
+        let longest = WIDEST_ESCAPE * widest;
+        let barriers =
+            longest <= HOLD_BACK + 1 && values.iter().all(|v| !v.iter().any(|&b| is_barrier(b)));
+        let patterns: Vec<String> = values.iter().flat_map(|v| patterns_of(v)).collect();
+        let matcher = Regex::builder()
+            .syntax(syntax::Config::new().unicode(false).utf8(false))
+            .configure(
+                Regex::config()
+                    .utf8_empty(false)
+                    .nfa_size_limit(Some(MATCHER_LIMIT)),
+            )
+            .build_many(&patterns)
+            .map_err(|e| EchoError::Build(e.to_string()))?;
+        Ok(Some(Arc::new(EchoForms {
             matcher,
             hold: HOLD_BACK.max(longest - 1),
             longest,
             barriers,
-        }))
+        })))
     }
 
-    /// Overwrites every occurrence in `buf`; returns how many there were.
+    /// Overwrites every occurrence in `buf` (keeping its line breaks); returns how many there
+    /// were.
     pub fn mask(&self, buf: &mut [u8]) -> usize {
         let found: Vec<(usize, usize)> = self
             .matcher
@@ -92,7 +129,11 @@ impl EchoForms {
             .map(|m| (m.start(), m.end()))
             .collect();
         for &(start, end) in &found {
-            buf[start..end].fill(MASK);
+            for b in &mut buf[start..end] {
+                if *b != b'\r' && *b != b'\n' {
+                    *b = MASK;
+                }
+            }
         }
         found.len()
     }
@@ -110,52 +151,95 @@ impl EchoForms {
     }
 }
 
-/// The forms one value is looked for in.
-fn forms_of(v: &[u8]) -> Vec<Vec<u8>> {
-    let mut out = vec![v.to_vec()];
-    // JSON: quotes and backslashes escaped, and the solidus too (some encoders escape it).
-    let json = |slash: bool| {
-        let mut o = Vec::with_capacity(v.len() + 8);
-        for &b in v {
-            match b {
-                b'"' | b'\\' => o.extend([b'\\', b]),
-                b'/' if slash => o.extend(b"\\/"),
-                _ => o.push(b),
-            }
-        }
-        o
-    };
-    out.push(json(false));
-    out.push(json(true));
-    // URL-encoded: everything but the unreserved characters, in either hex case.
-    for hex in [b"0123456789ABCDEF", b"0123456789abcdef"] {
-        let mut o = Vec::with_capacity(v.len() * 3);
-        for &b in v {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                o.push(b);
-            } else {
-                o.extend([b'%', hex[usize::from(b >> 4)], hex[usize::from(b & 15)]]);
-            }
-        }
-        out.push(o);
+/// A byte as the regex syntax matches it, whatever it is.
+fn byte(out: &mut String, b: u8) {
+    let _ = write!(out, "\\x{b:02x}");
+}
+
+/// A hex digit of an escape, in either case.
+fn hex_digit(out: &mut String, nibble: u8) {
+    let d = b"0123456789abcdef"[usize::from(nibble)];
+    if d.is_ascii_digit() {
+        byte(out, d);
+    } else {
+        out.push('[');
+        byte(out, d);
+        byte(out, d.to_ascii_uppercase());
+        out.push(']');
     }
-    // Base64 at each alignment: only the characters that the value's bytes alone decide.
-    for engine in [
-        base64::engine::general_purpose::STANDARD,
-        base64::engine::general_purpose::URL_SAFE,
-    ] {
-        for lead in 0..3usize {
-            let mut bytes = vec![0u8; lead];
-            bytes.extend_from_slice(v);
-            let text = engine.encode(&bytes);
-            let first = if lead == 0 { 0 } else { 4 };
-            let last = (lead + v.len()) / 3 * 4;
-            if last > first && last - first >= MIN_BASE64_FORM {
-                out.push(text.as_bytes()[first..last].to_vec());
-            }
+}
+
+/// The patterns one value is looked for in: one for its text forms, and one per base64
+/// alignment long enough to look for.
+fn patterns_of(v: &[u8]) -> Vec<String> {
+    let mut out = vec![text_pattern(v)];
+    for lead in 0..3usize {
+        if let Some(p) = base64_pattern(v, lead) {
+            out.push(p);
         }
     }
     out
+}
+
+/// Each character raw or escaped, each on its own (see the module's documentation).
+fn text_pattern(v: &[u8]) -> String {
+    let mut p = String::with_capacity(v.len() * 48);
+    for &b in v {
+        p.push_str("(?:");
+        // JSON's \u00XX, for any character.
+        byte(&mut p, b'\\');
+        byte(&mut p, b'u');
+        byte(&mut p, b'0');
+        byte(&mut p, b'0');
+        hex_digit(&mut p, b >> 4);
+        hex_digit(&mut p, b & 15);
+        // URL-encoding, any character, either case.
+        p.push('|');
+        byte(&mut p, b'%');
+        hex_digit(&mut p, b >> 4);
+        hex_digit(&mut p, b & 15);
+        // JSON's short escapes.
+        if matches!(b, b'"' | b'\\' | b'/') {
+            p.push('|');
+            byte(&mut p, b'\\');
+            byte(&mut p, b);
+        }
+        // Form encoding's space.
+        if b == b' ' {
+            p.push('|');
+            byte(&mut p, b'+');
+        }
+        p.push('|');
+        byte(&mut p, b);
+        p.push(')');
+    }
+    p
+}
+
+/// The base64 of `v` after `lead` bytes of something else: only the characters that the
+/// value's bytes alone decide, either alphabet's, any of them followed by a line break.
+fn base64_pattern(v: &[u8], lead: usize) -> Option<String> {
+    let mut bytes = vec![0u8; lead];
+    bytes.extend_from_slice(v);
+    let text = base64::engine::general_purpose::STANDARD.encode(&bytes);
+    let first = if lead == 0 { 0 } else { 4 };
+    let last = (lead + v.len()) / 3 * 4;
+    if last <= first || last - first < MIN_BASE64_FORM {
+        return None;
+    }
+    let chars = &text.as_bytes()[first..last];
+    let mut p = String::with_capacity(chars.len() * 24);
+    for (i, &c) in chars.iter().enumerate() {
+        if i > 0 {
+            p.push_str("(?:\\x0d?\\x0a)?");
+        }
+        match c {
+            b'+' => p.push_str("[\\x2b\\x2d]"),
+            b'/' => p.push_str("[\\x2f\\x5f]"),
+            c => byte(&mut p, c),
+        }
+    }
+    Some(p)
 }
 
 /// One response body's scan: bytes in, masked bytes out, the tail after the last barrier byte
@@ -168,8 +252,13 @@ pub struct EchoScanner {
     /// Released bytes (before `start`), then the held ones.
     buf: Vec<u8>,
     start: usize,
-    /// Where in `buf` the last barrier byte is, if it is among the held ones.
+    /// Where in `buf` the last barrier byte is, if it may be among the held ones.
     barrier: Option<usize>,
+    /// The line being read: its length so far, whether it is all printable ASCII, and whether
+    /// it ended in a carriage return that a line feed may follow (see `lines`).
+    line: usize,
+    clean: bool,
+    cr: bool,
     /// Bytes scanned and moved, for the test that bounds the work per chunk.
     #[cfg(test)]
     work: usize,
@@ -183,8 +272,43 @@ impl EchoScanner {
             buf: Vec::new(),
             start: 0,
             barrier: None,
+            line: 0,
+            clean: true,
+            cr: false,
             #[cfg(test)]
             work: 0,
+        }
+    }
+
+    /// Finds the barriers of `chunk`, which starts at `old` in `buf`: every control or
+    /// non-ASCII byte but the line break (`\n` or `\r\n`) that ends a clean line of a base64
+    /// wrap's length. A carriage return that may begin such a break waits for the next byte.
+    fn lines(&mut self, old: usize, chunk: &[u8]) {
+        for (i, &b) in chunk.iter().enumerate() {
+            let at = old + i;
+            let wrapped = self.clean && WRAPS.contains(&self.line);
+            match b {
+                b'\n' => {
+                    if !wrapped {
+                        self.barrier = Some(at);
+                    }
+                    (self.line, self.clean, self.cr) = (0, true, false);
+                }
+                b'\r' if wrapped && !self.cr => self.cr = true,
+                _ if is_barrier(b) || self.cr => {
+                    // A barrier, or the byte after a carriage return that no line feed
+                    // followed: that return was one.
+                    // (A return already released and dropped leaves nothing held before it.)
+                    self.barrier = if is_barrier(b) {
+                        Some(at)
+                    } else {
+                        at.checked_sub(1).or(self.barrier)
+                    };
+                    (self.clean, self.cr) = (false, false);
+                    self.line = self.line.saturating_add(1);
+                }
+                _ => self.line = self.line.saturating_add(1),
+            }
         }
     }
 
@@ -192,9 +316,7 @@ impl EchoScanner {
     pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, usize) {
         let old = self.buf.len();
         self.buf.extend_from_slice(chunk);
-        if let Some(i) = chunk.iter().rposition(|&b| is_barrier(b)) {
-            self.barrier = Some(old + i);
-        }
+        self.lines(old, chunk);
         // An occurrence not seen before ends in the chunk, so starts at most longest - 1 bytes
         // before it; everything earlier was scanned (and masked) already.
         let from = old.saturating_sub(self.forms.longest - 1).max(self.start);
@@ -204,9 +326,11 @@ impl EchoScanner {
             self.work += self.buf.len() - from;
         }
         let pending = self.buf.len() - self.start;
-        let keep = self
-            .forms
-            .held_back(pending, self.barrier.map(|b| b - self.start));
+        let barrier = self
+            .barrier
+            .filter(|&b| b >= self.start)
+            .map(|b| b - self.start);
+        let keep = self.forms.held_back(pending, barrier);
         let end = self.buf.len() - keep;
         let out = self.buf[self.start..end].to_vec();
         self.start = end;
@@ -233,6 +357,7 @@ impl EchoScanner {
         self.buf.clear();
         self.start = 0;
         self.barrier = None;
+        (self.line, self.clean, self.cr) = (0, true, false);
         out
     }
 
@@ -260,12 +385,13 @@ mod tests {
     const KEY: &str = "sk-ant-api03-Zx9/Qw+Er\"Ty\\Ui_Op-000000";
 
     fn forms() -> Arc<EchoForms> {
-        EchoForms::new([KEY]).unwrap()
+        EchoForms::new([KEY]).unwrap().unwrap()
     }
 
-    /// Streams `body` through a scanner in chunks of `size`; returns the output and the count.
-    fn stream(body: &[u8], size: usize) -> (Vec<u8>, usize) {
-        let mut s = EchoScanner::new(forms());
+    /// Streams `body` through a scanner of `forms` in chunks of `size`; returns the output and
+    /// the count.
+    fn stream_with(forms: &Arc<EchoForms>, body: &[u8], size: usize) -> (Vec<u8>, usize) {
+        let mut s = EchoScanner::new(forms.clone());
         let (mut out, mut n) = (Vec::new(), 0);
         for c in body.chunks(size) {
             let (o, f) = s.feed(c);
@@ -277,9 +403,38 @@ mod tests {
         (out, n)
     }
 
+    fn stream(body: &[u8], size: usize) -> (Vec<u8>, usize) {
+        stream_with(&forms(), body, size)
+    }
+
+    /// URL-encoding of every byte outside `keep` (and the unreserved characters), upper case.
+    fn url(v: &str, keep: &str) -> String {
+        v.bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || keep.as_bytes().contains(&b)
+                {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect()
+    }
+
+    /// Base64 wrapped MIME's way (76 columns, CRLF) or PEM's (64, LF).
+    fn wrap(text: &str, width: usize, eol: &str) -> String {
+        let lines: Vec<&str> = text
+            .as_bytes()
+            .chunks(width)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect();
+        lines.join(eol)
+    }
+
+    /// The forms that stand on a line of their own (wrapped base64) and those that sit in text.
     fn encodings() -> Vec<String> {
         let b64 = base64::engine::general_purpose::STANDARD;
-        let url = base64::engine::general_purpose::URL_SAFE;
+        let url_safe = base64::engine::general_purpose::URL_SAFE;
         vec![
             KEY.to_string(),
             serde_json::to_string(KEY).unwrap(),
@@ -291,27 +446,62 @@ mod tests {
                     c => c.to_string(),
                 })
                 .collect(),
-            KEY.bytes()
-                .map(|b| {
-                    if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                        (b as char).to_string()
+            url(KEY, ""),
+            url(KEY, "")
+                .split('%')
+                .enumerate()
+                .map(|(i, s)| {
+                    if i == 0 {
+                        s.to_string()
                     } else {
-                        format!("%{b:02X}")
+                        format!("%{}{}", s[..2].to_lowercase(), &s[2..])
+                    }
+                })
+                .collect(),
+            // Python's quote(): `/` left as it is.
+            url(KEY, "/"),
+            // JavaScript's encodeURI: these left as they are.
+            url(KEY, ";,/?:@&=+$!*'()#"),
+            // JSON \u escapes of every character, in either case, and of every other one.
+            KEY.bytes().map(|b| format!("\\u{:04x}", b)).collect(),
+            KEY.bytes().map(|b| format!("\\u{:04X}", b)).collect(),
+            KEY.bytes()
+                .enumerate()
+                .map(|(i, b)| {
+                    if i % 2 == 0 {
+                        format!("\\u{b:04x}")
+                    } else {
+                        (b as char).to_string()
                     }
                 })
                 .collect(),
             b64.encode(KEY),
             b64.encode(format!("x{KEY}")),
             b64.encode(format!("xy{KEY}")),
-            url.encode(format!("Bearer {KEY}")),
+            url_safe.encode(format!("Bearer {KEY}")),
             b64.encode(format!("user:{KEY}")),
+            wrap(
+                &b64.encode(format!("{}{KEY}{}", "a".repeat(50), "b".repeat(40))),
+                76,
+                "\r\n",
+            ),
+            wrap(&b64.encode(format!("{}{KEY}", "c".repeat(40))), 64, "\n"),
         ]
+    }
+
+    /// `enc` in a body: wrapped base64 as a MIME part's body, the rest in a JSON error.
+    fn body_of(enc: &str) -> String {
+        if enc.contains('\n') {
+            format!("--b\r\nContent-Transfer-Encoding: base64\r\n\r\n{enc}\r\n--b--\r\n")
+        } else {
+            format!("{{\"error\":\"Unexpected value(s) `{enc}` for the header\"}}\n")
+        }
     }
 
     #[test]
     fn every_form_is_masked_in_any_split_and_lengths_hold() {
         for enc in encodings() {
-            let body = format!("{{\"error\":\"Unexpected value(s) `{enc}` for the header\"}}\n");
+            let body = body_of(&enc);
             for size in [1, 2, 3, 7, 64, body.len()] {
                 let (out, n) = stream(body.as_bytes(), size);
                 assert_eq!(out.len(), body.len(), "same length ({enc}, {size})");
@@ -322,11 +512,112 @@ mod tests {
                 }
                 // What can still be decoded from what is left holds no more than a fragment.
                 assert!(!text.contains("Zx9"), "{text}");
-                assert!(
-                    text.starts_with("{\"error\":\"Unexpected value(s) `"),
-                    "{text}"
+                let head = &body[..body.find(&enc).unwrap()];
+                assert!(text.starts_with(head), "{text}");
+                // Line breaks stay where they were.
+                assert_eq!(
+                    text.match_indices('\n').collect::<Vec<_>>(),
+                    body.match_indices('\n').collect::<Vec<_>>()
                 );
             }
+        }
+    }
+
+    /// A value with a space, sent as a form field.
+    #[test]
+    fn form_encoding_is_masked() {
+        let value = "pass word+x/y \"quoted\"";
+        let forms = EchoForms::new([value]).unwrap().unwrap();
+        let form = url(value, "").replace("%20", "+");
+        let body = format!("user=a&password={form}&next=1");
+        let (out, n) = stream_with(&forms, body.as_bytes(), 3);
+        assert_eq!(n, 1);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("user=a&password={}&next=1", "*".repeat(form.len()))
+        );
+    }
+
+    /// A small generator (xorshift), so that the property tests below need no crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// Property: any value the secrets module admits, each character independently raw,
+    /// URL-encoded (either case), JSON-escaped or `\u`-escaped (either case), in any text, in
+    /// any split, is masked whole.
+    #[test]
+    fn any_mixture_of_escapes_is_masked() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for case in 0..300 {
+            let len = 16 + rng.below(48);
+            let value: String = (0..len)
+                .map(|_| (0x20 + rng.below(0x5f) as u8) as char)
+                .collect();
+            let forms = EchoForms::new([value.as_str()]).unwrap().unwrap();
+            let enc: String = value
+                .bytes()
+                .map(|b| match rng.below(5) {
+                    0 => format!("%{b:02X}"),
+                    1 => format!("%{b:02x}"),
+                    2 => format!("\\u{b:04x}"),
+                    3 if matches!(b, b'"' | b'\\' | b'/') => format!("\\{}", b as char),
+                    3 if b == b' ' => "+".to_string(),
+                    _ => (b as char).to_string(),
+                })
+                .collect();
+            let body = format!("before {enc} after\n");
+            let size = 1 + rng.below(40);
+            let (out, n) = stream_with(&forms, body.as_bytes(), size);
+            assert!(n >= 1, "case {case}: {enc} in chunks of {size}");
+            let text = String::from_utf8(out).unwrap();
+            assert!(text.starts_with("before "), "case {case}: {text}");
+            assert!(text.ends_with(" after\n"), "case {case}: {text}");
+            assert!(
+                text[7..text.len() - 7].bytes().all(|b| b == MASK),
+                "case {case}: {enc} left {text}"
+            );
+        }
+    }
+
+    /// Property: any value in base64 of either alphabet, after any lead, wrapped at 64 or 76
+    /// columns with either line end, is masked but for the characters its neighbours share.
+    #[test]
+    fn any_wrapped_base64_is_masked() {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let url_safe = base64::engine::general_purpose::URL_SAFE;
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        for case in 0..200 {
+            let len = 16 + rng.below(100);
+            let value: String = (0..len)
+                .map(|_| (0x21 + rng.below(0x5e) as u8) as char)
+                .collect();
+            let forms = EchoForms::new([value.as_str()]).unwrap().unwrap();
+            let lead: String = "L".repeat(rng.below(120));
+            let plain = format!("{lead}{value}trailing text");
+            let text = if rng.below(2) == 0 {
+                b64.encode(&plain)
+            } else {
+                url_safe.encode(&plain)
+            };
+            let (width, eol) = [(76, "\r\n"), (64, "\n"), (76, "\n")][rng.below(3)];
+            let body = format!("header: x\r\n\r\n{}\r\n", wrap(&text, width, eol));
+            let size = 1 + rng.below(100);
+            let (out, n) = stream_with(&forms, body.as_bytes(), size);
+            assert!(n >= 1, "case {case}: width {width}, lead {}", lead.len());
+            let masked = out.iter().filter(|&&b| b == MASK).count();
+            // Every character the value alone decides: 4 per 3 bytes, less the two groups at
+            // its ends it may share.
+            assert!(masked + 8 >= len * 4 / 3, "case {case}: {masked} masked");
         }
     }
 
@@ -348,6 +639,11 @@ mod tests {
             (out.as_slice(), n),
             (&b"data: sk-ant-api09 is fine\n\n"[..], 0)
         );
+        // So does an event whose data line is a base64 wrap's length.
+        let event = format!("data: {}\n\n", "x".repeat(70));
+        let (out, _) = s.feed(event.as_bytes());
+        assert_eq!(out, event.as_bytes());
+        assert!(!s.holding());
     }
 
     /// The framing (each feed's output length) and what is held, for `body` in chunks of `size`.
@@ -368,19 +664,38 @@ mod tests {
     fn a_right_and_a_wrong_guess_are_framed_alike() {
         for enc in encodings() {
             let enc = enc.as_bytes();
-            for k in 1..enc.len() {
+            // Every short prefix, then one in four, and the last: the hold depends on no
+            // prefix, so a sample finds a dependence as well as all of them (and costs a
+            // fourth).
+            let last = enc.len() - 1;
+            for k in (1..enc.len()).filter(|&k| k <= 8 || k % 4 == 0 || k == last) {
                 let right = enc[k];
+                if is_barrier(right) {
+                    continue; // a line break is not a guess of the key
+                }
                 let wrong = if right == b'Q' { b'R' } else { b'Q' };
-                for tail in [&b""[..], b"\"}", b"\n", b"&x=1\r\n\r\n"] {
+                let json = &b"{\"echo\":\"q="[..];
+                let ends = [
+                    (json, &b""[..]),
+                    (json, b"\"}"),
+                    (b"", b"\n"),
+                    (b"", b"&x=1\r\n\r\n"),
+                ];
+                for (head, tail) in ends {
                     let body = |next: u8| {
-                        let mut b = b"{\"echo\":\"q=".to_vec();
+                        let mut b = head.to_vec();
                         b.extend_from_slice(&enc[..k]);
                         b.push(next);
                         b.extend_from_slice(tail);
                         b
                     };
                     let (r, w) = (body(right), body(wrong));
-                    for size in [1, 5, 16, r.len()] {
+                    let sizes = if k % 5 == 0 {
+                        &[1, 5, 16, r.len()][..]
+                    } else {
+                        &[5, 16, r.len()]
+                    };
+                    for &size in sizes {
                         assert_eq!(
                             framing(&r, size),
                             framing(&w, size),
@@ -432,14 +747,44 @@ mod tests {
         let (out, _) = s.feed(&big);
         assert_eq!(out.len(), 2 + 100);
         assert_eq!(s.finish().len(), HOLD_BACK);
+        // A line of a base64 wrap's length holds on past its break; a return with no line feed
+        // after it is a barrier once the next byte shows it.
+        let line = "y".repeat(76);
+        let (out, _) = s.feed(format!("{line}\r").as_bytes());
+        assert_eq!(out, b"");
+        let (out, _) = s.feed(b"\nabc");
+        assert_eq!(out, b"");
+        let (out, _) = s.feed(b"\n");
+        assert_eq!(out.len(), 76 + 2 + 4);
+        let (out, _) = s.feed(format!("{line}\r").as_bytes());
+        assert_eq!(out, b"");
+        let (out, _) = s.feed(b"zz");
+        assert_eq!(out.len(), 77);
     }
 
     #[test]
     fn short_values_have_no_base64_forms_that_match_by_chance() {
-        assert!(forms_of(b"abcdefgh").iter().all(|x| x.len() >= 8));
-        let f = EchoForms::new(["abcdefgh"]).unwrap();
+        assert_eq!(patterns_of(b"abcdefgh").len(), 1);
+        let f = EchoForms::new(["abcdefgh"]).unwrap().unwrap();
         let mut text = b"YWJjZGVm ordinary base64 QUJD".to_vec();
         assert_eq!(f.mask(&mut text), 0);
-        assert!(EchoForms::new([]).is_none());
+        assert!(EchoForms::new([]).unwrap().is_none());
+    }
+
+    /// The largest values the secrets module admits, of the characters with the most forms,
+    /// compile, and mask.
+    #[test]
+    fn the_longest_values_compile() {
+        let values: Vec<String> = (0..4)
+            .map(|i| format!("{i}{}", "/ \"\\".repeat(crate::secrets::MAX_VALUE_LEN / 4)))
+            .map(|v| v[..crate::secrets::MAX_VALUE_LEN].to_string())
+            .collect();
+        let f = EchoForms::new(values.iter().map(String::as_str))
+            .unwrap()
+            .unwrap();
+        let enc = url(&values[2], "");
+        let mut body = format!("x{enc}y").into_bytes();
+        assert_eq!(f.mask(&mut body), 1);
+        assert!(body[1..body.len() - 1].iter().all(|&b| b == MASK));
     }
 }

@@ -23,19 +23,20 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use thiserror::Error;
 use tokio::sync::Mutex;
 
 use crate::conn::Context;
-use crate::echo::{EchoForms, EchoScanner};
+use crate::echo::{EchoError, EchoForms, EchoScanner};
 use crate::guest_io::GuestStream;
+use crate::idle::Idle;
 use crate::meter::record::Meter;
 use crate::meter::request::{self as meter_request, Api, Unmetered};
 use crate::policy::{HostPattern, normalize};
 use crate::refusal::Reason;
-use crate::request_body::{self, Budget, Hold, Read, Replay};
+use crate::request_body::{self, BodyError, Budget, GuestBody, Hold, Read, Replay};
 use crate::secrets::{LeakScanner, Secret};
 use crate::sniff::http::split_authority;
 use crate::stats::{Call, Stats};
@@ -53,6 +54,9 @@ pub const SANDBOX_UPSTREAM_CONNECTIONS: usize = 64;
 pub const MAX_GUEST_STREAMS: u32 = 32;
 /// How long the guest's and the upstream's TLS handshakes may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often an HTTP/2 guest is pinged, and how long it has to answer.
+const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Why an intercepted connection ended early.
 #[derive(Debug, Error)]
@@ -75,6 +79,12 @@ pub enum InterceptError {
     /// HTTP on either side.
     #[error("HTTP: {0}")]
     Http(#[from] hyper::Error),
+    /// The sandbox's CA could not be made.
+    #[error("the sandbox's CA: {0}")]
+    Ca(#[from] CaError),
+    /// The response scan for the sandbox's secrets could not be compiled.
+    #[error(transparent)]
+    Echo(#[from] EchoError),
 }
 
 /// What a sandbox intercepts with: its CA, its secrets, its meter hosts, and the upstream TLS
@@ -124,10 +134,10 @@ impl Interception {
         meter: Vec<HostPattern>,
         policy: MeterPolicy,
         client: Arc<rustls::ClientConfig>,
-    ) -> Result<Self, CaError> {
+    ) -> Result<Self, InterceptError> {
         Ok(Interception {
             ca: SandboxCa::new(id, intercepted)?,
-            echo: EchoForms::new(secrets.iter().map(Secret::value)),
+            echo: EchoForms::new(secrets.iter().map(Secret::value))?,
             secrets,
             meter,
             policy,
@@ -277,19 +287,27 @@ async fn serve<I>(proxy: Arc<Proxy>, io: TokioIo<I>, h2: bool) -> Result<(), Int
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let header_timeout = proxy.cx.header_timeout;
     let service = hyper::service::service_fn(move |req| {
         let proxy = proxy.clone();
         async move { Ok::<_, Infallible>(proxy.handle(req).await) }
     });
     if h2 {
+        // Pings find a guest that went away; a stream's body that stalls is cut by `Idle`.
         hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Some(H2_PING_INTERVAL))
+            .keep_alive_timeout(H2_PING_TIMEOUT)
             .max_concurrent_streams(MAX_GUEST_STREAMS)
             .serve_connection(io, service)
             .await?;
     } else {
         // A client may close its sending side once its request is out (`nc`, shutdown(SHUT_WR)):
-        // the answer still goes back.
+        // the answer still goes back. A request head must come whole within its time (no
+        // slowloris); hyper then closes the connection.
         hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
             .half_close(true)
             .serve_connection(io, service)
             .await?;
@@ -415,8 +433,15 @@ impl Proxy {
             return refuse(Reason::Protocol);
         }
         let (parts, body) = req.into_parts();
-        // Placeholders: the real value in the secret's credential headers to its own hosts, a
-        // leak anywhere else (another header, so a provider cannot be made to echo the key).
+        let body = Idle::new(body, self.cx.body_idle_timeout, "the guest's request body");
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        // Placeholders: the real value in the secret's credential headers to its own hosts and
+        // paths, a leak anywhere else (another header, so a provider cannot be made to echo the
+        // key), refused on a path the secret is not for.
         let mut headers = HeaderMap::new();
         let secret_host = self.tls && self.secrets().iter().any(|s| s.applies_to(&self.name));
         for (k, v) in &parts.headers {
@@ -428,31 +453,40 @@ impl Proxy {
                 continue;
             }
             let v = if k == header::AUTHORIZATION || k == header::PROXY_AUTHORIZATION {
-                match self.substitute_basic(k.as_str(), v) {
+                match self.substitute_basic(k.as_str(), v, &path) {
                     Ok(v) => v,
-                    Err(()) => {
-                        stats.refuse(Reason::PlaceholderLeak, &target);
-                        return refuse(Reason::PlaceholderLeak);
+                    Err(why) => {
+                        stats.refuse(why, &target);
+                        return refuse(why);
                     }
                 }
             } else {
                 v.clone()
             };
-            match self.substitute(k.as_str(), &v, Shape::Header) {
+            match self.substitute(k.as_str(), &v, Shape::Header, &path) {
                 Ok(v) => {
                     headers.append(k.clone(), v);
                 }
-                Err(()) => {
-                    stats.refuse(Reason::PlaceholderLeak, &target);
-                    return refuse(Reason::PlaceholderLeak);
+                Err(why) => {
+                    if why == Reason::PathNotAllowed {
+                        let shown: String = path
+                            .split('?')
+                            .next()
+                            .unwrap_or("")
+                            .chars()
+                            .take(128)
+                            .collect();
+                        self.cx.log.log(|| {
+                            tracing::info!(
+                                "egress: {target}: a secret's key refused on {shown}: not among its paths"
+                            )
+                        });
+                    }
+                    stats.refuse(why, &target);
+                    return refuse(why);
                 }
             }
         }
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_string();
         let leaks = if self.tls {
             LeakScanner::new(self.secrets(), &self.name)
         } else {
@@ -464,10 +498,13 @@ impl Proxy {
             stats.refuse(Reason::PlaceholderLeak, &target);
             return refuse(Reason::PlaceholderLeak);
         }
-        let meter_host = self
-            .icp
-            .as_ref()
-            .is_some_and(|i| i.meter.iter().any(|p| p.matches(&self.name)));
+        // A known model provider that is a secret's host is metered whether or not the run
+        // named it in `meter` (issue 29, item 6).
+        let meter_host = self.icp.as_ref().is_some_and(|i| {
+            i.meter.iter().any(|p| p.matches(&self.name))
+                || (crate::secrets::provider_paths(&self.name).is_some()
+                    && i.secrets.iter().any(|s| s.applies_to(&self.name)))
+        });
         let metered = meter_host
             || self
                 .icp
@@ -509,10 +546,12 @@ impl Proxy {
         if let Some(why) = asked.unmetered
             && self.icp.as_ref().is_some_and(|i| i.policy.strict)
         {
-            tracing::info!(
-                "egress: {target}{path}: refused under meter_strict: {}",
-                why.as_str()
-            );
+            self.cx.log.log(|| {
+                tracing::info!(
+                    "egress: {target}{path}: refused under meter_strict: {}",
+                    why.as_str()
+                )
+            });
             stats.refuse(Reason::Unmeterable, &target);
             return refuse(Reason::Unmeterable);
         }
@@ -546,7 +585,7 @@ impl Proxy {
         let mut sender = match self.sender().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!("egress: {target}: {e}");
+                self.cx.log.log(|| tracing::warn!("egress: {target}: {e}"));
                 return bad_gateway(&e);
             }
         };
@@ -599,6 +638,9 @@ impl Proxy {
         });
         drop(asked.hold);
         let (mut parts, body) = resp.into_parts();
+        // Read before the hop-by-hop headers go: `Transfer-Encoding: gzip, chunked` compresses
+        // the body under hyper's de-chunking just as `Content-Encoding` does.
+        let encoded = content_encoded(&parts.headers);
         for h in HOP {
             parts.headers.remove(h);
         }
@@ -608,14 +650,15 @@ impl Proxy {
         let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
         // Asked for identity (`metered` covers secret hosts), a provider that compresses anyway
         // sends bytes the scan cannot read: it does not reach the guest.
-        let encoded = content_encoded(&parts.headers);
         if let Some(p) = pending.as_mut() {
             p.status = parts.status.as_u16();
         }
         if metered && echo.is_some() && encoded {
-            tracing::warn!(
-                "egress: {target} answered with a Content-Encoding although asked for identity"
-            );
+            self.cx.log.log(|| {
+                tracing::warn!(
+                    "egress: {target} answered with a compressed body although asked for identity"
+                )
+            });
             // It was billed all the same: `pending` records it as it goes.
             if let Some(p) = pending.as_mut() {
                 p.missing.get_or_insert(Unmetered::EncodedResponse);
@@ -649,14 +692,18 @@ impl Proxy {
                 Unmetered::NoUsage
             });
         }
-        let body = MeteredBody {
-            inner: body,
-            call: pending,
-            echo: echo.map(EchoScanner::new),
-            trailers: None,
-            target,
-            stats: self.cx.stats.clone(),
-        }
+        let body = Idle::new(
+            MeteredBody {
+                inner: body,
+                call: pending,
+                echo: echo.map(EchoScanner::new),
+                trailers: None,
+                target,
+                stats: self.cx.stats.clone(),
+            },
+            self.cx.idle_timeout,
+            "the upstream's response body",
+        )
         .boxed();
         Response::from_parts(parts, body)
     }
@@ -672,8 +719,8 @@ impl Proxy {
         api: Option<Api>,
         overridden: bool,
         headers: &mut HeaderMap,
-        body: Incoming,
-    ) -> Result<(Replay, Asked), hyper::Error> {
+        body: GuestBody,
+    ) -> Result<(Replay, Asked), BodyError> {
         let unread = |body, why| {
             Ok((
                 Replay::unread(body),
@@ -720,9 +767,16 @@ impl Proxy {
 
     /// The value of header `name` with each placeholder replaced by its secret's value, where
     /// the request goes over TLS to the secret's hosts and `name` is one of its credential
-    /// headers; `Err` for a placeholder anywhere else (another secret's host, another header,
-    /// plain HTTP).
-    fn substitute(&self, name: &str, v: &HeaderValue, shape: Shape) -> Result<HeaderValue, ()> {
+    /// headers; `Err(PlaceholderLeak)` for a placeholder anywhere else (another secret's host,
+    /// another header, plain HTTP), `Err(PathNotAllowed)` where `path` is not the secret's.
+    fn substitute(
+        &self,
+        name: &str,
+        v: &HeaderValue,
+        shape: Shape,
+        path: &str,
+    ) -> Result<HeaderValue, Reason> {
+        let leak = Reason::PlaceholderLeak;
         let bytes = v.as_bytes();
         let mut out: Option<Vec<u8>> = None;
         for s in self.secrets() {
@@ -736,7 +790,10 @@ impl Proxy {
                 || !s.substitutes_in(name)
                 || !credential_shape(cur, p, shape)
             {
-                return Err(());
+                return Err(leak);
+            }
+            if !s.allows_path(&self.name, path) {
+                return Err(Reason::PathNotAllowed);
             }
             let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
             out = Some(text.into_bytes());
@@ -744,7 +801,7 @@ impl Proxy {
         match out {
             None => Ok(v.clone()),
             Some(b) => {
-                let mut v = HeaderValue::from_bytes(&b).map_err(|_| ())?;
+                let mut v = HeaderValue::from_bytes(&b).map_err(|_| leak)?;
                 v.set_sensitive(true); // never indexed by HPACK
                 Ok(v)
             }
@@ -754,7 +811,12 @@ impl Proxy {
     /// `Basic <base64(user:password)>` with placeholders inside (git and other tools send a token
     /// as the password): decoded, substituted by [`substitute`](Self::substitute)'s rules, and
     /// encoded again. Any other value is returned as it is.
-    fn substitute_basic(&self, name: &str, v: &HeaderValue) -> Result<HeaderValue, ()> {
+    fn substitute_basic(
+        &self,
+        name: &str,
+        v: &HeaderValue,
+        path: &str,
+    ) -> Result<HeaderValue, Reason> {
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD;
         let Some(encoded) = v.to_str().ok().and_then(|t| {
@@ -769,12 +831,12 @@ impl Proxy {
         let Ok(inner) = HeaderValue::from_bytes(&decoded) else {
             return Ok(v.clone());
         };
-        let replaced = self.substitute(name, &inner, Shape::BasicPair)?;
+        let replaced = self.substitute(name, &inner, Shape::BasicPair, path)?;
         if replaced.as_bytes() == decoded.as_slice() {
             return Ok(v.clone());
         }
         let mut out = HeaderValue::from_str(&format!("Basic {}", b64.encode(replaced.as_bytes())))
-            .map_err(|_| ())?;
+            .map_err(|_| Reason::PlaceholderLeak)?;
         out.set_sensitive(true);
         Ok(out)
     }
@@ -814,6 +876,7 @@ impl Proxy {
         let tcp = match first {
             Some(t) => t,
             None => {
+                self.cx.connects.pace().await;
                 upstream::connect(
                     &self.name,
                     self.port,
@@ -895,13 +958,19 @@ const METHOD_OVERRIDES: [&str; 3] = [
     "x-method-override",
 ];
 
-/// Whether any `Content-Encoding` (every header, every item of a list) is other than identity.
+/// Whether any `Content-Encoding` is other than identity, or any `Transfer-Encoding` other than
+/// chunked (every header, every item of a list): a body the scan and the meter cannot read.
 fn content_encoded(headers: &HeaderMap) -> bool {
-    headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
-        v.as_bytes().split(|&b| b == b',').any(|t| {
-            !t.trim_ascii().is_empty() && !t.trim_ascii().eq_ignore_ascii_case(b"identity")
+    let coded = |name, plain: &[&[u8]]| {
+        headers.get_all(name).iter().any(|v| {
+            v.as_bytes().split(|&b| b == b',').any(|t| {
+                let t = t.trim_ascii();
+                !t.is_empty() && !plain.iter().any(|p| t.eq_ignore_ascii_case(p))
+            })
         })
-    })
+    };
+    coded(header::CONTENT_ENCODING, &[b"identity"])
+        || coded(header::TRANSFER_ENCODING, &[b"identity", b"chunked"])
 }
 
 /// What the meter did to a model call's request.
@@ -914,13 +983,14 @@ struct Asked {
 }
 
 /// Why a call with this status and usage is unmetered, given why its usage would be missing:
-/// `None` when it reported usage, and for statuses providers do not bill.
+/// `None` when it reported usage, and for statuses providers do not bill. The host's own lower
+/// bound of a stream cut before its usage is not the provider's word: still unmetered.
 fn unmetered(
     status: u16,
     usage: Option<&crate::meter::UsageRecord>,
     why: Unmetered,
 ) -> Option<Unmetered> {
-    (usage.is_none() && (200..300).contains(&status)).then_some(why)
+    (usage.is_none_or(|u| u.estimated) && (200..300).contains(&status)).then_some(why)
 }
 
 /// A request body on its way upstream, scanned for placeholders that do not belong to its host:
@@ -973,7 +1043,7 @@ impl Body for ScannedBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
@@ -1063,6 +1133,14 @@ impl Drop for Pending {
 }
 
 impl MeteredBody {
+    /// The meter reads what the guest gets, masked: a key a provider echoed into `model` or
+    /// `id` never reaches the usage a run reports (issue 29, item 4).
+    fn meter(&mut self, data: &[u8]) {
+        if let Some(m) = self.call.as_mut().and_then(|c| c.meter.as_mut()) {
+            m.feed(data);
+        }
+    }
+
     fn echoed(&self, n: usize) {
         for _ in 0..n {
             self.stats.refuse(Reason::SecretEcho, &self.target);
@@ -1088,14 +1166,13 @@ impl Body for MeteredBody {
                     let frame = match frame.into_data() {
                         Ok(data) => {
                             Stats::add(&this.stats.to_guest, data.len() as u64);
-                            if let Some(m) = this.call.as_mut().and_then(|c| c.meter.as_mut()) {
-                                m.feed(&data);
-                            }
                             let Some(echo) = this.echo.as_mut() else {
+                                this.meter(&data);
                                 return Poll::Ready(Some(Ok(Frame::data(data))));
                             };
                             let (out, n) = echo.feed(&data);
                             this.echoed(n);
+                            this.meter(&out);
                             if out.is_empty() {
                                 continue; // all held back: wait for more
                             }
@@ -1115,6 +1192,7 @@ impl Body for MeteredBody {
                         .as_mut()
                         .map(EchoScanner::finish)
                         .unwrap_or_default();
+                    this.meter(&held);
                     if held.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                     }
@@ -1131,6 +1209,7 @@ impl Body for MeteredBody {
                         .as_mut()
                         .map(EchoScanner::finish)
                         .unwrap_or_default();
+                    this.meter(&held);
                     if !held.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from(held)))));
                     }
@@ -1225,7 +1304,43 @@ fn credential_shape(value: &[u8], placeholder: &[u8], shape: Shape) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{Arc, Pending, Shape, Stats, Unmetered, credential_shape};
+    use super::{Arc, Meter, Pending, Shape, Stats, Unmetered, credential_shape};
+
+    /// Issue 29, item 5: an Anthropic stream the guest cuts before `message_delta` is recorded
+    /// as cut before its usage, with the host's marked lower bound, not as a complete call of
+    /// one output token.
+    #[test]
+    fn a_stream_cut_before_its_usage_is_unmetered_with_a_lower_bound() {
+        let stats = Arc::new(Stats::default());
+        let mut meter = Meter::for_content_type("text/event-stream").unwrap();
+        meter.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_c\",\"model\":\"claude\",\"usage\":{\"input_tokens\":900,\"output_tokens\":1}}}\n\n");
+        for _ in 0..12 {
+            meter.feed(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"more \"}}\n\n");
+        }
+        drop(Pending {
+            stats: stats.clone(),
+            host: "api.anthropic.com".into(),
+            status: 200,
+            missing: Some(Unmetered::NoUsage),
+            meter: Some(meter),
+            quiet: false,
+            done: false,
+        });
+        let u = stats.usage();
+        let c = &u.calls[0];
+        let usage = c.usage.as_ref().unwrap();
+        assert_eq!(
+            (
+                c.complete,
+                c.unmetered,
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.estimated
+            ),
+            (false, Some(Unmetered::CutBeforeUsage), 900, 12, true)
+        );
+        assert_eq!(u.totals.unmetered_calls(), 1);
+    }
 
     #[test]
     fn a_call_is_recorded_once_whatever_ends_it() {

@@ -50,11 +50,14 @@ pub enum Reason {
     Ech,
     /// A model call whose usage the meter could not read, under the run's `meter_strict`.
     Unmeterable,
+    /// A request that would carry a secret's value to a path of its host the secret is not for
+    /// (its `paths`, or a known provider's inference endpoints).
+    PathNotAllowed,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 21] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -75,6 +78,7 @@ impl Reason {
         Reason::PortNotAllowed,
         Reason::Ech,
         Reason::Unmeterable,
+        Reason::PathNotAllowed,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -100,6 +104,7 @@ impl Reason {
             Reason::PortNotAllowed => "port_not_allowed",
             Reason::Ech => "ech",
             Reason::Unmeterable => "unmeterable",
+            Reason::PathNotAllowed => "path_not_allowed",
         }
     }
 }

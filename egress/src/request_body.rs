@@ -14,6 +14,13 @@ use http_body_util::BodyExt;
 use hyper::HeaderMap;
 use hyper::body::Incoming;
 
+use crate::idle::Idle;
+
+/// A request body as it comes from the guest: ended if it stalls (see [`Idle`]).
+pub type GuestBody = Idle<Incoming>;
+/// What reading one fails with (hyper's error, or [`crate::idle::Stalled`]).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The bytes one sandbox's request bodies may hold at once while the meter reads them.
 #[derive(Debug)]
 pub struct Budget {
@@ -95,10 +102,10 @@ const SLICE: usize = 64 << 10;
 /// are kept (the frames they came in, however many, are not), and the buffer's whole capacity is
 /// charged to `hold`, which comes back with the result.
 pub async fn read(
-    mut body: Incoming,
+    mut body: GuestBody,
     max: usize,
     mut hold: Hold,
-) -> Result<(Read, Hold), hyper::Error> {
+) -> Result<(Read, Hold), BodyError> {
     let mut data: Vec<u8> = Vec::new();
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = body.frame().await {
@@ -133,12 +140,12 @@ pub async fn read(
 pub struct Replay {
     data: Bytes,
     trailers: Option<HeaderMap>,
-    rest: Option<Incoming>,
+    rest: Option<GuestBody>,
 }
 
 impl Replay {
     /// `data`, then `trailers`, then what `rest` still has.
-    pub fn new(data: Vec<u8>, trailers: Option<HeaderMap>, rest: Option<Incoming>) -> Self {
+    pub fn new(data: Vec<u8>, trailers: Option<HeaderMap>, rest: Option<GuestBody>) -> Self {
         Replay {
             data: Bytes::from(data),
             trailers,
@@ -147,19 +154,19 @@ impl Replay {
     }
 
     /// A body that is all of `body`, unread.
-    pub fn unread(body: Incoming) -> Self {
+    pub fn unread(body: GuestBody) -> Self {
         Replay::new(Vec::new(), None, Some(body))
     }
 }
 
 impl Body for Replay {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         if !self.data.is_empty() {
             let n = self.data.len().min(SLICE);
             return Poll::Ready(Some(Ok(Frame::data(self.data.split_to(n)))));

@@ -46,6 +46,32 @@ pub enum SecretsError {
     /// No randomness for placeholders.
     #[error("reading /dev/urandom for secret placeholders: {0}")]
     Random(std::io::Error),
+    /// A wildcard host the run did not mark as meant.
+    #[error(
+        "secret `{env}`: `{host}` is a wildcard: anyone who can own a name under it (a tenant of \
+         a shared cloud domain such as *.azure-api.net) would receive the key. Name the exact \
+         host, or set `\"wildcard\": true` on the secret if every name under it is yours"
+    )]
+    Wildcard {
+        /// The secret's variable.
+        env: String,
+        /// The pattern as given.
+        host: String,
+    },
+    /// A path prefix that cannot be matched safely.
+    #[error(
+        "secret `{env}`: `{path}` in `paths`: {why}. Give path prefixes such as \
+         /v1/messages or /v1/chat/completions (at most {MAX_PATHS}, each at most \
+         {MAX_PATH_LEN} characters)"
+    )]
+    BadPath {
+        /// The secret's variable.
+        env: String,
+        /// The prefix as given (cut short).
+        path: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
 }
 
 /// Shortest secret value accepted.
@@ -57,6 +83,159 @@ pub const MAX_VALUE_LEN: usize = 4096;
 pub const DEFAULT_HEADERS: [&str; 2] = ["authorization", "x-api-key"];
 /// Most credential headers one secret may name.
 pub const MAX_HEADERS: usize = 8;
+/// Most path prefixes one secret may name.
+pub const MAX_PATHS: usize = 32;
+/// The longest path prefix a secret may name.
+pub const MAX_PATH_LEN: usize = 256;
+
+/// The known model providers and their inference endpoints: a secret for one of these hosts that
+/// names no `paths` is good only for these (issue 29, item 6). Not listed, so refused with the
+/// key: minting credentials (`/v1/realtime/client_secrets`), admin and key management,
+/// organisation and billing APIs, files and uploads (a round trip of guest data through the key's
+/// host), fine-tuning, batches' results by other routes. These hosts are metered too, whether or
+/// not the run names them in `meter`.
+pub const KNOWN_PROVIDERS: &[(&str, &[&str])] = &[
+    (
+        "api.anthropic.com",
+        &["/v1/messages", "/v1/complete", "/v1/models"],
+    ),
+    (
+        "api.openai.com",
+        &[
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/embeddings",
+            "/v1/models",
+        ],
+    ),
+    (
+        "openrouter.ai",
+        &[
+            "/api/v1/chat/completions",
+            "/api/v1/completions",
+            "/api/v1/responses",
+            "/api/v1/messages",
+            "/api/v1/embeddings",
+            "/api/v1/models",
+        ],
+    ),
+    (
+        "generativelanguage.googleapis.com",
+        &[
+            "/v1beta/models",
+            "/v1/models",
+            "/v1beta/openai/chat/completions",
+            "/v1beta/openai/embeddings",
+            "/v1beta/openai/models",
+        ],
+    ),
+    (
+        "api.mistral.ai",
+        &[
+            "/v1/chat/completions",
+            "/v1/fim/completions",
+            "/v1/embeddings",
+            "/v1/models",
+        ],
+    ),
+    (
+        "api.groq.com",
+        &[
+            "/openai/v1/chat/completions",
+            "/openai/v1/completions",
+            "/openai/v1/responses",
+            "/openai/v1/embeddings",
+            "/openai/v1/models",
+        ],
+    ),
+    (
+        "api.deepseek.com",
+        &[
+            "/chat/completions",
+            "/completions",
+            "/models",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models",
+            "/anthropic/v1/messages",
+        ],
+    ),
+    (
+        "api.x.ai",
+        &[
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/embeddings",
+            "/v1/models",
+        ],
+    ),
+];
+
+/// The inference endpoints of `host` (normalized) when it is a known model provider.
+pub fn provider_paths(host: &str) -> Option<&'static [&'static str]> {
+    KNOWN_PROVIDERS
+        .iter()
+        .find(|(h, _)| *h == host)
+        .map(|(_, p)| *p)
+}
+
+/// Whether `path` (the request target's path, query and all) names what it seems to: no dot
+/// segments, no encoded dot, slash or backslash, no backslash, nothing an upstream could resolve to
+/// another path than the prefix check saw.
+fn plain_path(path: &str) -> bool {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    let lower = path.to_ascii_lowercase();
+    path.starts_with('/')
+        && !path.contains('\\')
+        && !["%2e", "%2f", "%5c", "%00"]
+            .iter()
+            .any(|e| lower.contains(e))
+        && !path.split('/').any(|seg| seg == "." || seg == "..")
+}
+
+/// Whether `path` is `prefix` or below it (a whole segment: `/v1/messages` holds
+/// `/v1/messages/count_tokens` and `/v1/messages?beta=true`, not `/v1/messagesX`).
+fn under(path: &str, prefix: &str) -> bool {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// Checks the path prefixes a run gave for a secret.
+fn path_prefixes(env: &str, given: &[String]) -> Result<Vec<String>, SecretsError> {
+    let bad = |path: &str, why| SecretsError::BadPath {
+        env: env.to_string(),
+        path: path.chars().take(64).collect(),
+        why,
+    };
+    if given.is_empty() {
+        return Err(bad(
+            "",
+            "the list is empty (leave `paths` out for the default)",
+        ));
+    }
+    if given.len() > MAX_PATHS {
+        return Err(bad(&given[MAX_PATHS], "too many prefixes"));
+    }
+    for p in given {
+        if p.len() > MAX_PATH_LEN || !p.bytes().all(|b| (0x21..0x7f).contains(&b)) {
+            return Err(bad(p, "it must be printable ASCII with no spaces"));
+        }
+        if p.contains(['?', '#']) || !plain_path(p) {
+            return Err(bad(
+                p,
+                "it must start with `/` and hold no query, dot segment or encoded `.`, `/` or `\\`",
+            ));
+        }
+    }
+    Ok(given.to_vec())
+}
+
 /// Headers that never carry a key, besides the hop-by-hop ones: the proxy sets them itself.
 const SET_BY_THE_PROXY: [&str; 4] = ["host", "content-length", "content-type", "accept-encoding"];
 /// One secret.
@@ -69,6 +248,9 @@ pub struct Secret {
     hosts: Vec<HostPattern>,
     /// The request headers (lower case) whose placeholder becomes the value.
     headers: Vec<String>,
+    /// The path prefixes the value may be sent to; `None`: a known provider's inference
+    /// endpoints on its host, anything on other hosts.
+    paths: Option<Vec<String>>,
 }
 
 impl fmt::Debug for Secret {
@@ -79,18 +261,34 @@ impl fmt::Debug for Secret {
             .field("placeholder", &self.placeholder)
             .field("hosts", &self.hosts)
             .field("headers", &self.headers)
+            .field("paths", &self.paths)
             .finish_non_exhaustive()
     }
 }
 
 impl Secret {
     /// A secret with a fresh random placeholder, replaced in `headers` (lower or mixed case;
-    /// `None` for [`DEFAULT_HEADERS`]) of requests to `hosts`.
+    /// `None` for [`DEFAULT_HEADERS`]) of requests to `hosts` (no wildcard), with the default
+    /// paths (see [`Secret::scoped`]).
     pub fn new(
         env: &str,
         value: &str,
         hosts: &[String],
         headers: Option<&[String]>,
+    ) -> Result<Secret, SecretsError> {
+        Self::scoped(env, value, hosts, headers, None, false)
+    }
+
+    /// A secret good only for requests whose path is under one of `paths` (`None`: a known
+    /// provider's inference endpoints, [`KNOWN_PROVIDERS`], on its host; any path elsewhere).
+    /// A wildcard among `hosts` is refused unless `wildcard`.
+    pub fn scoped(
+        env: &str,
+        value: &str,
+        hosts: &[String],
+        headers: Option<&[String]>,
+        paths: Option<&[String]>,
+        wildcard: bool,
     ) -> Result<Secret, SecretsError> {
         if !(MIN_VALUE_LEN..=MAX_VALUE_LEN).contains(&value.len())
             || !value.bytes().all(|b| (0x20..0x7f).contains(&b))
@@ -101,7 +299,7 @@ impl Secret {
             None => DEFAULT_HEADERS.iter().map(|h| h.to_string()).collect(),
             Some(hs) => credential_headers(env, hs)?,
         };
-        let hosts = hosts
+        let hosts: Vec<HostPattern> = hosts
             .iter()
             .map(|h| HostPattern::parse(h))
             .collect::<Result<_, _>>()
@@ -109,6 +307,17 @@ impl Secret {
                 env: env.to_string(),
                 source,
             })?;
+        if !wildcard
+            && let Some(HostPattern::Subdomains(d)) = hosts
+                .iter()
+                .find(|h| matches!(h, HostPattern::Subdomains(_)))
+        {
+            return Err(SecretsError::Wildcard {
+                env: env.to_string(),
+                host: format!("*.{d}"),
+            });
+        }
+        let paths = paths.map(|p| path_prefixes(env, p)).transpose()?;
         let mut random = [0u8; 16];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| f.read_exact(&mut random))
@@ -121,7 +330,21 @@ impl Secret {
             value: value.to_string(),
             hosts,
             headers,
+            paths,
         })
+    }
+
+    /// Whether the value may go in a request for `path` (path and query, as sent) to `host`
+    /// (normalized): a plain path under one of the secret's prefixes.
+    pub fn allows_path(&self, host: &str, path: &str) -> bool {
+        let prefixes: Vec<&str> = match &self.paths {
+            Some(p) => p.iter().map(String::as_str).collect(),
+            None => match provider_paths(host) {
+                Some(p) => p.to_vec(),
+                None => return true,
+            },
+        };
+        plain_path(path) && prefixes.iter().any(|p| under(path, p))
     }
 
     /// Whether a placeholder in request header `name` (lower case, as `http` keeps names) of a
@@ -307,6 +530,108 @@ mod tests {
         }
         assert!(with(&["a", "b", "c", "d", "e", "f", "g", "h", "i"]).is_err());
         assert!(with(&["api-key"]).is_ok());
+    }
+
+    /// Issue 29, item 6: a key is good only for what the run needs.
+    #[test]
+    fn a_known_providers_key_goes_only_to_its_inference_endpoints() {
+        let s = secret();
+        let host = "api.anthropic.com";
+        for ok in [
+            "/v1/messages",
+            "/v1/messages?beta=true",
+            "/v1/messages/count_tokens",
+            "/v1/models",
+        ] {
+            assert!(s.allows_path(host, ok), "{ok}");
+        }
+        for refused in [
+            "/v1/organizations/api_keys",
+            "/v1/files",
+            "/v1/messagesX",
+            "/v1/messages/../organizations/api_keys",
+            "/v1/messages/%2e%2e/files",
+            "/v1/messages%2F..%2Ffiles",
+            "/v1/messages\\..\\files",
+            "v1/messages",
+            "",
+        ] {
+            assert!(!s.allows_path(host, refused), "{refused}");
+        }
+        let openai = Secret::new(
+            "OPENAI_API_KEY",
+            "sk-proj-0123456789",
+            &["api.openai.com".into()],
+            None,
+        )
+        .unwrap();
+        assert!(openai.allows_path("api.openai.com", "/v1/chat/completions"));
+        assert!(openai.allows_path("api.openai.com", "/v1/responses/resp_1/input_tokens"));
+        assert!(!openai.allows_path("api.openai.com", "/v1/realtime/client_secrets"));
+        assert!(!openai.allows_path("api.openai.com", "/v1/organization/admin_api_keys"));
+        // Another host of no known provider: anything, unless the run names paths.
+        let git = Secret::new(
+            "GH_TOKEN",
+            "ghp_0123456789abcdef",
+            &["github.com".into()],
+            None,
+        )
+        .unwrap();
+        assert!(git.allows_path("github.com", "/owner/repo.git/git-upload-pack"));
+        let scoped = Secret::scoped(
+            "GH_TOKEN",
+            "ghp_0123456789abcdef",
+            &["github.com".into()],
+            None,
+            Some(&["/owner/repo.git/".into()]),
+            false,
+        )
+        .unwrap();
+        assert!(scoped.allows_path(
+            "github.com",
+            "/owner/repo.git/info/refs?service=git-upload-pack"
+        ));
+        assert!(!scoped.allows_path("github.com", "/owner/other.git/info/refs"));
+        assert!(!scoped.allows_path("github.com", "/owner/repo.git/../other.git/info/refs"));
+    }
+
+    #[test]
+    fn wildcards_and_paths_are_checked() {
+        let with = |hosts: &[&str], paths: Option<&[&str]>, wildcard| {
+            let hosts: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
+            let paths: Option<Vec<String>> =
+                paths.map(|p| p.iter().map(|x| x.to_string()).collect());
+            Secret::scoped(
+                "K",
+                "sk-0123456789abcdef",
+                &hosts,
+                None,
+                paths.as_deref(),
+                wildcard,
+            )
+        };
+        let e = with(&["*.azure-api.net"], None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("wildcard") && e.contains("*.azure-api.net"),
+            "{e}"
+        );
+        assert!(with(&["*.azure-api.net"], None, true).is_ok());
+        for bad in [
+            &[][..],
+            &["v1/x"],
+            &["/v1/x?y=1"],
+            &["/a/../b"],
+            &["/a%2fb"],
+            &["/a b"],
+        ] {
+            let e = with(&["a.com"], Some(bad), false).unwrap_err().to_string();
+            assert!(e.contains("secret `K`") && e.contains("paths"), "{e}");
+        }
+        let many: Vec<&str> = std::iter::repeat_n("/x", MAX_PATHS + 1).collect();
+        assert!(with(&["a.com"], Some(&many), false).is_err());
+        assert!(with(&["a.com"], Some(&["/v1/"]), false).is_ok());
     }
 
     #[test]

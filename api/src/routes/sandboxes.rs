@@ -451,6 +451,9 @@ fn summary(e: &SandboxEntry) -> Value {
                 "headers": s.headers.clone().unwrap_or_else(|| {
                     sandbox_egress::secrets::DEFAULT_HEADERS.iter().map(|h| h.to_string()).collect()
                 }),
+                // null: the default (a known provider's inference endpoints, elsewhere any).
+                "paths": s.paths,
+                "wildcard": s.wildcard,
             })).collect::<Vec<_>>(),
             "intercept": if e.egress.intercept.is_some() { "all" } else { "secret_and_meter_hosts" },
             "meter_strict": e.egress.meter_strict,

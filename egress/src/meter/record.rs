@@ -27,6 +27,58 @@ pub struct UsageRecord {
     pub cost: Option<f64>,
     /// `anthropic`, `openai` or `openrouter`.
     pub provider: &'static str,
+    /// Whether `output_tokens` is the host's own lower bound, not the provider's count: a
+    /// stream cut (or ended) before its final usage, counted one token per content delta that
+    /// passed (issue 29, item 5).
+    pub estimated: bool,
+    /// The price dimensions token counts do not show, as the provider reports them (see
+    /// [`Details`]).
+    pub details: Details,
+}
+
+/// What a call may be billed for besides its input, output and cache-read tokens.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Details {
+    /// Anthropic's `usage.service_tier`, OpenAI's `service_tier` (`standard`, `priority`,
+    /// `batch`, `flex`, `default`, `scale`…): tiers are priced apart.
+    pub service_tier: Option<String>,
+    /// Server-side tools the provider ran and bills per use: Anthropic's
+    /// `usage.server_tool_use` (`web_search_requests`, `web_fetch_requests`, …), each count.
+    pub server_tool_use: Vec<(String, u64)>,
+    /// Anthropic's cache writes by lifetime (`cache_creation.ephemeral_5m_input_tokens` and
+    /// `ephemeral_1h_input_tokens`: the hour costs more).
+    pub cache_write_5m_tokens: Option<u64>,
+    /// The one-hour cache writes.
+    pub cache_write_1h_tokens: Option<u64>,
+    /// OpenAI's audio and image token details (`prompt_tokens_details.audio_tokens`,
+    /// `completion_tokens_details.audio_tokens`, `input_tokens_details.image_tokens`, …) and
+    /// reasoning tokens (billed as output, shown apart).
+    pub input_audio_tokens: Option<u64>,
+    /// Audio tokens of the output.
+    pub output_audio_tokens: Option<u64>,
+    /// Image tokens of the input.
+    pub input_image_tokens: Option<u64>,
+    /// Image tokens of the output.
+    pub output_image_tokens: Option<u64>,
+    /// Reasoning tokens, already counted in the output.
+    pub reasoning_tokens: Option<u64>,
+}
+
+/// The most server tools one call's record keeps (a hostile provider's object is not copied
+/// whole).
+const MAX_SERVER_TOOLS: usize = 16;
+
+/// One SSE stream's reading.
+#[derive(Debug)]
+pub struct SseMeter {
+    split: Splitter,
+    /// The record so far.
+    rec: Option<UsageRecord>,
+    /// Whether an event carried the provider's final usage (Anthropic's `message_delta`,
+    /// OpenAI's usage chunk, the Responses API's `response.completed`).
+    final_usage: bool,
+    /// Content deltas that passed: each is at least one output token.
+    deltas: u64,
 }
 
 /// Reads one response body as it passes.
@@ -34,11 +86,11 @@ pub struct UsageRecord {
 pub enum Meter {
     /// `application/json`.
     Json(KeyScanner),
-    /// `text/event-stream`: the record so far, and whether any event carried usage.
-    Sse(Box<Splitter>, Option<UsageRecord>, bool),
+    /// `text/event-stream`.
+    Sse(Box<SseMeter>),
 }
 
-const KEYS: &[&str] = &["id", "model", "usage", "type", "object"];
+const KEYS: &[&str] = &["id", "model", "usage", "type", "object", "service_tier"];
 
 /// What [`sse_event`] reads, kept from events too long to hold whole (a Responses API event
 /// repeats the response's instructions and output).
@@ -48,12 +100,14 @@ const SSE_PATHS: &[&[&str]] = &[
     &["id"],
     &["model"],
     &["usage"],
+    &["service_tier"],
     &["message", "id"],
     &["message", "model"],
     &["message", "usage"],
     &["response", "id"],
     &["response", "model"],
     &["response", "usage"],
+    &["response", "service_tier"],
 ];
 
 impl Meter {
@@ -62,13 +116,12 @@ impl Meter {
         let ct = content_type.split(';').next()?.trim().to_ascii_lowercase();
         match ct.as_str() {
             "application/json" => Some(Meter::Json(KeyScanner::new(KEYS))),
-            "text/event-stream" => Some(Meter::Sse(
-                Box::new(Splitter::with_paths(
-                    SSE_PATHS.iter().map(|p| p.to_vec()).collect(),
-                )),
-                None,
-                false,
-            )),
+            "text/event-stream" => Some(Meter::Sse(Box::new(SseMeter {
+                split: Splitter::with_paths(SSE_PATHS.iter().map(|p| p.to_vec()).collect()),
+                rec: None,
+                final_usage: false,
+                deltas: 0,
+            }))),
             _ => None,
         }
     }
@@ -77,10 +130,11 @@ impl Meter {
     pub fn feed(&mut self, bytes: &[u8]) {
         match self {
             Meter::Json(s) => s.feed(bytes),
-            Meter::Sse(split, rec, seen) => {
-                for event in split.feed(bytes) {
+            Meter::Sse(m) => {
+                for event in m.split.feed(bytes) {
                     if let Ok(v) = serde_json::from_str::<Value>(&event.data) {
-                        *seen |= sse_event(rec, &v);
+                        m.final_usage |= sse_event(&mut m.rec, &v);
+                        m.deltas += u64::from(is_content_delta(&v));
                     }
                 }
             }
@@ -88,7 +142,9 @@ impl Meter {
     }
 
     /// The usage the body reported, once it has ended (or was cut: what came so far counts);
-    /// `None` when it reported none.
+    /// `None` when it reported none. A stream whose final usage never came but whose content
+    /// did gives the host's lower bound, `estimated`: its output tokens at least one per
+    /// content delta (the caller records why the provider's count is missing).
     pub fn finish(self) -> Option<UsageRecord> {
         match self {
             Meter::Json(mut s) => {
@@ -106,6 +162,7 @@ impl Meter {
                     ..Default::default()
                 };
                 apply_usage(&mut r, usage);
+                apply_tier(&mut r, &v);
                 r.provider = provider(
                     &r,
                     usage,
@@ -114,8 +171,57 @@ impl Meter {
                 );
                 Some(r)
             }
-            Meter::Sse(_, rec, seen) => rec.filter(|_| seen),
+            Meter::Sse(m) => {
+                let mut r = m.rec?;
+                if m.final_usage {
+                    return Some(r);
+                }
+                if m.deltas == 0 && r.input_tokens == 0 && r.output_tokens == 0 {
+                    return None; // nothing seen worth a record
+                }
+                r.output_tokens = r.output_tokens.max(m.deltas);
+                r.estimated = true;
+                Some(r)
+            }
         }
+    }
+}
+
+/// Whether an SSE event carries generated content (so at least one output token): Anthropic's
+/// `content_block_delta`, a chat chunk's non-empty delta, a Responses API `….delta` event.
+fn is_content_delta(v: &Value) -> bool {
+    let non_empty = |x: Option<&Value>| match x {
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+        _ => false,
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("content_block_delta") => v.get("delta").and_then(Value::as_object).is_some_and(|d| {
+            ["text", "partial_json", "thinking", "signature", "citation"]
+                .iter()
+                .any(|k| non_empty(d.get(*k)))
+        }),
+        Some(t) if t.starts_with("response.") && t.ends_with(".delta") => non_empty(v.get("delta")),
+        _ => v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.get("delta").and_then(Value::as_object).is_some_and(|d| {
+                        [
+                            "content",
+                            "reasoning",
+                            "reasoning_content",
+                            "tool_calls",
+                            "refusal",
+                            "audio",
+                        ]
+                        .iter()
+                        .any(|k| non_empty(d.get(*k)))
+                    }) || non_empty(c.get("text"))
+                })
+            }),
     }
 }
 
@@ -147,12 +253,49 @@ fn apply_usage(r: &mut UsageRecord, u: &Value) {
     if let Some(n) = num(u, "cache_creation_input_tokens") {
         r.cache_write_tokens = n;
     }
+    let d = &mut r.details;
+    if let Some(c) = u.get("cache_creation") {
+        d.cache_write_5m_tokens = num(c, "ephemeral_5m_input_tokens").or(d.cache_write_5m_tokens);
+        d.cache_write_1h_tokens = num(c, "ephemeral_1h_input_tokens").or(d.cache_write_1h_tokens);
+    }
+    if let Some(tools) = u.get("server_tool_use").and_then(Value::as_object) {
+        d.server_tool_use = tools
+            .iter()
+            .filter_map(|(k, v)| Some((k.chars().take(64).collect(), v.as_u64()?)))
+            .take(MAX_SERVER_TOOLS)
+            .collect();
+    }
+    if let Some(t) = u.get("service_tier").and_then(Value::as_str) {
+        d.service_tier = Some(t.chars().take(64).collect());
+    }
+    let input = u
+        .get("prompt_tokens_details")
+        .or_else(|| u.get("input_tokens_details"));
+    let output = u
+        .get("completion_tokens_details")
+        .or_else(|| u.get("output_tokens_details"));
+    if let Some(i) = input {
+        d.input_audio_tokens = num(i, "audio_tokens").or(d.input_audio_tokens);
+        d.input_image_tokens = num(i, "image_tokens").or(d.input_image_tokens);
+    }
+    if let Some(o) = output {
+        d.output_audio_tokens = num(o, "audio_tokens").or(d.output_audio_tokens);
+        d.output_image_tokens = num(o, "image_tokens").or(d.output_image_tokens);
+        d.reasoning_tokens = num(o, "reasoning_tokens").or(d.reasoning_tokens);
+    }
     if let Some(c) = u
         .get("cost")
         .and_then(Value::as_f64)
         .filter(|c| c.is_finite() && *c >= 0.0)
     {
         r.cost = Some(c);
+    }
+}
+
+/// OpenAI's `service_tier`, beside the usage rather than in it.
+fn apply_tier(r: &mut UsageRecord, v: &Value) {
+    if let Some(t) = v.get("service_tier").and_then(Value::as_str) {
+        r.details.service_tier = Some(t.chars().take(64).collect());
     }
 }
 
@@ -179,12 +322,12 @@ fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) -> bool {
                 provider: "anthropic",
                 ..Default::default()
             };
-            let u = usage(m);
-            if let Some(u) = &u {
+            if let Some(u) = &usage(m) {
                 apply_usage(&mut r, u);
             }
             *rec = Some(r);
-            u.is_some()
+            // Its output count is 1 whatever follows: the final one is message_delta's.
+            false
         }
         Some("message_delta") => match (rec.as_mut(), usage(v)) {
             (Some(r), Some(u)) => {
@@ -208,6 +351,7 @@ fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) -> bool {
                 provider: "openai",
                 ..Default::default()
             });
+            apply_tier(r, resp);
             match usage(resp) {
                 Some(u) if !matches!(t, "response.created" | "response.in_progress") => {
                     apply_usage(r, &u);
@@ -229,6 +373,7 @@ fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) -> bool {
                     provider: "openai",
                     ..Default::default()
                 });
+                apply_tier(r, v);
                 if let Some(u) = usage(v) {
                     apply_usage(r, &u);
                     r.provider = provider(r, &u, false, false);
@@ -264,6 +409,7 @@ mod tests {
             cache_write_tokens: 3,
             cost: None,
             provider: "anthropic",
+            ..Default::default()
         };
         for chunk in [json.len(), 1] {
             assert_eq!(
@@ -343,8 +489,13 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             (r.response_id.as_deref(), r.input_tokens, r.output_tokens),
             (Some("resp_3"), 250000, 9)
         );
-        // Cut before its last event, a Responses stream reported nothing.
-        assert_eq!(run("text/event-stream", &sse[..sse.len() - 120], 3), None);
+        // Cut before its last event, a Responses stream reported only the host's lower bound:
+        // one token for its one delta.
+        let r = run("text/event-stream", &sse[..sse.len() - 120], 3).unwrap();
+        assert_eq!(
+            (r.response_id.as_deref(), r.output_tokens, r.estimated),
+            (Some("resp_2"), 1, true)
+        );
         // An OpenAI stream that never sent its usage chunk reported nothing either.
         let bare = b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":null}\n\ndata: [DONE]\n\n";
         assert_eq!(run("text/event-stream", bare, 4), None);
@@ -352,6 +503,80 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             run("application/json", br#"{"id":"x","usage":null}"#, 4),
             None
         );
+    }
+
+    /// Issue 29, item 5: an Anthropic stream cut before `message_delta` is not recorded as
+    /// complete and low (`message_start`'s `output_tokens: 1`): its output is at least one
+    /// token per delta that passed, marked as an estimate.
+    #[test]
+    fn a_stream_cut_before_its_usage_gives_a_marked_lower_bound() {
+        let start = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_9\",\"model\":\"claude-x\",\"usage\":{\"input_tokens\":2100,\"output_tokens\":1}}}\n\n";
+        let delta = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"word \"}}\n\n";
+        let ping = b"event: ping\ndata: {\"type\":\"ping\"}\n\n";
+        let mut body = start.to_vec();
+        for _ in 0..40 {
+            body.extend(delta);
+            body.extend(ping);
+        }
+        for chunk in [body.len(), 9] {
+            let r = run("text/event-stream", &body, chunk).unwrap();
+            assert_eq!(
+                (r.input_tokens, r.output_tokens, r.estimated, r.provider),
+                (2100, 40, true, "anthropic")
+            );
+        }
+        // The same stream with its message_delta: the provider's count, not an estimate.
+        body.extend(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":57}}\n\n");
+        let r = run("text/event-stream", &body, 9).unwrap();
+        assert_eq!((r.output_tokens, r.estimated), (57, false));
+        // An OpenAI stream cut before its usage chunk: one per content chunk.
+        let chunk = b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let r = run("text/event-stream", &chunk.repeat(7), 5).unwrap();
+        assert_eq!((r.output_tokens, r.estimated), (7, true));
+    }
+
+    /// The price dimensions token counts do not show (issue 29, item 5).
+    #[test]
+    fn server_tools_tiers_cache_lifetimes_and_modalities_are_recorded() {
+        let anthropic = br#"{"id":"msg_1","type":"message","model":"claude","usage":{"input_tokens":10,"output_tokens":5,"cache_creation_input_tokens":30,"cache_creation":{"ephemeral_5m_input_tokens":10,"ephemeral_1h_input_tokens":20},"server_tool_use":{"web_search_requests":3,"web_fetch_requests":1,"junk":"x"},"service_tier":"priority"}}"#;
+        let r = run("application/json", anthropic, 7).unwrap();
+        assert_eq!(
+            r.details,
+            Details {
+                service_tier: Some("priority".into()),
+                // In name order, whatever the provider's order.
+                server_tool_use: vec![
+                    ("web_fetch_requests".into(), 1),
+                    ("web_search_requests".into(), 3)
+                ],
+                cache_write_5m_tokens: Some(10),
+                cache_write_1h_tokens: Some(20),
+                ..Default::default()
+            }
+        );
+        assert_eq!(r.cache_write_tokens, 30);
+        let openai = br#"{"id":"chatcmpl-2","object":"chat.completion","model":"gpt-audio","service_tier":"flex","usage":{"prompt_tokens":100,"completion_tokens":50,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":40},"completion_tokens_details":{"reasoning_tokens":12,"audio_tokens":30}}}"#;
+        let r = run("application/json", openai, 4).unwrap();
+        assert_eq!(
+            r.details,
+            Details {
+                service_tier: Some("flex".into()),
+                input_audio_tokens: Some(40),
+                output_audio_tokens: Some(30),
+                reasoning_tokens: Some(12),
+                ..Default::default()
+            }
+        );
+        let image = br#"{"id":"img","object":"response","model":"gpt-image","usage":{"input_tokens":70,"output_tokens":4000,"input_tokens_details":{"image_tokens":64,"text_tokens":6},"output_tokens_details":{"image_tokens":4000}}}"#;
+        let r = run("application/json", image, 4).unwrap();
+        assert_eq!(
+            (r.details.input_image_tokens, r.details.output_image_tokens),
+            (Some(64), Some(4000))
+        );
+        // A stream's tier comes on its chunks.
+        let sse = b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"service_tier\":\"priority\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n";
+        let r = run("text/event-stream", sse, 3).unwrap();
+        assert_eq!(r.details.service_tier.as_deref(), Some("priority"));
     }
 
     #[test]

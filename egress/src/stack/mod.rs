@@ -45,6 +45,16 @@ pub struct Limits {
     /// How long a connection may take to close after its upstream side ended (a guest that
     /// never closes its side is reset then).
     pub linger: Duration,
+    /// How long a proxied or intercepted HTTP/1 connection may take to send a request's head
+    /// (no slowloris: a guest cannot hold a connection, and its upstream's, by a byte at a time).
+    pub header_timeout: Duration,
+    /// How long a request body from the guest may send nothing before it is cut (and its
+    /// upstream request with it).
+    pub body_idle_timeout: Duration,
+    /// New upstream connections a second (no flood of handshakes from one guest).
+    pub connect_rate: u32,
+    /// How many new upstream connections may be saved up for a burst.
+    pub connect_burst: u32,
 }
 
 impl Default for Limits {
@@ -56,6 +66,12 @@ impl Default for Limits {
             sniff_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
             linger: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(30),
+            body_idle_timeout: Duration::from_secs(60),
+            // npm, pip and git open a few dozen connections at most, mostly at once; a flood of
+            // new ones (every one a TCP and often a TLS handshake with the upstream) is paced.
+            connect_rate: 20,
+            connect_burst: 64,
         }
     }
 }
@@ -209,6 +225,13 @@ impl Stack {
             stats,
             sniff_timeout: config.limits.sniff_timeout,
             idle_timeout: config.limits.idle_timeout,
+            header_timeout: config.limits.header_timeout,
+            body_idle_timeout: config.limits.body_idle_timeout,
+            connects: crate::pace::Bucket::new(
+                config.limits.connect_rate,
+                config.limits.connect_burst,
+            ),
+            log: crate::pace::LogLimit::default(),
             interception: config.interception,
             upstream: Arc::new(tokio::sync::Semaphore::new(
                 crate::intercept::SANDBOX_UPSTREAM_CONNECTIONS,
