@@ -1902,8 +1902,9 @@ node /tmp/sdk.mjs"
         "{u}"
     );
     // The three streams, Anthropic's answer (JSON: the fake reads `"stream":true` without a
-    // space), the JSON completion, the Responses stream.
-    assert_eq!(u["totals"]["output_tokens"], 3 * 12 + 85 + 2 + 5, "{u}");
+    // space), the JSON completion, the Responses stream, and the lower bounds of the two
+    // unmetered streams that passed a content delta each (`output_tokens_estimated`).
+    assert_eq!(u["totals"]["output_tokens"], 3 * 12 + 85 + 2 + 5 + 2, "{u}");
 
     // Under meter_strict the same calls are refused before they go upstream, and counted.
     let strict = h.create(sandbox(true)).await;

@@ -298,6 +298,12 @@ fuzz_target!(|data: &[u8]| {
         sniff_timeout: Duration::from_millis(200),
         idle_timeout: Duration::from_secs(2),
         linger: Duration::from_millis(200),
+        header_timeout: Duration::from_secs(2),
+        body_idle_timeout: Duration::from_secs(2),
+        // One stack serves every input: pacing its upstream connections would slow the run,
+        // not find more.
+        connect_rate: 100_000,
+        connect_burst: 100_000,
     };
     let (egress, link) = {
         let _in = rt.enter();
