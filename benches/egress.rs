@@ -7,6 +7,9 @@
 //! - connection set-up of a spliced connection: connect, ClientHello, first byte back;
 //! - first byte of an HTTPS request, end to end (guest TLS client, loopback TLS server), spliced
 //!   against intercepted: what interception adds.
+//! - What hostile connections cost: 128 connections whose upstream answers without end and whose
+//!   guest never reads, spliced and served as HTTP: the process's resident memory they add,
+//!   against what the sandbox's egress memory counts for them and its limit (issue 29, item 8).
 //! - Response scanning: a body streamed through the echo scan (every secret's forms looked for and
 //!   masked) against the same body copied, as a share of the stack's measured throughput.
 //!
@@ -70,6 +73,10 @@ fn start(
         Arc::new(ResolveOverrides::parse(&format!("sink.test:{port}:127.0.0.1")).unwrap());
     cfg.limits = Limits {
         socket_buffer,
+        // The stack's own cost, not the pacing of a guest's new connections (20 a second after
+        // a burst of 64) that the set-up figures would otherwise measure.
+        connect_rate: 1_000_000,
+        connect_burst: 1_000_000,
         ..Limits::default()
     };
     let (egress, link) = {
@@ -467,6 +474,8 @@ fn main() {
         ip95 - sp95
     );
     println!();
+    hostile_connections();
+    println!();
     let (copied, scanned) = (
         med(&|| pass_through(total, false)),
         med(&|| pass_through(total, true)),
@@ -518,4 +527,134 @@ fn pass_through(total: usize, scan: bool) -> f64 {
         moved += chunk.len();
     }
     moved as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// What an endless answer is written from (one buffer for every connection: the server's own
+/// memory stays out of the figure).
+static FLOOD: [u8; 64 * 1024] = [b'x'; 64 * 1024];
+
+/// A loopback server that answers every connection, once it has said something, with an HTTP
+/// head and bytes without end, as fast as the connection takes them.
+fn flood_server(rt: &tokio::runtime::Runtime) -> u16 {
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 512];
+                if !matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
+                    return;
+                }
+                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 100000000000\r\n\r\n";
+                if s.write_all(head).await.is_err() {
+                    return;
+                }
+                while s.write_all(&FLOOD).await.is_ok() {}
+            });
+        }
+    });
+    port
+}
+
+/// This process's resident memory, KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// `n` guest connections that each get an endless answer and never read it: spliced (a
+/// ClientHello) or served as HTTP (a GET). The resident memory they add once every buffer on the
+/// way is full (KiB), what the egress memory holds for them, how many were admitted and how many
+/// refused as `memory_limit`.
+fn hostile(n: usize, http: bool) -> (u64, usize, u64, u64) {
+    use sandbox_egress::refusal::Reason;
+    use sandbox_egress::stats::Stats;
+    let rt = runtime();
+    let port = flood_server(&rt);
+    let (egress, mut g, addr) = start(&rt, port, 64 * 1024);
+    let first = if http {
+        format!("GET / HTTP/1.1\r\nHost: sink.test:{port}\r\n\r\n").into_bytes()
+    } else {
+        head(port)
+    };
+    // Settle the allocator and the runtime before the figure's start.
+    g.run_until(Duration::from_millis(300), |_| false);
+    let before = rss_kib();
+    let mut handles = Vec::new();
+    let st = egress.stats();
+    let decided = || Stats::get(&st.spliced) + Stats::get(&st.http);
+    // In waves of 16, each decided before the next (the stack lets 32 be undecided at once).
+    while handles.len() < n {
+        for _ in 0..16.min(n - handles.len()) {
+            // A guest receive buffer of 4 KiB that is never read: the window closes at once.
+            let h = g.connect(addr, port, 4 * 1024);
+            handles.push((h, false));
+        }
+        let want = handles.len() as u64;
+        g.run_until(Duration::from_secs(10), |g| {
+            for (h, sent) in &mut handles {
+                let s = g.tcp(*h);
+                if !*sent && s.may_send() {
+                    *sent = s.send_slice(&first).is_ok();
+                }
+            }
+            decided() + st.refusals().total() >= want
+        });
+    }
+    // Until every buffer on the way has filled: nothing more reaches the guest for a while.
+    let mut last = (0u64, Instant::now());
+    g.run_until(Duration::from_secs(30), |g| {
+        for (h, sent) in &mut handles {
+            let s = g.tcp(*h);
+            if !*sent && s.may_send() {
+                *sent = s.send_slice(&first).is_ok();
+            }
+        }
+        let to_guest = Stats::get(&st.to_guest);
+        if to_guest != last.0 {
+            last = (to_guest, Instant::now());
+        }
+        handles.iter().all(|(_, sent)| *sent) && last.1.elapsed() > Duration::from_secs(2)
+    });
+    let after = rss_kib();
+    let held = egress.memory().0;
+    let admitted = Stats::get(&st.connections);
+    let refused = st.refusals().count(Reason::MemoryLimit);
+    drop(egress);
+    (after.saturating_sub(before), held, admitted, refused)
+}
+
+/// The figures of [`hostile`], spliced and as HTTP, with the default egress memory.
+fn hostile_connections() {
+    let n = 128;
+    let limit = Limits::default().memory;
+    println!(
+        "{n} hostile connections (an endless answer, never read), egress memory limit {} MiB (default)",
+        limit >> 20
+    );
+    println!(
+        "| connections | admitted | refused (memory_limit) | resident memory added | counted by the egress memory | per admitted connection |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (label, http) in [
+        ("spliced TLS", false),
+        ("plain HTTP, served by the proxy", true),
+    ] {
+        let (rss, held, admitted, refused) = hostile(n, http);
+        println!(
+            "| {label} | {admitted} | {refused} | {:.1} MiB | {:.1} MiB | {:.0} KiB resident, {:.0} KiB counted |",
+            rss as f64 / 1024.0,
+            held as f64 / 1048576.0,
+            rss as f64 / admitted.max(1) as f64,
+            held as f64 / 1024.0 / admitted.max(1) as f64,
+        );
+    }
 }

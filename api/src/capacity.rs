@@ -2,9 +2,11 @@
 //! and the reason, instead of taking every sandbox down with it (the OOM killer, a full disk, a
 //! process out of file descriptors).
 //!
-//! - **Memory**: the guest memory of every sandbox (running or starting) counts against
-//!   `SANDBOX_HOST_MEMORY_LIMIT_MIB` (default: this machine's memory less 2 GiB for the host).
-//!   Guests cost what they touch, so this is a promise the host can keep, not a forecast.
+//! - **Memory**: the guest memory of every sandbox (running or starting) and the memory its
+//!   egress may hold on the host (`SANDBOX_HOST_EGRESS_MEMORY_MIB`, `sandbox_egress::memory`)
+//!   count against `SANDBOX_HOST_MEMORY_LIMIT_MIB` (default: this machine's memory less 2 GiB for
+//!   the host). Both cost what is touched, never more than counted, so this is a promise the
+//!   host can keep, not a forecast.
 //! - **Disk**: a sandbox disk is sparse and grows up to its run's limit; a create needs free space
 //!   under the state directory of at least its limit divided by `SANDBOX_HOST_DISK_OVERCOMMIT`
 //!   (4), plus 1 GiB, and the limits of all sandboxes divided by the factor must fit in what is
@@ -63,7 +65,10 @@ pub struct Capacity {
 #[derive(Debug)]
 pub struct Reservation {
     capacity: Arc<Capacity>,
+    /// The guest's memory (given back while the sandbox is paused).
     memory_mib: u64,
+    /// Its egress memory (held while paused: the egress stack and its connections stay).
+    egress_mib: u64,
     disk_mib: u64,
 }
 
@@ -99,7 +104,9 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         let mut c = self.capacity.lock();
-        c.memory_mib = c.memory_mib.saturating_sub(self.memory_mib);
+        c.memory_mib = c
+            .memory_mib
+            .saturating_sub(self.memory_mib + self.egress_mib);
         c.disk_mib = c.disk_mib.saturating_sub(self.disk_mib);
         c.sandboxes = c.sandboxes.saturating_sub(1);
     }
@@ -119,16 +126,19 @@ impl Capacity {
         self.committed.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes a sandbox's share, or says which budget it would overrun and what to do.
+    /// Takes a sandbox's share (its guest memory, its egress memory and its disk), or says which
+    /// budget it would overrun and what to do.
     pub fn reserve(
         self: &Arc<Self>,
         memory_mib: u64,
+        egress_mib: u64,
         disk_mib: u64,
     ) -> Result<Reservation, String> {
         let mut c = self.lock();
-        if c.memory_mib + memory_mib > self.limits.memory_mib {
+        if c.memory_mib + memory_mib + egress_mib > self.limits.memory_mib {
             return Err(format!(
-                "the host has no room for {memory_mib} MiB more of guest memory: {} MiB of \
+                "the host has no room for {memory_mib} MiB more of guest memory and {egress_mib} \
+                 MiB of egress memory (SANDBOX_HOST_EGRESS_MEMORY_MIB): {} MiB of \
                  SANDBOX_HOST_MEMORY_LIMIT_MIB={} are committed to {} sandboxes. Retry when a \
                  sandbox ends, ask for less memory_mib, or place the run on another host",
                 c.memory_mib, self.limits.memory_mib, c.sandboxes
@@ -160,12 +170,13 @@ impl Capacity {
                  sandbox ends"
             ));
         }
-        c.memory_mib += memory_mib;
+        c.memory_mib += memory_mib + egress_mib;
         c.disk_mib += disk_mib;
         c.sandboxes += 1;
         Ok(Reservation {
             capacity: self.clone(),
             memory_mib,
+            egress_mib,
             disk_mib,
         })
     }
@@ -239,16 +250,21 @@ mod tests {
             },
             dir.path().to_path_buf(),
         );
-        let a = cap.reserve(600, 0).unwrap();
-        let e = cap.reserve(600, 0).unwrap_err();
+        let mut a = cap.reserve(500, 100, 0).unwrap();
+        let e = cap.reserve(500, 100, 0).unwrap_err();
         assert!(
             e.contains("600 MiB of SANDBOX_HOST_MEMORY_LIMIT_MIB=1000"),
             "{e}"
         );
-        let b = cap.reserve(400, 0).unwrap();
+        assert!(e.contains("100 MiB of egress memory"), "{e}");
+        // A pause gives the guest's memory back, not the egress stack's.
+        assert_eq!(a.release_memory(), 500);
+        assert_eq!(cap.report()["memory_mib"]["committed"], 100);
+        a.reacquire_memory(500).unwrap();
+        let b = cap.reserve(350, 50, 0).unwrap();
         assert_eq!(cap.report()["memory_mib"]["free"], 0);
         drop(a);
-        let _c = cap.reserve(600, 0).unwrap();
+        let _c = cap.reserve(500, 100, 0).unwrap();
         drop(b);
         assert_eq!(cap.report()["sandboxes"], 1);
     }
@@ -264,8 +280,8 @@ mod tests {
             },
             dir.path().to_path_buf(),
         );
-        assert!(cap.reserve(1, free / 4).is_ok());
-        let e = cap.reserve(1, free * 2).unwrap_err();
+        assert!(cap.reserve(1, 0, free / 4).is_ok());
+        let e = cap.reserve(1, 0, free * 2).unwrap_err();
         assert!(e.contains("SANDBOX_HOST_DISK_OVERCOMMIT=1"), "{e}");
     }
 }

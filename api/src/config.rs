@@ -101,8 +101,11 @@ pub struct Config {
     /// `SANDBOX_HOST_EGRESS_CA_FILE`: extra PEM roots for upstream TLS of intercepted hosts.
     pub egress_ca_file: Option<PathBuf>,
     /// `SANDBOX_HOST_METER_BODY_MAX_MIB` in bytes: the largest model request body the meter
-    /// holds to ask for usage (a sandbox holds at most twice this at once).
+    /// holds to ask for usage (what a sandbox holds at once counts against its egress memory).
     pub meter_body_max: usize,
+    /// `SANDBOX_HOST_EGRESS_MEMORY_MIB`: what one sandbox's egress may hold on the host
+    /// (`sandbox_egress::memory`), counted with its guest's memory at admission.
+    pub egress_memory_mib: u64,
     /// `SANDBOX_HOST_TEMPLATES` (`on` by default, `off`): sandboxes are restored from a
     /// template of their shape instead of booting (issue 15; on QEMU too, issue 36).
     pub templates: bool,
@@ -125,6 +128,7 @@ impl std::fmt::Debug for Config {
             .field("egress_resolve", &self.egress_resolve)
             .field("egress_ca_file", &self.egress_ca_file)
             .field("meter_body_max", &self.meter_body_max)
+            .field("egress_memory_mib", &self.egress_memory_mib)
             .field("templates", &self.templates)
             .finish()
     }
@@ -279,6 +283,21 @@ impl Config {
                 expected: "a whole number of MiB from 1 to 1024",
             });
         }
+        // By default two of the largest bodies and 32 MiB for connections (sandbox_egress::memory).
+        let egress_memory_mib: u64 = parse(
+            &get,
+            "SANDBOX_HOST_EGRESS_MEMORY_MIB",
+            2 * meter_body_max_mib as u64 + 32,
+            "a whole number of MiB",
+        )?;
+        if egress_memory_mib < meter_body_max_mib as u64 + 16 || egress_memory_mib > 65_536 {
+            return Err(ConfigError::Invalid {
+                var: "SANDBOX_HOST_EGRESS_MEMORY_MIB",
+                value: egress_memory_mib.to_string(),
+                expected: "a whole number of MiB from SANDBOX_HOST_METER_BODY_MAX_MIB + 16 (a body \
+                           the meter holds must fit beside the connections) to 65536",
+            });
+        }
         let templates = match get("SANDBOX_HOST_TEMPLATES").as_deref().map(str::trim) {
             None | Some("on") => true,
             Some("off") => false,
@@ -336,6 +355,7 @@ impl Config {
             templates,
             egress_ca_file,
             meter_body_max: meter_body_max_mib << 20,
+            egress_memory_mib,
         })
     }
 }
@@ -412,6 +432,7 @@ mod tests {
         assert!(e.to_string().contains("SANDBOX_HOST_PORT is `http`"), "{e}");
         assert!(!format!("{c:?}").contains("tttt"));
         assert_eq!(c.meter_body_max, 32 << 20);
+        assert_eq!(c.egress_memory_mib, 96);
         for (var, value) in [
             ("SANDBOX_HOST_METER_BODY_MAX_MIB", "0"),
             ("SANDBOX_HOST_METER_BODY_MAX_MIB", "4096"),

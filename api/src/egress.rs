@@ -103,6 +103,7 @@ pub fn start(
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
     let mut cfg = EgressConfig::new(mac, allow);
     cfg.overrides = config.egress_resolve.clone();
+    cfg.limits.memory = (config.egress_memory_mib as usize) << 20;
     let (mut ca_pem, mut env) = (None, Vec::new());
     if !intercept.is_empty() {
         let secrets = spec
@@ -225,6 +226,7 @@ pub fn egress_json(egress: &Egress) -> Value {
         },
         "bytes": { "to_upstream": Stats::get(&s.to_upstream), "to_guest": Stats::get(&s.to_guest) },
         "frames_dropped": { "from_guest": from_guest, "to_guest": to_guest },
+        "memory": { "held_bytes": egress.memory().0, "limit_bytes": egress.memory().1 },
     })
 }
 

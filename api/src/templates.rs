@@ -243,10 +243,11 @@ async fn build(
         let _ = std::fs::remove_dir_all(&dir);
         why
     };
-    // It holds memory and a VM like a sandbox while it boots.
+    // It holds memory and a VM like a sandbox while it boots. Its egress allows nothing, so no
+    // connection of its guest is ever admitted: no egress memory to count.
     let reservation = state
         .capacity()
-        .reserve(u64::from(shape.memory_mib), shape.disk_mib.unwrap_or(0))
+        .reserve(u64::from(shape.memory_mib), 0, shape.disk_mib.unwrap_or(0))
         .map_err(|why| fail(format!("no room for the template's VM: {why}")))?;
     let files = SnapshotFiles {
         state: dir.join("snapshot.state"),

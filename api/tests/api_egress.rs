@@ -1436,6 +1436,12 @@ if (mode === 'h1') {
             format!("\"{base}/headers?k=$ANTHROPIC_API_KEY\""),
         ),
         (
+            "the credential header given twice",
+            format!(
+                "-H \"x-api-key: AAAAAAAA\" -H \"x-api-key: $ANTHROPIC_API_KEY\" {base}/headers"
+            ),
+        ),
+        (
             "a default header of another secret",
             format!(
                 "-H \"x-api-key: $GEMINI_API_KEY\" https://gemini.provider.test:{port}/headers"
@@ -1473,7 +1479,7 @@ if (mode === 'h1') {
     assert_eq!(out.split_whitespace().next(), Some(sha256(&big).as_str()));
 
     let v = egress(&h, &id).await;
-    assert_eq!(v["by_reason"]["placeholder_leak"], 5, "{v}");
+    assert_eq!(v["by_reason"]["placeholder_leak"], 6, "{v}");
     assert_eq!(v["by_reason"]["path_not_allowed"], 3, "{v}");
     // /headers twice (value and echoed header), the error, the split (three forms), gemini.
     assert!(v["by_reason"]["secret_echo"].as_u64().unwrap() >= 8, "{v}");

@@ -74,6 +74,8 @@ pub(crate) struct Context {
     /// Upstream connections the sandbox's proxied and intercepted requests may hold at once
     /// ([`crate::intercept::SANDBOX_UPSTREAM_CONNECTIONS`]); more requests wait their turn.
     pub(crate) upstream: Arc<tokio::sync::Semaphore>,
+    /// The sandbox's egress memory ([`crate::memory`]).
+    pub(crate) memory: Arc<crate::memory::Budget>,
 }
 
 /// The task's ends of a connection.
@@ -137,8 +139,16 @@ impl End {
     }
 }
 
-/// Runs one connection to `port` of the address handed out for `name`, to its end.
-pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
+/// Runs one connection to `port` of the address handed out for `name`, to its end. `memory` is
+/// its task's share of the sandbox's egress memory ([`crate::memory::TASK_COST`]), grown when it
+/// becomes HTTP.
+pub(crate) async fn run(
+    mut io: Io,
+    name: String,
+    port: u16,
+    cx: Arc<Context>,
+    mut memory: crate::memory::Hold,
+) {
     let target = format!("{name}:{port}");
     cx.connects.pace().await;
     let upstream = match upstream::connect(&name, port, &cx.overrides, &*cx.resolver).await {
@@ -187,6 +197,11 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
                 refuse_http(&io, Reason::PlaceholderLeak).await;
                 return;
             }
+            if !memory.grow(crate::memory::HTTP_COST) {
+                cx.stats.refuse(Reason::MemoryLimit, &target);
+                refuse_http(&io, Reason::MemoryLimit).await;
+                return;
+            }
             Stats::add(&cx.stats.http, 1)
         }
         Decision::Intercept => {
@@ -196,6 +211,12 @@ pub(crate) async fn run(mut io: Io, name: String, port: u16, cx: Arc<Context>) {
                 io.control(Ctl::ABORT);
                 return;
             };
+            if !memory.grow(crate::memory::HTTP_COST) {
+                // Before the guest's handshake: nothing readable can be said, a reset it is.
+                cx.stats.refuse(Reason::MemoryLimit, &target);
+                io.control(Ctl::ABORT);
+                return;
+            }
             io.control(Ctl::RUNNING);
             let (guest, end) = io.into_stream(decider.received().to_vec());
             if let Err(e) =
@@ -300,7 +321,8 @@ async fn splice(
 async fn refuse_http(io: &Io, reason: Reason) {
     let body = format!("sandbox egress refused this request: {}\n", reason.as_str());
     let answer = format!(
-        "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\nx-sandbox-egress-refused: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {}\r\ncontent-type: text/plain\r\nx-sandbox-egress-refused: {}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        reason.status_line(),
         reason.as_str(),
         body.len()
     );

@@ -32,11 +32,12 @@ use crate::conn::Context;
 use crate::echo::{EchoError, EchoForms, EchoScanner};
 use crate::guest_io::GuestStream;
 use crate::idle::Idle;
+use crate::memory::{self, Hold};
 use crate::meter::record::Meter;
 use crate::meter::request::{self as meter_request, Api, Unmetered};
 use crate::policy::{HostPattern, normalize};
 use crate::refusal::Reason;
-use crate::request_body::{self, BodyError, Budget, GuestBody, Hold, Read, Replay};
+use crate::request_body::{self, BodyError, GuestBody, Read, Replay};
 use crate::secrets::{LeakScanner, Secret};
 use crate::sniff::http::split_authority;
 use crate::stats::{Call, Stats};
@@ -96,8 +97,6 @@ pub struct Interception {
     echo: Option<Arc<EchoForms>>,
     meter: Vec<HostPattern>,
     policy: MeterPolicy,
-    /// Request bodies held while the meter reads them.
-    held: Arc<Budget>,
     client: Arc<rustls::ClientConfig>,
 }
 
@@ -107,8 +106,8 @@ pub struct MeterPolicy {
     /// Refuse, before it goes upstream, a POST to a meter or secret host whose usage the meter
     /// could not read (the run's `egress.meter_strict`).
     pub strict: bool,
-    /// The largest request body held to ask for usage; the sandbox holds at most twice this at
-    /// once (`SANDBOX_HOST_METER_BODY_MAX_MIB`).
+    /// The largest request body held to ask for usage (`SANDBOX_HOST_METER_BODY_MAX_MIB`); what
+    /// the sandbox holds of all of them at once counts against its egress memory.
     pub body_max: usize,
 }
 
@@ -141,7 +140,6 @@ impl Interception {
             secrets,
             meter,
             policy,
-            held: Budget::new(policy.body_max.saturating_mul(2)),
             client,
         })
     }
@@ -299,6 +297,11 @@ where
             .keep_alive_interval(Some(H2_PING_INTERVAL))
             .keep_alive_timeout(H2_PING_TIMEOUT)
             .max_concurrent_streams(MAX_GUEST_STREAMS)
+            // Bounds of what the guest's side may hold (crate::memory's HTTP_COST and
+            // REQUEST_COST count them).
+            .initial_connection_window_size(memory::H2_CONNECTION_WINDOW)
+            .initial_stream_window_size(memory::H2_STREAM_WINDOW)
+            .max_send_buf_size(memory::H2_SEND_BUFFER)
             .serve_connection(io, service)
             .await?;
     } else {
@@ -308,6 +311,7 @@ where
         hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(header_timeout)
+            .max_buf_size(memory::HTTP1_BUFFER)
             .half_close(true)
             .serve_connection(io, service)
             .await?;
@@ -329,6 +333,7 @@ struct Sender {
 type Slots = (
     tokio::sync::OwnedSemaphorePermit,
     tokio::sync::OwnedSemaphorePermit,
+    Hold,
 );
 
 impl Sender {
@@ -367,7 +372,10 @@ fn refuse(reason: Reason) -> Response<ProxyBody> {
             .map_err(|never| match never {})
             .boxed(),
     );
-    *r.status_mut() = StatusCode::FORBIDDEN;
+    *r.status_mut() = match reason {
+        Reason::MemoryLimit => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::FORBIDDEN,
+    };
     r.headers_mut().insert(
         HeaderName::from_static("x-sandbox-egress-refused"),
         HeaderValue::from_static(reason.as_str()),
@@ -432,6 +440,11 @@ impl Proxy {
             stats.refuse(Reason::Protocol, &target);
             return refuse(Reason::Protocol);
         }
+        // The request's worst case, held until its response has gone (or it failed).
+        let Some(memory) = Hold::take(&self.cx.memory, memory::REQUEST_COST) else {
+            stats.refuse(Reason::MemoryLimit, &target);
+            return refuse(Reason::MemoryLimit);
+        };
         let (parts, body) = req.into_parts();
         let body = Idle::new(body, self.cx.body_idle_timeout, "the guest's request body");
         let path = parts
@@ -442,6 +455,22 @@ impl Proxy {
         // Placeholders: the real value in the secret's credential headers to its own hosts and
         // paths, a leak anywhere else (another header, so a provider cannot be made to echo the
         // key), refused on a path the secret is not for.
+        // A placeholder in a header given more than once is a leak: an upstream that joins the
+        // values (`junk, sk-...`) and quotes the result cut short would show where the guest
+        // chose how much of the key (issue 29, review).
+        let repeated = parts.headers.keys().any(|k| {
+            let values = parts.headers.get_all(k);
+            values.iter().nth(1).is_some()
+                && values.iter().any(|v| {
+                    self.secrets()
+                        .iter()
+                        .any(|s| contains(v.as_bytes(), s.placeholder.as_bytes()))
+                })
+        });
+        if repeated {
+            stats.refuse(Reason::PlaceholderLeak, &target);
+            return refuse(Reason::PlaceholderLeak);
+        }
         let mut headers = HeaderMap::new();
         let secret_host = self.tls && self.secrets().iter().any(|s| s.applies_to(&self.name));
         for (k, v) in &parts.headers {
@@ -584,7 +613,11 @@ impl Proxy {
 
         let mut sender = match self.sender().await {
             Ok(s) => s,
-            Err(e) => {
+            Err(None) => {
+                stats.refuse(Reason::MemoryLimit, &target);
+                return refuse(Reason::MemoryLimit);
+            }
+            Err(Some(e)) => {
                 self.cx.log.log(|| tracing::warn!("egress: {target}: {e}"));
                 return bad_gateway(&e);
             }
@@ -700,6 +733,7 @@ impl Proxy {
                 trailers: None,
                 target,
                 stats: self.cx.stats.clone(),
+                _memory: memory,
             },
             self.cx.idle_timeout,
             "the upstream's response body",
@@ -739,7 +773,7 @@ impl Proxy {
         if content_encoded(headers) {
             return unread(body, Some(Unmetered::UnreadableBody));
         }
-        let hold = Hold::new(&icp.held);
+        let hold = Hold::new(&self.cx.memory);
         let (body, hold, unmetered) =
             match request_body::read(body, icp.policy.body_max, hold).await? {
                 (Read::TooLarge(replay), hold) => (replay, hold, Some(Unmetered::BodyTooLarge)),
@@ -844,7 +878,8 @@ impl Proxy {
     /// An upstream HTTP/1.1 sender that is free: a pooled one, or a new connection. Waits (never
     /// fails for lack of room) while this guest connection has all its [`UPSTREAM_CONNECTIONS`]
     /// busy, and for a place among the sandbox's [`SANDBOX_UPSTREAM_CONNECTIONS`].
-    async fn sender(&self) -> Result<Sender, String> {
+    /// `Err(None)`: the sandbox's egress memory has no room for another connection.
+    async fn sender(&self) -> Result<Sender, Option<String>> {
         loop {
             {
                 let mut pool = self.pool.lock().await;
@@ -856,14 +891,19 @@ impl Proxy {
             // No free connection: a new one when both bounds have room, else wait for one to be
             // given back (its response read to the end) or to close (its places come back).
             let slot = tokio::select! {
-                slot = self.slots.clone().acquire_owned() => slot.map_err(|e| e.to_string())?,
+                slot = self.slots.clone().acquire_owned() => slot.map_err(|e| Some(e.to_string()))?,
                 _ = self.returned.notified() => continue,
             };
             let shared = tokio::select! {
-                shared = self.cx.upstream.clone().acquire_owned() => shared.map_err(|e| e.to_string())?,
+                shared = self.cx.upstream.clone().acquire_owned() => shared.map_err(|e| Some(e.to_string()))?,
                 _ = self.returned.notified() => continue,
             };
-            let send = self.connect((slot, shared)).await?;
+            // Its buffers' worst case too; a sandbox whose other connections hold its egress
+            // memory does not wait for them (they may never end).
+            let Some(memory) = Hold::take(&self.cx.memory, memory::UPSTREAM_COST) else {
+                return Err(None);
+            };
+            let send = self.connect((slot, shared, memory)).await.map_err(Some)?;
             return Ok(Sender { send });
         }
     }
@@ -912,7 +952,9 @@ async fn handshake<I>(
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+    let (sender, conn) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(memory::HTTP1_BUFFER)
+        .handshake(TokioIo::new(io))
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(async move {
@@ -1071,6 +1113,8 @@ struct MeteredBody {
     trailers: Option<HeaderMap>,
     target: String,
     stats: Arc<Stats>,
+    /// The request's share of the sandbox's egress memory ([`memory::REQUEST_COST`]).
+    _memory: Hold,
 }
 
 impl MeteredBody {
@@ -1300,6 +1344,11 @@ fn credential_shape(value: &[u8], placeholder: &[u8], shape: Shape) -> bool {
             !word.is_empty() && word.len() <= 16 && word.iter().all(u8::is_ascii_alphanumeric)
         }
     }
+}
+
+/// Whether `needle` occurs in `hay`.
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
 }
 
 #[cfg(test)]

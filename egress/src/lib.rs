@@ -17,6 +17,7 @@ pub mod host_addrs;
 pub mod idle;
 pub mod intercept;
 pub mod link;
+pub mod memory;
 pub mod meter;
 pub mod net;
 mod pace;

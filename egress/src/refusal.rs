@@ -53,11 +53,14 @@ pub enum Reason {
     /// A request that would carry a secret's value to a path of its host the secret is not for
     /// (its `paths`, or a known provider's inference endpoints).
     PathNotAllowed,
+    /// A connection or request beyond the sandbox's egress memory
+    /// (`SANDBOX_HOST_EGRESS_MEMORY_MIB`, [`crate::memory`]): its other connections hold it.
+    MemoryLimit,
 }
 
 impl Reason {
     /// Every reason, for counters that list zeros too.
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::NameNotAllowed,
         Reason::IpLiteral,
         Reason::DnsBypass,
@@ -79,6 +82,7 @@ impl Reason {
         Reason::Ech,
         Reason::Unmeterable,
         Reason::PathNotAllowed,
+        Reason::MemoryLimit,
     ];
 
     /// The reason's name in counters, metrics and logs.
@@ -105,6 +109,16 @@ impl Reason {
             Reason::Ech => "ech",
             Reason::Unmeterable => "unmeterable",
             Reason::PathNotAllowed => "path_not_allowed",
+            Reason::MemoryLimit => "memory_limit",
+        }
+    }
+
+    /// The HTTP status a refused request is answered with: `503` for what a retry may get past
+    /// (the sandbox's memory is in use), `403` for what policy forbids.
+    pub fn status_line(self) -> &'static str {
+        match self {
+            Reason::MemoryLimit => "503 Service Unavailable",
+            _ => "403 Forbidden",
         }
     }
 }

@@ -1,11 +1,9 @@
 //! Request bodies the meter reads before they go upstream (a streaming chat completion must ask
 //! for its usage, and that is known only from the whole body): held up to a size, against a
-//! per-sandbox budget, and replayed (trailers included), so a body that is not changed leaves with
+//! sandbox's egress memory ([`crate::memory`]), and replayed (trailers included), so a body that is not changed leaves with
 //! exactly the bytes it came with.
 
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -21,70 +19,7 @@ pub type GuestBody = Idle<Incoming>;
 /// What reading one fails with (hyper's error, or [`crate::idle::Stalled`]).
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The bytes one sandbox's request bodies may hold at once while the meter reads them.
-#[derive(Debug)]
-pub struct Budget {
-    used: AtomicUsize,
-    max: usize,
-}
-
-impl Budget {
-    /// A budget of `max` bytes.
-    pub fn new(max: usize) -> Arc<Self> {
-        Arc::new(Budget {
-            used: AtomicUsize::new(0),
-            max,
-        })
-    }
-
-    /// Bytes held now.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-}
-
-/// A share of a [`Budget`], given back when dropped.
-#[derive(Debug)]
-pub struct Hold {
-    budget: Arc<Budget>,
-    n: usize,
-}
-
-impl Hold {
-    /// The budget this is a share of.
-    pub fn budget(&self) -> Arc<Budget> {
-        self.budget.clone()
-    }
-
-    /// An empty share of `budget`.
-    pub fn new(budget: &Arc<Budget>) -> Self {
-        Hold {
-            budget: budget.clone(),
-            n: 0,
-        }
-    }
-
-    /// Takes `by` bytes more; false (and nothing taken) when the budget has not that much left.
-    pub fn grow(&mut self, by: usize) -> bool {
-        let b = &self.budget;
-        let ok = b
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                u.checked_add(by).filter(|&n| n <= b.max)
-            })
-            .is_ok();
-        if ok {
-            self.n += by;
-        }
-        ok
-    }
-}
-
-impl Drop for Hold {
-    fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.n, Ordering::AcqRel);
-    }
-}
+pub use crate::memory::{Budget, Hold};
 
 /// What reading a body gave.
 pub enum Read {
@@ -115,11 +50,11 @@ pub async fn read(
                 if need > data.capacity() {
                     let cap = need.max(data.capacity() * 2).min(max);
                     if need > max || !hold.grow(cap - data.capacity()) {
-                        data.extend_from_slice(&d);
-                        return Ok((
-                            Read::TooLarge(Replay::new(data, trailers, Some(body))),
-                            hold,
-                        ));
+                        // The frame goes on as it came: copied onto what is held, it could
+                        // double the buffer past what the budget counts.
+                        let mut replay = Replay::new(data, trailers, Some(body));
+                        replay.then = d;
+                        return Ok((Read::TooLarge(replay), hold));
                     }
                     data.reserve_exact(cap - data.len());
                 }
@@ -139,6 +74,8 @@ pub async fn read(
 /// the guest where it was not all read.
 pub struct Replay {
     data: Bytes,
+    /// The frame that did not fit, sent after `data`.
+    then: Bytes,
     trailers: Option<HeaderMap>,
     rest: Option<GuestBody>,
 }
@@ -148,6 +85,7 @@ impl Replay {
     pub fn new(data: Vec<u8>, trailers: Option<HeaderMap>, rest: Option<GuestBody>) -> Self {
         Replay {
             data: Bytes::from(data),
+            then: Bytes::new(),
             trailers,
             rest,
         }
@@ -171,6 +109,10 @@ impl Body for Replay {
             let n = self.data.len().min(SLICE);
             return Poll::Ready(Some(Ok(Frame::data(self.data.split_to(n)))));
         }
+        if !self.then.is_empty() {
+            let then = std::mem::take(&mut self.then);
+            return Poll::Ready(Some(Ok(Frame::data(then))));
+        }
         if let Some(t) = self.trailers.take() {
             return Poll::Ready(Some(Ok(Frame::trailers(t))));
         }
@@ -182,12 +124,13 @@ impl Body for Replay {
 
     fn is_end_stream(&self) -> bool {
         self.data.is_empty()
+            && self.then.is_empty()
             && self.trailers.is_none()
             && self.rest.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let held = self.data.len() as u64;
+        let held = (self.data.len() + self.then.len()) as u64;
         match &self.rest {
             None => SizeHint::with_exact(held),
             Some(rest) => {
@@ -200,27 +143,5 @@ impl Body for Replay {
                 h
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_budget_is_shared_and_given_back() {
-        let b = Budget::new(100);
-        let mut one = Hold::new(&b);
-        let mut two = Hold::new(&b);
-        assert!(one.grow(60));
-        assert!(!two.grow(41), "past the budget");
-        assert!(two.grow(40));
-        assert!(!one.grow(1));
-        assert!(!one.grow(usize::MAX), "no overflow");
-        drop(one);
-        assert_eq!(b.used(), 40);
-        assert!(two.grow(60));
-        drop(two);
-        assert_eq!(b.used(), 0);
     }
 }

@@ -528,3 +528,112 @@ fn a_request_head_that_stalls_is_cut() {
     g.remove(h);
     drop(egress);
 }
+
+/// A loopback server that accepts connections and keeps them open, saying nothing.
+fn silent_server(rt: &Runtime) -> u16 {
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = l.accept().await {
+            held.push(s);
+        }
+    });
+    port
+}
+
+#[test]
+fn connections_past_the_egress_memory_are_refused_until_some_end() {
+    use sandbox_egress::memory::{HTTP_COST, TASK_COST, socket_cost};
+    let rt = runtime();
+    let port = silent_server(&rt);
+    let spliced = socket_cost(64 * 1024) + TASK_COST;
+    // Room for two connections, not three.
+    let limits = Limits {
+        memory: 3 * spliced - 1,
+        ..Limits::default()
+    };
+    let (egress, mut g) = start_with(
+        &rt,
+        &["tls.test"],
+        &format!("tls.test:{port}:127.0.0.1"),
+        limits,
+    );
+    let addr = g.resolve("tls.test", Duration::from_secs(5)).unwrap();
+    let hello = client_hello("tls.test");
+    let st = egress.stats();
+    let open = |g: &mut GuestSim| {
+        let h = g.connect(addr, port, 64 * 1024);
+        let mut sent = false;
+        g.run_until(Duration::from_secs(10), |g| {
+            let s = g.tcp(h);
+            if s.may_send() && !sent {
+                sent = s.send_slice(&hello).is_ok();
+            }
+            sent && s.send_queue() == 0
+        });
+        h
+    };
+    let a = open(&mut g);
+    let b = open(&mut g);
+    g.run_until(Duration::from_secs(10), |_| Stats::get(&st.spliced) == 2);
+    assert_eq!(Stats::get(&st.spliced), 2);
+    assert_eq!(egress.memory().0, 2 * spliced, "each holds its worst case");
+    // The third is reset at its SYN, and counted.
+    let third = g.connect(addr, port, 64 * 1024);
+    let reset = g.run_until(Duration::from_secs(5), |g| {
+        st.refusals().count(Reason::MemoryLimit) == 1 && !g.tcp(third).is_active()
+    });
+    assert!(reset, "the third connection was not refused");
+    g.remove(third);
+    assert_eq!(Stats::get(&st.connections), 2, "the third never got a task");
+    // One ends (the guest resets it): its memory comes back, and a new connection gets in.
+    g.tcp(a).abort();
+    g.run_until(Duration::from_secs(10), |_| egress.memory().0 == spliced);
+    assert_eq!(
+        egress.memory().0,
+        spliced,
+        "the ended connection gave its share back"
+    );
+    g.remove(a);
+    let _c = open(&mut g);
+    g.run_until(Duration::from_secs(10), |_| Stats::get(&st.spliced) == 3);
+    assert_eq!(Stats::get(&st.spliced), 3);
+    let _ = b;
+    drop(egress);
+
+    // A connection that becomes HTTP needs HTTP_COST more: without room, a readable 503.
+    let web = echo_server(&rt);
+    let limits = Limits {
+        memory: spliced + HTTP_COST - 1,
+        ..Limits::default()
+    };
+    let (egress, mut g) = start_with(
+        &rt,
+        &["echo.test"],
+        &format!("echo.test:{web}:127.0.0.1"),
+        limits,
+    );
+    let addr = g.resolve("echo.test", Duration::from_secs(5)).unwrap();
+    let got = exchange(
+        &mut g,
+        addr,
+        web,
+        format!("GET / HTTP/1.1\r\nHost: echo.test:{web}\r\n\r\n").as_bytes(),
+    );
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 503 "), "{got}");
+    assert!(
+        got.contains("x-sandbox-egress-refused: memory_limit"),
+        "{got}"
+    );
+    assert_eq!(egress.stats().refusals().count(Reason::MemoryLimit), 1);
+    g.run_until(Duration::from_secs(10), |_| egress.memory().0 == 0);
+    assert_eq!(
+        egress.memory().0,
+        0,
+        "nothing held once the connection is gone"
+    );
+}

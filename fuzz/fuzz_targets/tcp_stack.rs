@@ -304,6 +304,9 @@ fuzz_target!(|data: &[u8]| {
         // not find more.
         connect_rate: 100_000,
         connect_burst: 100_000,
+        // Room for every connection the input may open: the budget's refusals are the stack
+        // tests' subject, the stack's parsing this target's.
+        memory: sandbox_egress::memory::DEFAULT_MEMORY,
     };
     let (egress, link) = {
         let _in = rt.enter();

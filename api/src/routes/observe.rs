@@ -85,7 +85,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 fn capacity_gauges(c: &Value) -> String {
     let n = |v: &Value| v.as_u64().unwrap_or(0);
     format!(
-        "# HELP sandbox_host_memory_mib Guest memory committed to sandboxes, and its limit (SANDBOX_HOST_MEMORY_LIMIT_MIB).\n\
+        "# HELP sandbox_host_memory_mib Memory committed to sandboxes (guest and egress memory), and its limit (SANDBOX_HOST_MEMORY_LIMIT_MIB).\n\
          # TYPE sandbox_host_memory_mib gauge\n\
          sandbox_host_memory_mib{{kind=\"committed\"}} {}\nsandbox_host_memory_mib{{kind=\"limit\"}} {}\n\
          # HELP sandbox_host_disk_mib Sandbox disk limits committed, and free space under the state directory.\n\

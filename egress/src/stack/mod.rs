@@ -55,6 +55,9 @@ pub struct Limits {
     pub connect_rate: u32,
     /// How many new upstream connections may be saved up for a burst.
     pub connect_burst: u32,
+    /// The bytes the sandbox's egress may hold on the host, every buffer of every connection and
+    /// every body the meter holds together ([`crate::memory`]).
+    pub memory: usize,
 }
 
 impl Default for Limits {
@@ -72,6 +75,7 @@ impl Default for Limits {
             // new ones (every one a TCP and often a TLS handshake with the upstream) is paced.
             connect_rate: 20,
             connect_burst: 64,
+            memory: crate::memory::DEFAULT_MEMORY,
         }
     }
 }
@@ -112,6 +116,7 @@ impl EgressConfig {
 /// A running stack; dropping it stops the stack and every connection.
 pub struct Egress {
     stats: Arc<Stats>,
+    memory: Arc<crate::memory::Budget>,
     task: JoinHandle<()>,
     link: StackEnd,
 }
@@ -122,11 +127,13 @@ impl Egress {
     pub fn start(config: EgressConfig) -> (Egress, GuestEnd) {
         let (guest, stack_end) = link::link();
         let stats = Arc::new(Stats::default());
-        let stack = Stack::new(config, stack_end.clone(), stats.clone());
+        let memory = crate::memory::Budget::new(config.limits.memory);
+        let stack = Stack::new(config, stack_end.clone(), stats.clone(), memory.clone());
         let task = tokio::spawn(stack.run());
         (
             Egress {
                 stats,
+                memory,
                 task,
                 link: stack_end,
             },
@@ -137,6 +144,11 @@ impl Egress {
     /// The sandbox's counters and refusals.
     pub fn stats(&self) -> &Stats {
         &self.stats
+    }
+
+    /// The bytes of the sandbox's egress memory held now, and its size ([`crate::memory`]).
+    pub fn memory(&self) -> (usize, usize) {
+        (self.memory.used(), self.memory.max())
     }
 
     /// Frames dropped on the link: from the guest, and toward it.
@@ -170,6 +182,8 @@ struct Conn {
     rounds_since_abort: u8,
     task: JoinHandle<()>,
     born: Instant,
+    /// The socket's share of the sandbox's egress memory, given back when the socket is gone.
+    _memory: crate::memory::Hold,
 }
 
 impl Drop for Conn {
@@ -203,7 +217,12 @@ const ARP_REFRESH: Duration = Duration::from_secs(20);
 const LISTEN_REAP: Duration = Duration::from_secs(5);
 
 impl Stack {
-    fn new(config: EgressConfig, link: StackEnd, stats: Arc<Stats>) -> Self {
+    fn new(
+        config: EgressConfig,
+        link: StackEnd,
+        stats: Arc<Stats>,
+        memory: Arc<crate::memory::Budget>,
+    ) -> Self {
         let mut device = Device::new(link.clone());
         let mut ic = Config::new(HardwareAddress::Ethernet(EthernetAddress(GATEWAY_MAC)));
         ic.random_seed = random_seed();
@@ -236,6 +255,7 @@ impl Stack {
             upstream: Arc::new(tokio::sync::Semaphore::new(
                 crate::intercept::SANDBOX_UPSTREAM_CONNECTIONS,
             )),
+            memory,
         });
         Stack {
             gate,
@@ -345,6 +365,18 @@ impl Stack {
             return;
         }
         let buf = self.limits.socket_buffer;
+        // The connection's worst case, before anything of it exists: its socket here, its task's
+        // buffers there (grown by the task if it becomes HTTP).
+        let memory = crate::memory::Hold::take(&self.cx.memory, crate::memory::socket_cost(buf));
+        let task_memory = memory
+            .as_ref()
+            .and_then(|_| crate::memory::Hold::take(&self.cx.memory, crate::memory::TASK_COST));
+        let (Some(memory), Some(task_memory)) = (memory, task_memory) else {
+            self.cx
+                .stats
+                .refuse(Reason::MemoryLimit, &format!("{name}:{}", dst.port()));
+            return;
+        };
         let mut socket = tcp::Socket::new(
             tcp::SocketBuffer::new(vec![0; buf]),
             tcp::SocketBuffer::new(vec![0; buf]),
@@ -373,7 +405,7 @@ impl Stack {
         let cx = self.cx.clone();
         let wake = self.wake.clone();
         let task = tokio::spawn(async move {
-            conn::run(io, name, dst.port(), cx).await;
+            conn::run(io, name, dst.port(), cx, task_memory).await;
             wake.notify_one(); // its channels closed: the loop finishes the socket
         });
         Stats::add(&self.cx.stats.connections, 1);
@@ -394,6 +426,7 @@ impl Stack {
                 rounds_since_abort: 0,
                 task,
                 born: Instant::now(),
+                _memory: memory,
             },
         );
     }
