@@ -471,6 +471,17 @@ impl Proxy {
             stats.refuse(Reason::PlaceholderLeak, &target);
             return refuse(Reason::PlaceholderLeak);
         }
+        // The endpoint a key is judged for: its method, or none that a rule names when the
+        // request asks the server to take it for another.
+        let method = if METHOD_OVERRIDES
+            .iter()
+            .any(|h| parts.headers.contains_key(*h))
+        {
+            ""
+        } else {
+            parts.method.as_str()
+        };
+        let route = (method, path.as_str());
         let mut headers = HeaderMap::new();
         let secret_host = self.tls && self.secrets().iter().any(|s| s.applies_to(&self.name));
         for (k, v) in &parts.headers {
@@ -482,7 +493,7 @@ impl Proxy {
                 continue;
             }
             let v = if k == header::AUTHORIZATION || k == header::PROXY_AUTHORIZATION {
-                match self.substitute_basic(k.as_str(), v, &path) {
+                match self.substitute_basic(k.as_str(), v, route) {
                     Ok(v) => v,
                     Err(why) => {
                         stats.refuse(why, &target);
@@ -492,7 +503,7 @@ impl Proxy {
             } else {
                 v.clone()
             };
-            match self.substitute(k.as_str(), &v, Shape::Header, &path) {
+            match self.substitute(k.as_str(), &v, Shape::Header, route) {
                 Ok(v) => {
                     headers.append(k.clone(), v);
                 }
@@ -808,7 +819,7 @@ impl Proxy {
         name: &str,
         v: &HeaderValue,
         shape: Shape,
-        path: &str,
+        (method, path): (&str, &str),
     ) -> Result<HeaderValue, Reason> {
         let leak = Reason::PlaceholderLeak;
         let bytes = v.as_bytes();
@@ -826,7 +837,7 @@ impl Proxy {
             {
                 return Err(leak);
             }
-            if !s.allows_path(&self.name, path) {
+            if !s.allows(&self.name, method, path) {
                 return Err(Reason::PathNotAllowed);
             }
             let text = String::from_utf8_lossy(cur).replace(&s.placeholder, s.value());
@@ -849,7 +860,7 @@ impl Proxy {
         &self,
         name: &str,
         v: &HeaderValue,
-        path: &str,
+        route: (&str, &str),
     ) -> Result<HeaderValue, Reason> {
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD;
@@ -865,7 +876,7 @@ impl Proxy {
         let Ok(inner) = HeaderValue::from_bytes(&decoded) else {
             return Ok(v.clone());
         };
-        let replaced = self.substitute(name, &inner, Shape::BasicPair, path)?;
+        let replaced = self.substitute(name, &inner, Shape::BasicPair, route)?;
         if replaced.as_bytes() == decoded.as_slice() {
             return Ok(v.clone());
         }

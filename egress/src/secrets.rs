@@ -88,88 +88,118 @@ pub const MAX_PATHS: usize = 32;
 /// The longest path prefix a secret may name.
 pub const MAX_PATH_LEN: usize = 256;
 
-/// The known model providers and their inference endpoints: a secret for one of these hosts that
-/// names no `paths` is good only for these (issue 29, item 6). Not listed, so refused with the
-/// key: minting credentials (`/v1/realtime/client_secrets`), admin and key management,
-/// organisation and billing APIs, files and uploads (a round trip of guest data through the key's
-/// host), fine-tuning, batches' results by other routes. These hosts are metered too, whether or
-/// not the run names them in `meter`.
+/// The known model providers and their inference endpoints, each a method and a path: a secret
+/// for one of these hosts that names no `paths` is good only for these (issue 29, item 6). A path
+/// segment `*` is any one segment, `*:suffix` one that ends so (Gemini's `model:generateContent`);
+/// nothing below a path is allowed unless listed. Not listed, so refused with the key: minting
+/// credentials (`/v1/realtime/client_secrets`), admin and key management, organisation and
+/// billing APIs, files and uploads (a round trip of guest data through the key's host),
+/// fine-tuning, batches (unmetered spend, and every other run's results), stored completions and
+/// responses read, changed or deleted (`GET /v1/chat/completions`, `GET /v1/responses/{id}`),
+/// models deleted. A request that asks the server to take it for another method
+/// (`X-HTTP-Method-Override`) matches none. These hosts are metered too, whether or not the run
+/// names them in `meter`.
 pub const KNOWN_PROVIDERS: &[(&str, &[&str])] = &[
     (
         "api.anthropic.com",
-        &["/v1/messages", "/v1/complete", "/v1/models"],
+        &[
+            "POST /v1/messages",
+            "POST /v1/messages/count_tokens",
+            "POST /v1/complete",
+            "GET /v1/models",
+            "GET /v1/models/*",
+        ],
     ),
     (
         "api.openai.com",
         &[
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/responses",
-            "/v1/embeddings",
-            "/v1/models",
+            "POST /v1/chat/completions",
+            "POST /v1/completions",
+            "POST /v1/responses",
+            "POST /v1/responses/input_tokens",
+            "POST /v1/embeddings",
+            "GET /v1/models",
+            "GET /v1/models/*",
         ],
     ),
     (
         "openrouter.ai",
         &[
-            "/api/v1/chat/completions",
-            "/api/v1/completions",
-            "/api/v1/responses",
-            "/api/v1/messages",
-            "/api/v1/embeddings",
-            "/api/v1/models",
+            "POST /api/v1/chat/completions",
+            "POST /api/v1/completions",
+            "POST /api/v1/responses",
+            "POST /api/v1/messages",
+            "POST /api/v1/embeddings",
+            "GET /api/v1/models",
+            "GET /api/v1/models/*",
         ],
     ),
     (
         "generativelanguage.googleapis.com",
         &[
-            "/v1beta/models",
-            "/v1/models",
-            "/v1beta/openai/chat/completions",
-            "/v1beta/openai/embeddings",
-            "/v1beta/openai/models",
+            "POST /v1beta/models/*:generateContent",
+            "POST /v1beta/models/*:streamGenerateContent",
+            "POST /v1beta/models/*:countTokens",
+            "POST /v1beta/models/*:embedContent",
+            "POST /v1beta/models/*:batchEmbedContents",
+            "GET /v1beta/models",
+            "GET /v1beta/models/*",
+            "POST /v1/models/*:generateContent",
+            "POST /v1/models/*:streamGenerateContent",
+            "POST /v1/models/*:countTokens",
+            "POST /v1/models/*:embedContent",
+            "GET /v1/models",
+            "GET /v1/models/*",
+            "POST /v1beta/openai/chat/completions",
+            "POST /v1beta/openai/embeddings",
+            "GET /v1beta/openai/models",
+            "GET /v1beta/openai/models/*",
         ],
     ),
     (
         "api.mistral.ai",
         &[
-            "/v1/chat/completions",
-            "/v1/fim/completions",
-            "/v1/embeddings",
-            "/v1/models",
+            "POST /v1/chat/completions",
+            "POST /v1/fim/completions",
+            "POST /v1/embeddings",
+            "GET /v1/models",
+            "GET /v1/models/*",
         ],
     ),
     (
         "api.groq.com",
         &[
-            "/openai/v1/chat/completions",
-            "/openai/v1/completions",
-            "/openai/v1/responses",
-            "/openai/v1/embeddings",
-            "/openai/v1/models",
+            "POST /openai/v1/chat/completions",
+            "POST /openai/v1/completions",
+            "POST /openai/v1/responses",
+            "POST /openai/v1/embeddings",
+            "GET /openai/v1/models",
+            "GET /openai/v1/models/*",
         ],
     ),
     (
         "api.deepseek.com",
         &[
-            "/chat/completions",
-            "/completions",
-            "/models",
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/models",
-            "/anthropic/v1/messages",
+            "POST /chat/completions",
+            "POST /completions",
+            "GET /models",
+            "POST /v1/chat/completions",
+            "POST /v1/completions",
+            "GET /v1/models",
+            "POST /anthropic/v1/messages",
+            "POST /anthropic/v1/messages/count_tokens",
         ],
     ),
     (
         "api.x.ai",
         &[
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/responses",
-            "/v1/messages",
-            "/v1/embeddings",
-            "/v1/models",
+            "POST /v1/chat/completions",
+            "POST /v1/completions",
+            "POST /v1/responses",
+            "POST /v1/messages",
+            "POST /v1/embeddings",
+            "GET /v1/models",
+            "GET /v1/models/*",
         ],
     ),
 ];
@@ -180,6 +210,33 @@ pub fn provider_paths(host: &str) -> Option<&'static [&'static str]> {
         .iter()
         .find(|(h, _)| *h == host)
         .map(|(_, p)| *p)
+}
+
+/// Whether a request for `method` and `path` (query and all) is what `rule` (`METHOD /path`, see
+/// [`KNOWN_PROVIDERS`]) allows: the same method, and the path segment by segment.
+fn endpoint(rule: &str, method: &str, path: &str) -> bool {
+    let Some((want, pattern)) = rule.split_once(' ') else {
+        return false;
+    };
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    if want != method {
+        return false;
+    }
+    let (mut got, mut wanted) = (path.split('/'), pattern.split('/'));
+    loop {
+        match (got.next(), wanted.next()) {
+            (None, None) => return true,
+            (Some(g), Some("*")) if !g.is_empty() => {}
+            (Some(g), Some(w)) if w.starts_with("*:") => {
+                let suffix = &w[1..];
+                if g.len() <= suffix.len() || !g.ends_with(suffix) {
+                    return false;
+                }
+            }
+            (Some(g), Some(w)) if g == w => {}
+            _ => return false,
+        }
+    }
 }
 
 /// Whether `path` (the request target's path, query and all) names what it seems to: no dot
@@ -334,17 +391,21 @@ impl Secret {
         })
     }
 
-    /// Whether the value may go in a request for `path` (path and query, as sent) to `host`
-    /// (normalized): a plain path under one of the secret's prefixes.
-    pub fn allows_path(&self, host: &str, path: &str) -> bool {
-        let prefixes: Vec<&str> = match &self.paths {
-            Some(p) => p.iter().map(String::as_str).collect(),
+    /// Whether the value may go in a `method` request (`""` for one that asks to be taken for
+    /// another method) for `path` (path and query, as sent) to `host` (normalized): a plain path
+    /// under one of the secret's prefixes, any method; without them, one of a known provider's
+    /// endpoints ([`KNOWN_PROVIDERS`]), or anything on another host.
+    pub fn allows(&self, host: &str, method: &str, path: &str) -> bool {
+        if !plain_path(path) {
+            return self.paths.is_none() && provider_paths(host).is_none();
+        }
+        match &self.paths {
+            Some(p) => p.iter().any(|p| under(path, p)),
             None => match provider_paths(host) {
-                Some(p) => p.to_vec(),
-                None => return true,
+                Some(rules) => rules.iter().any(|r| endpoint(r, method, path)),
+                None => true,
             },
-        };
-        plain_path(path) && prefixes.iter().any(|p| under(path, p))
+        }
     }
 
     /// Whether a placeholder in request header `name` (lower case, as `http` keeps names) of a
@@ -543,7 +604,12 @@ mod tests {
             "/v1/messages/count_tokens",
             "/v1/models",
         ] {
-            assert!(s.allows_path(host, ok), "{ok}");
+            let method = if ok.starts_with("/v1/models") {
+                "GET"
+            } else {
+                "POST"
+            };
+            assert!(s.allows(host, method, ok), "{ok}");
         }
         for refused in [
             "/v1/organizations/api_keys",
@@ -556,7 +622,20 @@ mod tests {
             "v1/messages",
             "",
         ] {
-            assert!(!s.allows_path(host, refused), "{refused}");
+            assert!(!s.allows(host, "POST", refused), "{refused}");
+        }
+        // The method is the endpoint's, and nothing below it is allowed unless listed (the
+        // hostile review: batches, stored completions and responses, deleted models).
+        for (method, refused) in [
+            ("GET", "/v1/messages"),
+            ("POST", "/v1/messages/batches"),
+            ("GET", "/v1/messages/batches"),
+            ("GET", "/v1/messages/batches/msgbatch_1/results"),
+            ("DELETE", "/v1/models/claude-x"),
+            ("POST", "/v1/models"),
+            ("", "/v1/messages"),
+        ] {
+            assert!(!s.allows(host, method, refused), "{method} {refused}");
         }
         let openai = Secret::new(
             "OPENAI_API_KEY",
@@ -565,10 +644,39 @@ mod tests {
             None,
         )
         .unwrap();
-        assert!(openai.allows_path("api.openai.com", "/v1/chat/completions"));
-        assert!(openai.allows_path("api.openai.com", "/v1/responses/resp_1/input_tokens"));
-        assert!(!openai.allows_path("api.openai.com", "/v1/realtime/client_secrets"));
-        assert!(!openai.allows_path("api.openai.com", "/v1/organization/admin_api_keys"));
+        let o = "api.openai.com";
+        assert!(openai.allows(o, "POST", "/v1/chat/completions"));
+        assert!(openai.allows(o, "POST", "/v1/responses/input_tokens"));
+        assert!(openai.allows(o, "GET", "/v1/models/gpt-5"));
+        for (method, refused) in [
+            ("POST", "/v1/realtime/client_secrets"),
+            ("POST", "/v1/organization/admin_api_keys"),
+            ("GET", "/v1/chat/completions"),
+            ("GET", "/v1/chat/completions/chatcmpl-1/messages"),
+            ("DELETE", "/v1/chat/completions/chatcmpl-1"),
+            ("GET", "/v1/responses/resp_1/input_items"),
+            ("DELETE", "/v1/models/ft:gpt-4o:org:x"),
+            ("GET", "/v1/models/a/b"),
+        ] {
+            assert!(!openai.allows(o, method, refused), "{method} {refused}");
+        }
+        let gemini = Secret::new(
+            "GEMINI_API_KEY",
+            "AIza0123456789abcdef",
+            &["generativelanguage.googleapis.com".into()],
+            None,
+        )
+        .unwrap();
+        let g = "generativelanguage.googleapis.com";
+        assert!(gemini.allows(g, "POST", "/v1beta/models/gemini-2.5-pro:generateContent"));
+        assert!(gemini.allows(
+            g,
+            "POST",
+            "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse"
+        ));
+        assert!(!gemini.allows(g, "POST", "/v1beta/models/:generateContent"));
+        assert!(!gemini.allows(g, "POST", "/v1beta/models/gemini-2.5-pro"));
+        assert!(!gemini.allows(g, "POST", "/v1beta/files"));
         // Another host of no known provider: anything, unless the run names paths.
         let git = Secret::new(
             "GH_TOKEN",
@@ -577,7 +685,7 @@ mod tests {
             None,
         )
         .unwrap();
-        assert!(git.allows_path("github.com", "/owner/repo.git/git-upload-pack"));
+        assert!(git.allows("github.com", "GET", "/owner/repo.git/git-upload-pack"));
         let scoped = Secret::scoped(
             "GH_TOKEN",
             "ghp_0123456789abcdef",
@@ -587,12 +695,17 @@ mod tests {
             false,
         )
         .unwrap();
-        assert!(scoped.allows_path(
+        assert!(scoped.allows(
             "github.com",
+            "GET",
             "/owner/repo.git/info/refs?service=git-upload-pack"
         ));
-        assert!(!scoped.allows_path("github.com", "/owner/other.git/info/refs"));
-        assert!(!scoped.allows_path("github.com", "/owner/repo.git/../other.git/info/refs"));
+        assert!(!scoped.allows("github.com", "GET", "/owner/other.git/info/refs"));
+        assert!(!scoped.allows(
+            "github.com",
+            "GET",
+            "/owner/repo.git/../other.git/info/refs"
+        ));
     }
 
     #[test]
