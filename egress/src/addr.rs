@@ -126,6 +126,13 @@ fn blocked_v6(a: Ipv6Addr) -> Option<Blocked> {
         .map(|(_, _, why)| *why)
 }
 
+/// The IPv4 address a NAT64 address (`64:ff9b::/96`, RFC 6052's well-known prefix) reaches through
+/// the network's translator.
+pub(crate) fn nat64_v4(a: Ipv6Addr) -> Option<Ipv4Addr> {
+    in_v6(a, [0x0064, 0xff9b, 0, 0, 0, 0, 0, 0], 96)
+        .then(|| Ipv4Addr::from((u128::from(a) & 0xffff_ffff) as u32))
+}
+
 /// The IPv4 address an IPv4-mapped (`::ffff:0:0/96`) or SIIT-translated (`::ffff:0:0:0/96`)
 /// IPv6 address stands for: the same host, whichever form names it.
 pub(crate) fn embedded_v4(a: Ipv6Addr) -> Option<Ipv4Addr> {

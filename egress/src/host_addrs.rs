@@ -37,13 +37,17 @@ fn current() -> Option<Arc<Vec<IpAddr>>> {
     }
 }
 
-/// Whether `addr` is one of `own` (IPv4-mapped and -translated forms judged by their IPv4).
+/// Whether `addr` is one of `own` (IPv4-mapped, -translated and NAT64 forms judged by their
+/// IPv4: on a DNS64 network a name can resolve to the NAT64 form of the host's own address, which
+/// the translator sends back to the host).
 pub fn is_among(addr: IpAddr, own: &[IpAddr]) -> bool {
     let canon = |a: IpAddr| match a {
-        IpAddr::V6(v6) => match crate::addr::embedded_v4(v6) {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6(v6),
-        },
+        IpAddr::V6(v6) => {
+            match crate::addr::embedded_v4(v6).or_else(|| crate::addr::nat64_v4(v6)) {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(v6),
+            }
+        }
         v4 => v4,
     };
     let addr = canon(addr);
@@ -92,11 +96,12 @@ mod tests {
             "203.0.113.5",
             "::ffff:203.0.113.5",
             "::ffff:0:203.0.113.5",
+            "64:ff9b::cb00:7105",
             "2001:db8::5",
         ] {
             assert!(is_among(a.parse().unwrap(), &own), "{a}");
         }
-        for a in ["203.0.113.6", "2001:db8::6", "64:ff9b::cb00:7105"] {
+        for a in ["203.0.113.6", "2001:db8::6", "64:ff9b::cb00:7106"] {
             assert!(!is_among(a.parse().unwrap(), &own), "{a}");
         }
     }

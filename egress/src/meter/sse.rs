@@ -116,12 +116,15 @@ impl Splitter {
         match field.as_str() {
             "event" => self.current.name = value,
             "data" => {
-                if self.has_data {
-                    self.current.data.push('\n');
-                }
-                if self.current.data.len() + value.len() > MAX_LINE {
+                // Past its bound, nothing more of the event is kept, not even the line breaks
+                // between its lines (an upstream of many short lines would grow it otherwise).
+                let sep = usize::from(self.has_data);
+                if self.broken || self.current.data.len() + sep + value.len() > MAX_LINE {
                     self.broken = true;
                 } else {
+                    if sep == 1 {
+                        self.current.data.push('\n');
+                    }
                     self.current.data.push_str(&value);
                 }
                 self.has_data = true;
@@ -209,6 +212,23 @@ mod tests {
         );
         assert_eq!(s.skipped, 1);
         assert!(s.line.capacity() <= MAX_LINE * 2);
+    }
+
+    #[test]
+    fn an_event_of_many_short_lines_stops_growing_at_its_bound() {
+        let mut s = Splitter::default();
+        let lines = b"data: xxxxx\n".repeat(MAX_LINE / 6 + 10);
+        assert!(s.feed(&lines).is_empty());
+        assert!(s.broken, "past MAX_LINE of data");
+        let kept = s.current.data.capacity();
+        assert!(s.feed(&lines).is_empty());
+        assert_eq!(
+            s.current.data.capacity(),
+            kept,
+            "nothing more kept once broken"
+        );
+        assert!(s.current.data.len() <= MAX_LINE);
+        assert_eq!(s.feed(b"\ndata: ok\n\n").len(), 1, "the next event is read");
     }
 
     #[test]
