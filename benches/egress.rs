@@ -343,6 +343,12 @@ fn interception(n: usize) -> (Vec<Duration>, Vec<Duration>) {
         ))
         .unwrap(),
     );
+    // As in `start`: the stack's cost, not the pacing of new connections.
+    cfg.limits = Limits {
+        connect_rate: 1_000_000,
+        connect_burst: 1_000_000,
+        ..Limits::default()
+    };
     let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
     let icp = Interception::new(
         "bench",
