@@ -29,37 +29,48 @@ use sandbox_egress::sim::GuestSim;
 use sandbox_egress::{Egress, EgressConfig, Limits};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A loopback server that counts and discards what it gets and answers each connection's first
-/// read with one byte.
-fn sink(rt: &tokio::runtime::Runtime, got: Arc<AtomicU64>) -> u16 {
+/// A loopback server on `rt` that runs `each` as a task of its own for every connection; its port.
+fn loopback_server<F, Fut>(rt: &tokio::runtime::Runtime, each: F) -> u16
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let l = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let port = l.local_addr().unwrap().port();
     rt.spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            let got = got.clone();
-            tokio::spawn(async move {
-                let _ = s.set_nodelay(true);
-                let mut buf = vec![0u8; 256 * 1024];
-                let mut first = true;
-                loop {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => {
-                            got.fetch_add(n as u64, Ordering::Relaxed);
-                            if first {
-                                first = false;
-                                let _ = s.write_all(b"!").await;
-                            }
-                        }
-                    }
-                }
-                let _ = s.shutdown().await;
-            });
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(each(s));
         }
     });
     port
+}
+
+/// A loopback server that counts and discards what it gets and answers each connection's first
+/// read with one byte.
+fn sink(rt: &tokio::runtime::Runtime, got: Arc<AtomicU64>) -> u16 {
+    loopback_server(rt, move |mut s| {
+        let got = got.clone();
+        async move {
+            let _ = s.set_nodelay(true);
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut first = true;
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        got.fetch_add(n as u64, Ordering::Relaxed);
+                        if first {
+                            first = false;
+                            let _ = s.write_all(b"!").await;
+                        }
+                    }
+                }
+            }
+            let _ = s.shutdown().await;
+        }
+    })
 }
 
 fn start(
@@ -542,26 +553,17 @@ static FLOOD: [u8; 64 * 1024] = [b'x'; 64 * 1024];
 /// A loopback server that answers every connection, once it has said something, with an HTTP
 /// head and bytes without end, as fast as the connection takes them.
 fn flood_server(rt: &tokio::runtime::Runtime) -> u16 {
-    let l = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let port = l.local_addr().unwrap().port();
-    rt.spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 512];
-                if !matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
-                    return;
-                }
-                let head = b"HTTP/1.1 200 OK\r\ncontent-length: 100000000000\r\n\r\n";
-                if s.write_all(head).await.is_err() {
-                    return;
-                }
-                while s.write_all(&FLOOD).await.is_ok() {}
-            });
+    loopback_server(rt, |mut s| async move {
+        let mut buf = [0u8; 512];
+        if !matches!(s.read(&mut buf).await, Ok(n) if n > 0) {
+            return;
         }
-    });
-    port
+        let head = b"HTTP/1.1 200 OK\r\ncontent-length: 100000000000\r\n\r\n";
+        if s.write_all(head).await.is_err() {
+            return;
+        }
+        while s.write_all(&FLOOD).await.is_ok() {}
+    })
 }
 
 /// This process's resident memory, KiB.
