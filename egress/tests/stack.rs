@@ -636,4 +636,47 @@ fn connections_past_the_egress_memory_are_refused_until_some_end() {
         0,
         "nothing held once the connection is gone"
     );
+    drop(egress);
+
+    // Served as HTTP, a request needs REQUEST_COST and its upstream connection UPSTREAM_COST:
+    // without room for either, the proxy answers 503, and a request with room for both passes.
+    use sandbox_egress::memory::{REQUEST_COST, UPSTREAM_COST};
+    let http = spliced + HTTP_COST;
+    for (memory, answer) in [
+        (http + REQUEST_COST - 1, "HTTP/1.1 503 "),
+        (http + REQUEST_COST + UPSTREAM_COST - 1, "HTTP/1.1 503 "),
+        (http + REQUEST_COST + UPSTREAM_COST, "HTTP/1.1 200 "),
+    ] {
+        let limits = Limits {
+            memory,
+            ..Limits::default()
+        };
+        let (egress, mut g) = start_with(
+            &rt,
+            &["echo.test"],
+            &format!("echo.test:{web}:127.0.0.1"),
+            limits,
+        );
+        let addr = g.resolve("echo.test", Duration::from_secs(5)).unwrap();
+        let got = exchange(
+            &mut g,
+            addr,
+            web,
+            format!("GET / HTTP/1.1\r\nHost: echo.test:{web}\r\n\r\n").as_bytes(),
+        );
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with(answer), "{memory}: {got}");
+        let refused = egress.stats().refusals().count(Reason::MemoryLimit);
+        assert_eq!(
+            refused,
+            u64::from(answer.contains("503")),
+            "{memory}: {got}"
+        );
+        if answer.contains("503") {
+            assert!(
+                got.contains("x-sandbox-egress-refused: memory_limit"),
+                "{got}"
+            );
+        }
+    }
 }
