@@ -35,6 +35,10 @@ use std::sync::Arc;
 use regex_automata::meta::Regex;
 use regex_automata::util::syntax;
 
+mod anchors;
+
+use anchors::{AnchorError, Anchors};
+
 /// The byte an occurrence is overwritten with.
 pub const MASK: u8 = b'*';
 /// Base64 forms shorter than this are not looked for (too likely to occur by chance).
@@ -52,7 +56,24 @@ const MATCHER_LIMIT: usize = 64 << 20;
 
 /// Whether no text form of any value can hold `b`.
 fn is_barrier(b: u8) -> bool {
-    !(0x20..0x7f).contains(&b)
+    b.wrapping_sub(0x20) >= 0x5f
+}
+
+/// How many bytes `s` starts with that are no barrier: 32 at a time while there are (a test the
+/// compiler turns into SIMD compares), so the scan of ordinary text does not go byte by byte.
+fn printable_prefix(s: &[u8]) -> usize {
+    const BLOCK: usize = 32;
+    let mut n = 0;
+    for block in s.chunks_exact(BLOCK) {
+        if block.iter().fold(false, |any, &b| any | is_barrier(b)) {
+            break;
+        }
+        n += BLOCK;
+    }
+    n + s[n..]
+        .iter()
+        .position(|&b| is_barrier(b))
+        .unwrap_or(s.len() - n)
 }
 
 /// Why a sandbox's secrets could not be compiled into a scan (its sandbox does not start).
@@ -61,12 +82,17 @@ pub enum EchoError {
     /// The matcher outgrew its limit (the secrets module's bounds on values keep it far below).
     #[error("compiling the response scan for the sandbox's secrets: {0}")]
     Build(String),
+    /// The prefilter's literal search could not be built (its size is bounded; not expected).
+    #[error(transparent)]
+    Anchors(#[from] AnchorError),
 }
 
 /// Every form of every secret value, compiled once per sandbox into one matcher.
 #[derive(Debug)]
 pub struct EchoForms {
     matcher: Regex,
+    /// Where an occurrence can be: the regex reads only the windows around these.
+    anchors: Anchors,
     /// The most held back: HOLD_BACK, or more for a value the secrets module would refuse.
     hold: usize,
     /// The longest match: how far before a chunk an occurrence ending in it can start, so how
@@ -102,6 +128,12 @@ impl EchoForms {
         let barriers =
             longest <= HOLD_BACK + 1 && values.iter().all(|v| !v.iter().any(|&b| is_barrier(b)));
         let patterns: Vec<String> = values.iter().flat_map(|v| patterns_of(v)).collect();
+        let exact: Vec<Vec<u8>> = values
+            .iter()
+            .flat_map(|v| (0..3).filter_map(|lead| base64_chars(v, lead)))
+            .map(|chars| exact_run(&chars))
+            .collect();
+        let anchors = Anchors::new(&values, &exact, MIN_BASE64_FORM, longest)?;
         let matcher = Regex::builder()
             .syntax(syntax::Config::new().unicode(false).utf8(false))
             .configure(
@@ -113,6 +145,7 @@ impl EchoForms {
             .map_err(|e| EchoError::Build(e.to_string()))?;
         Ok(Some(Arc::new(EchoForms {
             matcher,
+            anchors,
             hold: HOLD_BACK.max(longest - 1),
             longest,
             barriers,
@@ -122,19 +155,26 @@ impl EchoForms {
     /// Overwrites every occurrence in `buf` (keeping its line breaks); returns how many there
     /// were.
     pub fn mask(&self, buf: &mut [u8]) -> usize {
+        let mut found: Vec<(usize, usize)> = Vec::new();
+        for (start, end) in self.anchors.windows(buf) {
+            found.extend(
+                self.matcher
+                    .find_iter(&buf[start..end])
+                    .map(|m| (start + m.start(), start + m.end())),
+            );
+        }
+        overwrite(buf, &found)
+    }
+
+    /// [`EchoForms::mask`] with the regex over all of `buf`: what the anchors must not change.
+    #[cfg(test)]
+    fn mask_everywhere(&self, buf: &mut [u8]) -> usize {
         let found: Vec<(usize, usize)> = self
             .matcher
             .find_iter(&*buf)
             .map(|m| (m.start(), m.end()))
             .collect();
-        for &(start, end) in &found {
-            for b in &mut buf[start..end] {
-                if *b != b'\r' && *b != b'\n' {
-                    *b = MASK;
-                }
-            }
-        }
-        found.len()
+        overwrite(buf, &found)
     }
 
     /// How many of `pending` bytes, whose last barrier byte (if any) is at `barrier`, wait for
@@ -148,6 +188,18 @@ impl EchoForms {
         };
         after.min(self.hold)
     }
+}
+
+/// Overwrites the occurrences `found` in `buf`, keeping their line breaks; returns how many.
+fn overwrite(buf: &mut [u8], found: &[(usize, usize)]) -> usize {
+    for &(start, end) in found {
+        for b in &mut buf[start..end] {
+            if *b != b'\r' && *b != b'\n' {
+                *b = MASK;
+            }
+        }
+    }
+    found.len()
 }
 
 /// A byte as the regex syntax matches it, whatever it is.
@@ -215,11 +267,15 @@ fn text_pattern(v: &[u8]) -> String {
     p
 }
 
-/// The base64 of `v` after `lead` bytes of something else: every character that carries a bit
-/// of the value, in either alphabet, any of them followed by a line break. A character at either
-/// end that shares its bits with the bytes around the value is any character those bits allow
-/// (so a masked occurrence leaves no bit of the value readable, issue 29's review).
-fn base64_pattern(v: &[u8], lead: usize) -> Option<String> {
+/// The standard alphabet; the URL-safe one spells 62 and 63 `-` and `_`.
+const STANDARD: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// The base64 of `v` after `lead` bytes of something else, as the 6-bit values each character
+/// may have: every character that carries a bit of the value. A character at either end that
+/// shares its bits with the bytes around the value may be any character those bits allow (so a
+/// masked occurrence leaves no bit of the value readable, issue 29's review). `None` when fewer
+/// than [`MIN_BASE64_FORM`] characters are the value's alone.
+fn base64_chars(v: &[u8], lead: usize) -> Option<Vec<Vec<u8>>> {
     // The bits of `lead` unknown bytes, the value's, and unknown ones to the group's end.
     let known = 8 * lead..8 * (lead + v.len());
     let groups = (8 * (lead + v.len())).div_ceil(6);
@@ -242,10 +298,23 @@ fn base64_pattern(v: &[u8], lead: usize) -> Option<String> {
         chars.push(values);
     }
     let exact = chars.iter().filter(|c| c.len() == 1).count();
-    if exact < MIN_BASE64_FORM {
-        return None;
-    }
-    const STANDARD: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    (exact >= MIN_BASE64_FORM).then_some(chars)
+}
+
+/// The characters of a base64 form that are the value's alone (one 6-bit value each: all but
+/// the ends), in the standard alphabet: what an unbroken occurrence always holds.
+fn exact_run(chars: &[Vec<u8>]) -> Vec<u8> {
+    chars
+        .iter()
+        .filter(|c| c.len() == 1)
+        .map(|c| STANDARD[usize::from(c[0])])
+        .collect()
+}
+
+/// The pattern of [`base64_chars`]: each character in either alphabet, any of them followed by a
+/// line break.
+fn base64_pattern(v: &[u8], lead: usize) -> Option<String> {
+    let chars = base64_chars(v, lead)?;
     let mut p = String::with_capacity(chars.len() * 24);
     for (i, values) in chars.iter().enumerate() {
         if i > 0 {
@@ -308,8 +377,19 @@ impl EchoScanner {
     /// non-ASCII byte but the line break (`\n` or `\r\n`) that ends a clean line of a base64
     /// wrap's length. A carriage return that may begin such a break waits for the next byte.
     fn lines(&mut self, old: usize, chunk: &[u8]) {
-        for (i, &b) in chunk.iter().enumerate() {
-            let at = old + i;
+        let mut i = 0;
+        while i < chunk.len() {
+            if !self.cr {
+                // Printable bytes only lengthen the line: skipped a block at a time.
+                let n = printable_prefix(&chunk[i..]);
+                self.line = self.line.saturating_add(n);
+                i += n;
+                if i == chunk.len() {
+                    break;
+                }
+            }
+            let (at, b) = (old + i, chunk[i]);
+            i += 1;
             let wrapped = self.clean && WRAPS.contains(&self.line);
             match b {
                 b'\n' => {
@@ -647,6 +727,104 @@ mod tests {
                 masked >= carrying,
                 "case {case}: {masked} of {carrying} masked"
             );
+        }
+    }
+
+    /// Property: the regex over the anchors' windows finds what it finds over everything, in
+    /// bodies that mix every form of several values (escaped, wrapped at any width, either
+    /// alphabet), their near misses and noise of every kind of byte.
+    #[test]
+    fn anchored_scan_finds_what_a_full_scan_finds() {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let url_safe = base64::engine::general_purpose::URL_SAFE;
+        let mut rng = Rng(0x51_7cc1_b727_220a);
+        let noise = |rng: &mut Rng| -> Vec<u8> {
+            let pool: &[&[u8]] = &[
+                b"data: {\"text\":\"hi\\n\"}\n\n",
+                b"%2F%41%4a",
+                b"\\u0041\\\"\\/",
+                b"+ +",
+                b"\r\nABCDEFGHIJKLMNOP\nQRSTUVWXYZ0123\r\n",
+                b"\xff\x00\t",
+                b"plain words in a line ",
+            ];
+            let mut out = Vec::new();
+            for _ in 0..rng.below(6) {
+                out.extend_from_slice(pool[rng.below(pool.len())]);
+            }
+            out
+        };
+        for case in 0..300 {
+            let values: Vec<String> = (0..1 + rng.below(3))
+                .map(|_| {
+                    (0..16 + rng.below(40))
+                        .map(|_| (0x20 + rng.below(0x5f) as u8) as char)
+                        .collect()
+                })
+                .collect();
+            let forms = EchoForms::new(values.iter().map(String::as_str))
+                .unwrap()
+                .unwrap();
+            let mut body = Vec::new();
+            for _ in 0..1 + rng.below(4) {
+                body.extend(noise(&mut rng));
+                let v = &values[rng.below(values.len())];
+                let lead = "Q".repeat(rng.below(4));
+                let enc: String = match rng.below(5) {
+                    0 => v.clone(),
+                    1 => v
+                        .bytes()
+                        .map(|b| match rng.below(4) {
+                            0 => format!("%{b:02x}"),
+                            1 => format!("\\u{b:04X}"),
+                            2 if b == b' ' => "+".to_string(),
+                            _ => (b as char).to_string(),
+                        })
+                        .collect(),
+                    2 => wrap(&b64.encode(format!("{lead}{v}")), 3 + rng.below(80), "\n"),
+                    3 => wrap(
+                        &url_safe.encode(format!("{lead}{v}")),
+                        3 + rng.below(80),
+                        "\r\n",
+                    ),
+                    // A near miss: the value with one character changed.
+                    _ => {
+                        let mut w = v.clone().into_bytes();
+                        let i = rng.below(w.len());
+                        w[i] = if w[i] == b'#' { b'$' } else { b'#' };
+                        String::from_utf8(w).unwrap()
+                    }
+                };
+                body.extend_from_slice(enc.as_bytes());
+            }
+            body.extend(noise(&mut rng));
+            let (mut anchored, mut full) = (body.clone(), body.clone());
+            let n = forms.mask(&mut anchored);
+            let m = forms.mask_everywhere(&mut full);
+            assert_eq!(
+                (n, String::from_utf8_lossy(&anchored)),
+                (m, String::from_utf8_lossy(&full)),
+                "case {case}: {values:?} in {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+    }
+
+    /// Ordinary model output and JSON leave the regex nothing to read: the anchors' windows are
+    /// where the scan's time goes, and text like this has none.
+    #[test]
+    fn ordinary_text_has_no_windows() {
+        let forms = EchoForms::new([
+            "sk-ant-api03-Zx9Qw0Er1Ty2Ui_Op-000000",
+            "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz",
+        ])
+        .unwrap()
+        .unwrap();
+        let event = "data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hello, \\\"world\\\".\\n\"}}\n\n";
+        let code = "fn main() {\n    let url = \"https://example.com/a%20b\";\n    println!(\"{url}\");\n}\n";
+        for text in [event, code] {
+            let body = text.repeat(200);
+            assert_eq!(forms.anchors.windows(body.as_bytes()), vec![], "{text}");
         }
     }
 
