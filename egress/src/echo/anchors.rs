@@ -123,15 +123,24 @@ impl Anchors {
         for m in self.blocks.find_iter(hay) {
             add(&mut spans, m.start(), m.end());
         }
-        let third = if self.plus { b'+' } else { b'%' };
-        for p in memchr::memchr3_iter(b'%', b'\\', third, hay) {
-            if !covered(&spans, p) && self.escape_at(hay, p) {
+        // Escapes and line breaks in one pass; `+` in another only where a value holds a space.
+        for p in memchr::memchr3_iter(b'%', b'\\', b'\n', hay) {
+            if covered(&spans, p) {
+                continue;
+            }
+            let anchor = match hay[p] {
+                b'\n' => self.break_at(hay, p),
+                _ => self.escape_at(hay, p),
+            };
+            if anchor {
                 add(&mut spans, p, p + 1);
             }
         }
-        for p in memchr::memchr_iter(b'\n', hay) {
-            if !covered(&spans, p) && self.break_at(hay, p) {
-                add(&mut spans, p, p + 1);
+        if self.plus {
+            for p in memchr::memchr_iter(b'+', hay) {
+                if !covered(&spans, p) {
+                    add(&mut spans, p, p + 1);
+                }
             }
         }
         spans.sort_unstable();
@@ -145,11 +154,11 @@ impl Anchors {
         merged
     }
 
-    /// Whether the byte at `p` (`%`, `\` or `+`) begins an escape of a value's character.
+    /// Whether the byte at `p` (`%` or `\`) begins an escape of a value's character.
+    #[inline]
     fn escape_at(&self, hay: &[u8], p: usize) -> bool {
         let at = |i: usize| hay.get(p + i).copied();
         let escaped = match hay[p] {
-            b'+' => return self.plus,
             b'%' => match (at(1).and_then(hex), at(2).and_then(hex)) {
                 (Some(h), Some(l)) => h << 4 | l,
                 _ => return false,
@@ -175,6 +184,7 @@ impl Anchors {
     /// two base64 characters in a run long enough to hold a form: base64 characters with at
     /// most one line break (`\n` or `\r\n`) between two of them, as the forms have. At most
     /// `min_base64` characters and their breaks are read.
+    #[inline]
     fn break_at(&self, hay: &[u8], p: usize) -> bool {
         let start = if p > 0 && hay[p - 1] == b'\r' {
             p - 1
