@@ -165,12 +165,19 @@ impl EchoForms {
     /// Overwrites every occurrence in `buf` (keeping its line breaks); returns how many there
     /// were.
     pub fn mask(&self, buf: &mut [u8]) -> usize {
+        self.mask_where(buf, |_| true)
+    }
+
+    /// [`EchoForms::mask`] for the occurrences whose start `settled` accepts (the others are
+    /// left as they are, and not counted).
+    fn mask_where(&self, buf: &mut [u8], settled: impl Fn(usize) -> bool) -> usize {
         let mut found: Vec<(usize, usize)> = Vec::new();
         for (start, end) in self.anchors.windows(buf) {
             found.extend(
                 self.matcher
                     .find_iter(&buf[start..end])
-                    .map(|m| (start + m.start(), start + m.end())),
+                    .map(|m| (start + m.start(), start + m.end()))
+                    .filter(|&(s, _)| settled(s)),
             );
         }
         overwrite(buf, &found)
@@ -479,17 +486,12 @@ impl EchoScanner {
 
     /// Takes the next chunk; returns what may go on now and the occurrences found.
     pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, usize) {
+        if chunk.is_empty() {
+            return (Vec::new(), 0); // an empty frame: nothing to scan again
+        }
         let old = self.buf.len();
         self.buf.extend_from_slice(chunk);
         self.lines(old, chunk);
-        // An occurrence not seen before ends in the chunk, so starts at most longest - 1 bytes
-        // before it; everything earlier was scanned (and masked) already.
-        let from = old.saturating_sub(self.forms.longest - 1).max(self.start);
-        let found = self.forms.mask(&mut self.buf[from..]);
-        #[cfg(test)]
-        {
-            self.work += self.buf.len() - from;
-        }
         let pending = self.buf.len() - self.start;
         let barrier = self
             .barrier
@@ -497,6 +499,20 @@ impl EchoScanner {
             .map(|b| b - self.start);
         let keep = self.forms.held_back(pending, barrier);
         let end = self.buf.len() - keep;
+        // An occurrence not masked before ends in the chunk, or was left for it (below), so it
+        // starts at most `longest` bytes before the chunk.
+        let from = old.saturating_sub(self.forms.longest).max(self.start);
+        // One that starts in the last `longest` bytes and is not released now waits: the next
+        // chunk may complete a longer value that holds it (a password inside a connection
+        // string), which must be masked whole. The next chunk's scan starts before it.
+        let settled = end.max(self.buf.len().saturating_sub(self.forms.longest));
+        let found = self
+            .forms
+            .mask_where(&mut self.buf[from..], |at| from + at < settled);
+        #[cfg(test)]
+        {
+            self.work += self.buf.len() - from;
+        }
         if self.start == 0 && end >= keep {
             // Everything before the held bytes goes: hand it over, buffer and all, and keep the
             // held bytes alone (no more of them than are released: each moves once per as many
@@ -528,14 +544,16 @@ impl EchoScanner {
         (out, found)
     }
 
-    /// The bytes still held back (the body ended: they cannot complete a form).
-    pub fn finish(&mut self) -> Vec<u8> {
-        let out = self.buf.split_off(self.start);
+    /// The bytes still held back, masked (the body ended: nothing can complete a longer form),
+    /// and the occurrences found in them.
+    pub fn finish(&mut self) -> (Vec<u8>, usize) {
+        let mut out = self.buf.split_off(self.start);
+        let found = self.forms.mask(&mut out);
         self.buf.clear();
         self.start = 0;
         self.barrier = None;
         (self.line, self.clean, self.cr) = (0, true, false);
-        out
+        (out, found)
     }
 
     /// What it looks for.
@@ -577,8 +595,9 @@ mod tests {
             out.extend(o);
             n += f;
         }
-        out.extend(s.finish());
-        (out, n)
+        let (rest, m) = s.finish();
+        out.extend(rest);
+        (out, n + m)
     }
 
     fn stream(body: &[u8], size: usize) -> (Vec<u8>, usize) {
@@ -935,21 +954,102 @@ mod tests {
         }
     }
 
-    /// Ordinary model output and JSON leave the regex nothing to read: the anchors' windows are
-    /// where the scan's time goes, and text like this has none.
+    /// A value inside another (a password inside a connection string): cut anywhere, the
+    /// longer one is masked whole, as a scan of the whole body masks it (issue 29's review:
+    /// the shorter one, complete at the end of a chunk, was masked first and the rest of the
+    /// longer one went out).
     #[test]
-    fn ordinary_text_has_no_windows() {
+    fn a_value_inside_another_is_masked_whole_wherever_the_chunks_end() {
+        let inner = "hunter2hunter2hunter2";
+        let outer = "admin:hunter2hunter2hunter2@db.internal";
+        let forms = EchoForms::new([inner, outer]).unwrap().unwrap();
+        for body in [format!("dsn={outer} end\n"), outer.to_string()] {
+            let mut whole = body.clone().into_bytes();
+            assert_eq!(forms.mask_everywhere(&mut whole), 1);
+            for cut in 1..body.len() {
+                let mut s = EchoScanner::new(forms.clone());
+                let (mut out, mut n) = s.feed(&body.as_bytes()[..cut]);
+                let (more, m) = s.feed(&body.as_bytes()[cut..]);
+                let (rest, k) = s.finish();
+                out.extend(more);
+                out.extend(rest);
+                n += m + k;
+                assert_eq!((out.as_slice(), n), (whole.as_slice(), 1), "cut at {cut}");
+            }
+            for size in [1, 2, 3, 5] {
+                assert_eq!(stream_with(&forms, body.as_bytes(), size).0, whole);
+            }
+        }
+    }
+
+    /// Which bytes are anchors, so how much of a body the regex reads and how long it takes,
+    /// does not depend on which characters the values hold (issue 29's review: `%51` was one
+    /// only for keys with a `Q`), and an empty frame costs no scan.
+    #[test]
+    fn the_scans_work_tells_nothing_of_the_values_characters() {
+        let with_q = EchoForms::new(["sk-ant-api03-abcdefghQjklmnopqrstuvwxyz0123456789"])
+            .unwrap()
+            .unwrap();
+        let without = EchoForms::new(["sk-ant-api03-abcdefghijklmnopqrstuvwxyz0123456789"])
+            .unwrap()
+            .unwrap();
+        for body in [
+            "%51 and %7e and %2F".to_string(),
+            "\\u0051 \\\" \\/ \\\\".to_string(),
+            format!("{}\n{}", "%51".repeat(500), "x".repeat(2000)),
+        ] {
+            let (a, b) = (
+                with_q.anchors.windows(body.as_bytes()),
+                without.anchors.windows(body.as_bytes()),
+            );
+            assert!(!a.is_empty(), "{body}");
+            assert_eq!(a, b, "{body}");
+        }
+        let mut s = EchoScanner::new(forms());
+        s.feed(&vec![b'x'; 30_000]);
+        let work = s.work;
+        for _ in 0..1000 {
+            assert_eq!(s.feed(&[]), (Vec::new(), 0));
+        }
+        assert_eq!(s.work, work, "an empty chunk is scanned again");
+    }
+
+    /// A value the secrets module would refuse (non-ASCII) is still found in its escapes.
+    #[test]
+    fn escapes_of_any_byte_are_anchors() {
+        let forms = EchoForms::new(["abcdefghijklmnopq\u{e9}"])
+            .unwrap()
+            .unwrap();
+        let mut body = b"x abcdefghijklmnopq%C3%A9 y".to_vec();
+        assert_eq!(forms.mask(&mut body), 1);
+        assert_eq!(body, b"x *********************** y");
+    }
+
+    /// Ordinary model output and code leave the regex nothing to read (the anchors' windows
+    /// are where the scan's time goes), and text with escapes only the lines that hold them:
+    /// a window stops at a line break, which no text form holds.
+    #[test]
+    fn ordinary_text_has_no_windows_and_escapes_their_lines() {
         let forms = EchoForms::new([
             "sk-ant-api03-Zx9Qw0Er1Ty2Ui_Op-000000",
             "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz",
         ])
         .unwrap()
         .unwrap();
-        let event = "data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hello, \\\"world\\\".\\n\"}}\n\n";
-        let code = "fn main() {\n    let url = \"https://example.com/a%20b\";\n    println!(\"{url}\");\n}\n";
+        let event =
+            "data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hello, world.\"}}\n\n";
+        let code = "fn main() {\n    let url = \"https://example.com/a-b\";\n    println!(\"{url}\");\n}\n";
         for text in [event, code] {
             let body = text.repeat(200);
             assert_eq!(forms.anchors.windows(body.as_bytes()), vec![], "{text}");
+        }
+        let quoted = "data: {\"delta\":{\"text\":\"say \\\"hi\\\"\"}}\n\ndata: {\"delta\":{\"text\":\"ok\"}}\n\n";
+        let body = quoted.repeat(200);
+        let windows = forms.anchors.windows(body.as_bytes());
+        assert_eq!(windows.len(), 200);
+        for (s, e) in windows {
+            assert!(!body.as_bytes()[s..e].contains(&b'\n'), "{s}..{e}");
+            assert!(body[s..e].starts_with("data: {") && body[s..e].ends_with("}}"));
         }
     }
 
@@ -985,7 +1085,7 @@ mod tests {
             .chunks(size)
             .map(|c| (s.feed(c).0.len(), s.holding()))
             .collect();
-        frames.push((s.finish().len(), false));
+        frames.push((s.finish().0.len(), false));
         frames
     }
 
@@ -1051,7 +1151,7 @@ mod tests {
         for b in body.chunks(1) {
             out.extend(s.feed(b).0);
         }
-        out.extend(s.finish());
+        out.extend(s.finish().0);
         assert_eq!(out, body);
         let longest = forms().longest;
         assert!(
@@ -1078,7 +1178,7 @@ mod tests {
         let big = vec![b'x'; HOLD_BACK + 100];
         let (out, _) = s.feed(&big);
         assert_eq!(out.len(), 2 + 100);
-        assert_eq!(s.finish().len(), HOLD_BACK);
+        assert_eq!(s.finish().0.len(), HOLD_BACK);
         // A line of a base64 wrap's length holds on past its break; a return with no line feed
         // after it is a barrier once the next byte shows it.
         let line = "y".repeat(76);

@@ -1242,11 +1242,12 @@ impl Body for MeteredBody {
                         let n = mask_headers(&forms, &mut trailers);
                         this.echoed(n);
                     }
-                    let held = this
+                    let (held, n) = this
                         .echo
                         .as_mut()
                         .map(EchoScanner::finish)
                         .unwrap_or_default();
+                    this.echoed(n);
                     this.meter(&held);
                     if held.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
@@ -1259,11 +1260,12 @@ impl Body for MeteredBody {
                     return Poll::Ready(Some(Err(Box::new(e))));
                 }
                 Poll::Ready(None) => {
-                    let held = this
+                    let (held, n) = this
                         .echo
                         .as_mut()
                         .map(EchoScanner::finish)
                         .unwrap_or_default();
+                    this.echoed(n);
                     this.meter(&held);
                     if !held.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from(held)))));

@@ -3,15 +3,19 @@
 //! The regex that knows every form reads about 5 Gbit/s, a sixth of what the stack moves, so it
 //! reads only windows around *anchors*, places every occurrence passes through (issue 29's
 //! budget: the scan at most 10 % of a flow). Every text form is a run of the value's characters,
-//! each raw or escaped; so an occurrence either holds an escape of one of them (`%XX`, `\u00XX`,
-//! `\"`, `\\`, `\/`, or `+` for a space), or is the value itself, raw, and holds any piece of it.
+//! each raw or escaped; so an occurrence either holds an escape (`%XX`, `\u00XX`, `\"`, `\\`,
+//! `\/`: of any character, so that which bytes are anchors tells nothing of the values), or is
+//! the value with at most its spaces written `+`, and holds each of its runs without a space raw.
 //! Every base64 form is a run of the encoding's characters with line breaks allowed between them;
 //! so an occurrence either holds a line break between two such characters, inside a run of at
 //! least as many of them as the shortest form has, or holds any piece of the unbroken encoding.
 //! The anchors are those escapes, those line breaks, and one piece (a *block*) of each form,
 //! found by Teddy (SIMD) and memchr; the window around an anchor reaches as far as the longest
-//! form on either side, so it holds every occurrence through the anchor, and the regex over the
-//! merged windows finds what it would find over everything. Ordinary text (model output, JSON,
+//! form on either side, but not past a byte no form of its kind holds, so it holds every
+//! occurrence through the anchor, and the regex over the merged windows finds what it would
+//! find over everything. The reach is the longest form of this sandbox's values, as the rescan
+//! between chunks is: how long the scan of a body takes can tell how long the longest value is
+//! (a key's format tells as much), never which characters it holds. Ordinary text (model output, JSON,
 //! source code) has few anchors; a body that is all base64 or all escapes costs what the regex
 //! alone costs.
 
@@ -35,12 +39,14 @@ pub enum AnchorError {
 /// The anchors of a set of forms (see the module's documentation).
 #[derive(Debug)]
 pub struct Anchors {
-    /// One block of each value's raw text and one of each base64 alignment's unbroken encoding.
+    /// One block of each value's raw text, then one of each base64 alignment's unbroken
+    /// encoding (from pattern `text_blocks` on).
     blocks: AhoCorasick,
-    /// The bytes a value holds: an escape of any other byte begins no form.
-    chars: [bool; 128],
-    /// Whether `+` begins a form (form encoding's space: some value holds a space).
-    plus: bool,
+    /// How many of `blocks`' patterns are text blocks.
+    text_blocks: usize,
+    /// Whether every value is printable ASCII, so no text form holds a control or non-ASCII
+    /// byte and a text window stops at one (the secrets module admits no other values).
+    printable: bool,
     /// The fewest base64 characters a form has: a shorter run cannot hold one.
     min_base64: usize,
     /// How far an occurrence through an anchor may reach on either side: the longest form.
@@ -52,9 +58,115 @@ fn is_base64(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'-' | b'_')
 }
 
-/// The value of a hex digit.
-fn hex(b: u8) -> Option<u8> {
-    (b as char).to_digit(16).map(|d| d as u8)
+/// Whether no text form of a printable value holds `b`.
+fn is_control(b: u8) -> bool {
+    b.wrapping_sub(0x20) >= 0x5f
+}
+
+/// Whether no base64 form holds `b`.
+fn ends_base64(b: u8) -> bool {
+    !(is_base64(b) || b == b'\r' || b == b'\n')
+}
+
+/// The windows of one kind of anchor, in order. A window reaches `reach` bytes either side of
+/// its anchor, but not past a byte no form of that kind holds (a text form is printable, a
+/// base64 form is base64 characters and line breaks), so binary data and short lines cost
+/// little; and each byte is read at most once more than the anchors are, however dense.
+struct Windows<'h, F> {
+    hay: &'h [u8],
+    stops: F,
+    reach: usize,
+    list: Vec<(usize, usize)>,
+    /// Whether the last window ends at a stop (or at the end): an anchor inside it then has
+    /// nothing to add.
+    closed: bool,
+}
+
+impl<'h, F: Fn(u8) -> bool> Windows<'h, F> {
+    fn new(hay: &'h [u8], reach: usize, stops: F) -> Self {
+        Windows {
+            hay,
+            stops,
+            reach,
+            list: Vec::new(),
+            closed: false,
+        }
+    }
+
+    /// Where a window reaching right from `from` towards `to` ends, and whether at a stop.
+    fn right(&self, from: usize, to: usize) -> (usize, bool) {
+        let to = to.min(self.hay.len());
+        let from = from.min(to);
+        match self.hay[from..to].iter().position(|&b| (self.stops)(b)) {
+            Some(i) => (from + i, true),
+            None => (to, to == self.hay.len()),
+        }
+    }
+
+    /// An anchor at `start..end` (anchors of one kind come in order).
+    fn add(&mut self, start: usize, end: usize) {
+        if let Some(&(s, e)) = self.list.last()
+            && start >= s
+            && start < e
+        {
+            if self.closed || end.saturating_add(self.reach) <= e {
+                return;
+            }
+            // Reach on from where the last window stopped.
+            let (to, closed) = self.right(e, end.saturating_add(self.reach));
+            if let Some(last) = self.list.last_mut() {
+                last.1 = to.max(e);
+            }
+            self.closed = closed;
+            return;
+        }
+        // Leftwards no further than the last window: what lies between is read once.
+        let floor = self.list.last().map_or(0, |l| l.1).min(start);
+        let lo = start.saturating_sub(self.reach).max(floor);
+        let left = match self.hay[lo..start].iter().rposition(|&b| (self.stops)(b)) {
+            Some(i) => lo + i + 1,
+            None => lo,
+        };
+        let (to, closed) = self.right(end, end.saturating_add(self.reach));
+        match self.list.last_mut() {
+            Some(last) if left <= last.1 => last.1 = last.1.max(to),
+            _ => self.list.push((left, to)),
+        }
+        self.closed = closed;
+    }
+}
+
+/// The value's longest run without a space, at most [`BLOCK`] bytes of it from its end (keys
+/// share their prefixes, `sk-ant-api03-`; their ends are random): form encoding may write each
+/// space as `+`, so an occurrence with no escape holds every such run raw.
+fn text_block(v: &[u8]) -> &[u8] {
+    let run = v
+        .split(|&b| b == b' ')
+        .rev()
+        .max_by_key(|r| r.len())
+        .filter(|r| !r.is_empty())
+        .unwrap_or(v);
+    &run[run.len().saturating_sub(BLOCK)..]
+}
+
+/// Whether the byte at `p` (`%` or `\`) begins an escape a text form may hold: `%XX`,
+/// `\u00XX`, `\"`, `\\` or `\/`, of whatever character (so which bytes are anchors does not
+/// depend on the characters of the values).
+fn escape_at(hay: &[u8], p: usize) -> bool {
+    let at = |i: usize| hay.get(p + i).copied().unwrap_or(0);
+    match hay[p] {
+        b'%' => at(1).is_ascii_hexdigit() && at(2).is_ascii_hexdigit(),
+        _ => match at(1) {
+            b'"' | b'\\' | b'/' => true,
+            b'u' => {
+                at(2) == b'0'
+                    && at(3) == b'0'
+                    && at(4).is_ascii_hexdigit()
+                    && at(5).is_ascii_hexdigit()
+            }
+            _ => false,
+        },
+    }
 }
 
 impl Anchors {
@@ -67,82 +179,58 @@ impl Anchors {
         min_base64: usize,
         reach: usize,
     ) -> Result<Anchors, AnchorError> {
-        let mut chars = [false; 128];
-        let mut blocks: Vec<Vec<u8>> = Vec::new();
-        for v in values {
-            for &b in *v {
-                if let Some(c) = chars.get_mut(usize::from(b)) {
-                    *c = true;
-                }
-            }
-            // The value's end: keys share their prefixes (`sk-ant-api03-`), their ends are random.
-            blocks.push(v[v.len().saturating_sub(BLOCK)..].to_vec());
-        }
-        for exact in base64 {
-            blocks.extend(base64_block(exact));
-        }
-        blocks.sort();
-        blocks.dedup();
+        let mut text: Vec<Vec<u8>> = values.iter().map(|v| text_block(v).to_vec()).collect();
+        text.sort();
+        text.dedup();
+        let mut b64: Vec<Vec<u8>> = base64.iter().flat_map(|e| base64_block(e)).collect();
+        b64.sort();
+        b64.dedup();
+        let text_blocks = text.len();
         let blocks = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostFirst)
-            .build(&blocks)?;
+            .build(text.iter().chain(&b64))?;
         Ok(Anchors {
             blocks,
-            plus: chars[usize::from(b' ')],
-            chars,
+            text_blocks,
+            printable: values.iter().all(|v| !v.iter().any(|&b| is_control(b))),
             min_base64,
             reach,
         })
     }
 
     /// The windows of `hay` the regex must read, in order and apart: every occurrence of a form
-    /// in `hay` lies inside one of them. The work is in proportion to `hay`, whatever it holds.
+    /// in `hay` lies inside one of them. Which bytes are anchors depends on the values' blocks
+    /// alone, never on which characters the values hold (issue 29's review: an escape of any
+    /// character is one, so the time a body takes does not tell which the keys have). The work
+    /// is in proportion to `hay`, whatever it holds.
     pub fn windows(&self, hay: &[u8]) -> Vec<(usize, usize)> {
-        let mut spans: Vec<(usize, usize)> = Vec::new();
-        let window = |start: usize, end: usize| {
-            (
-                start.saturating_sub(self.reach),
-                end.saturating_add(self.reach).min(hay.len()),
-            )
-        };
-        // Whether the window of an anchor at `p` lies in the last span already: nothing more to
-        // learn from it (and no byte read twice for it).
-        let covered = |spans: &[(usize, usize)], p: usize| {
-            let (s, e) = window(p, p + 1);
-            spans.last().is_some_and(|last| s >= last.0 && e <= last.1)
-        };
-        let add = |spans: &mut Vec<(usize, usize)>, start: usize, end: usize| {
-            let (start, end) = window(start, end);
-            match spans.last_mut() {
-                // Anchors of one kind come in order: merge as they come, so a dense body keeps
-                // one span, not one per anchor.
-                Some(last) if start <= last.1 && start >= last.0 => last.1 = last.1.max(end),
-                _ => spans.push((start, end)),
-            }
-        };
+        let printable = self.printable;
+        let text_stop = move |b: u8| printable && is_control(b);
+        let mut escapes = Windows::new(hay, self.reach, text_stop);
+        let mut text = Windows::new(hay, self.reach, text_stop);
+        let mut base64 = Windows::new(hay, self.reach, ends_base64);
+        let mut breaks = Windows::new(hay, self.reach, ends_base64);
         for m in self.blocks.find_iter(hay) {
-            add(&mut spans, m.start(), m.end());
+            if m.pattern().as_usize() < self.text_blocks {
+                text.add(m.start(), m.end());
+            } else {
+                base64.add(m.start(), m.end());
+            }
         }
-        // Escapes and line breaks in one pass; `+` in another only where a value holds a space.
+        // Escapes and line breaks in one pass.
         for p in memchr::memchr3_iter(b'%', b'\\', b'\n', hay) {
-            if covered(&spans, p) {
-                continue;
-            }
-            let anchor = match hay[p] {
-                b'\n' => self.break_at(hay, p),
-                _ => self.escape_at(hay, p),
-            };
-            if anchor {
-                add(&mut spans, p, p + 1);
-            }
-        }
-        if self.plus {
-            for p in memchr::memchr_iter(b'+', hay) {
-                if !covered(&spans, p) {
-                    add(&mut spans, p, p + 1);
+            if hay[p] == b'\n' {
+                if self.break_at(hay, p) {
+                    breaks.add(p, p + 1);
                 }
+            } else if escape_at(hay, p) {
+                escapes.add(p, p + 1);
             }
         }
+        let mut spans: Vec<(usize, usize)> = [escapes.list, text.list, base64.list, breaks.list]
+            .into_iter()
+            .flatten()
+            .collect();
         spans.sort_unstable();
         let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
         for (s, e) in spans {
@@ -152,32 +240,6 @@ impl Anchors {
             }
         }
         merged
-    }
-
-    /// Whether the byte at `p` (`%` or `\`) begins an escape of a value's character.
-    #[inline]
-    fn escape_at(&self, hay: &[u8], p: usize) -> bool {
-        let at = |i: usize| hay.get(p + i).copied();
-        let escaped = match hay[p] {
-            b'%' => match (at(1).and_then(hex), at(2).and_then(hex)) {
-                (Some(h), Some(l)) => h << 4 | l,
-                _ => return false,
-            },
-            _ => match at(1) {
-                Some(c @ (b'"' | b'\\' | b'/')) => c,
-                Some(b'u') if at(2) == Some(b'0') && at(3) == Some(b'0') => {
-                    match (at(4).and_then(hex), at(5).and_then(hex)) {
-                        (Some(h), Some(l)) => h << 4 | l,
-                        _ => return false,
-                    }
-                }
-                _ => return false,
-            },
-        };
-        self.chars
-            .get(usize::from(escaped))
-            .copied()
-            .unwrap_or(false)
     }
 
     /// Whether the line feed at `p` (with the carriage return before it, if any) lies between
