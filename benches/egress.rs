@@ -493,30 +493,39 @@ fn main() {
     println!();
     hostile_connections();
     println!();
-    let (copied, scanned) = (
-        med(&|| pass_through(total, false)),
-        med(&|| pass_through(total, true)),
-    );
+    // SSE-like text: what model responses are; then the same events with escaped quotes in
+    // their text (code in an answer), each a window of its line for the regex to read.
+    let plain = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
+    let quoted = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"say(\\\"hi\\\") \"}}\n\n";
+    let copied = med(&|| pass_through(total, false, plain));
     println!("response scanning for secrets, {mib} MiB in 16 KiB chunks, 3 secrets (median of 3)");
-    println!("| path | Gbit/s | share of the stack's throughput |");
-    println!("|---|---|---|");
+    println!("| path | Gbit/s | share of the stack's throughput | the scan's cost per flow |");
+    println!("|---|---|---|---|");
     println!(
-        "| copied unscanned (reference) | {copied:.2} | {:.1} % |",
+        "| copied unscanned (reference) | {copied:.2} | {:.1} % | |",
         100.0 * stack / copied
     );
-    println!(
-        "| scanned and masked | {scanned:.2} | {:.1} % |",
-        100.0 * stack / scanned
-    );
-    println!(
-        "\nthe scan costs {:.1} % of a flow through the stack at its measured {stack:.2} Gbit/s",
-        100.0 * stack * (1.0 / scanned - 1.0 / copied)
-    );
+    for (name, body) in [
+        ("scanned and masked, model output", &plain[..]),
+        (
+            "scanned and masked, model output with escaped quotes",
+            &quoted[..],
+        ),
+    ] {
+        let scanned = med(&|| pass_through(total, true, body));
+        println!(
+            "| {name} | {scanned:.2} | {:.1} % | {:.1} % |",
+            100.0 * stack / scanned,
+            100.0 * stack * (1.0 / scanned - 1.0 / copied)
+        );
+    }
+    println!("\n(the cost per flow: at the stack's measured {stack:.2} Gbit/s)");
 }
 
-/// Streams `total` bytes of a response body in 16 KiB chunks (TLS record-sized) as the proxy
-/// does, through the echo scan of three provider keys or copied as they are; Gbit/s.
-fn pass_through(total: usize, scan: bool) -> f64 {
+/// Streams `total` bytes of a response body (`event` over and over) in 16 KiB chunks
+/// (TLS record-sized) as the proxy does, through the echo scan of three provider keys or copied
+/// as they are; Gbit/s.
+fn pass_through(total: usize, scan: bool, event: &[u8]) -> f64 {
     use sandbox_egress::echo::{EchoForms, EchoScanner};
     let keys = [
         "sk-ant-api03-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJ-0123456789abcdefghij",
@@ -524,8 +533,6 @@ fn pass_through(total: usize, scan: bool) -> f64 {
         "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
     ];
     let forms = EchoForms::new(keys).expect("compiles").expect("three keys");
-    // SSE-like text: what model responses are.
-    let event = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
     let chunk: Vec<u8> = event.iter().copied().cycle().take(16 * 1024).collect();
     let mut scanner = EchoScanner::new(forms);
     let mut out = Vec::with_capacity(chunk.len() + 256);

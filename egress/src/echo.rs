@@ -1026,31 +1026,38 @@ mod tests {
     }
 
     /// Ordinary model output and code leave the regex nothing to read (the anchors' windows
-    /// are where the scan's time goes), and text with escapes only the lines that hold them:
-    /// a window stops at a line break, which no text form holds.
+    /// are where the scan's time goes), nor do lines with fewer escapes than a value has
+    /// pieces (a quoted word in an answer); a line with as many gets a window that stops at
+    /// its line breaks, which no text form holds.
     #[test]
     fn ordinary_text_has_no_windows_and_escapes_their_lines() {
         let forms = EchoForms::new([
-            "sk-ant-api03-Zx9Qw0Er1Ty2Ui_Op-000000",
-            "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz",
+            "sk-ant-api03-Zx9Qw0Er1Ty2Ui_Op-000000000000000000000",
+            "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz0123456789",
         ])
         .unwrap()
         .unwrap();
+        assert_eq!(forms.anchors.pieces(), 3);
         let event =
             "data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"Hello, world.\"}}\n\n";
         let code = "fn main() {\n    let url = \"https://example.com/a-b\";\n    println!(\"{url}\");\n}\n";
-        for text in [event, code] {
+        let quoted = "data: {\"delta\":{\"text\":\"say \\\"hi\\\"\"}}\n\n";
+        for text in [event, code, quoted] {
             let body = text.repeat(200);
             assert_eq!(forms.anchors.windows(body.as_bytes()), vec![], "{text}");
         }
-        let quoted = "data: {\"delta\":{\"text\":\"say \\\"hi\\\"\"}}\n\ndata: {\"delta\":{\"text\":\"ok\"}}\n\n";
-        let body = quoted.repeat(200);
-        let windows = forms.anchors.windows(body.as_bytes());
-        assert_eq!(windows.len(), 200);
-        for (s, e) in windows {
-            assert!(!body.as_bytes()[s..e].contains(&b'\n'), "{s}..{e}");
-            assert!(body[s..e].starts_with("data: {") && body[s..e].ends_with("}}"));
-        }
+        let escaped = format!(
+            "{}data: {{\"text\":\"a \\\"b\\\" \\\\c\"}}\n\n{}",
+            event.repeat(20),
+            event.repeat(20)
+        );
+        let line = escaped.find("data: {\"text\"").unwrap();
+        let end = line + escaped[line..].find('\n').unwrap();
+        assert_eq!(
+            forms.anchors.windows(escaped.as_bytes()),
+            vec![(line, end)],
+            "the line with three escapes, to its ends"
+        );
     }
 
     #[test]

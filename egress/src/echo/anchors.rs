@@ -3,27 +3,32 @@
 //! The regex that knows every form reads about 5 Gbit/s, a sixth of what the stack moves, so it
 //! reads only windows around *anchors*, places every occurrence passes through (issue 29's
 //! budget: the scan at most 10 % of a flow). Every text form is a run of the value's characters,
-//! each raw or escaped; so an occurrence either holds an escape (`%XX`, `\u00XX`, `\"`, `\\`,
-//! `\/`: of any character, so that which bytes are anchors tells nothing of the values), or is
-//! the value with at most its spaces written `+`, and holds each of its runs without a space raw.
+//! each raw or escaped (`%XX`, `\u00XX`, `\"`, `\\`, `\/`, `+` for a space). Cut each value into
+//! pieces of at least 16 characters: an occurrence either holds one piece raw, or an escape in
+//! every piece, so as many escapes as the value has pieces, in one line (no text form holds a
+//! line break) and within the longest form. The anchors of text are those pieces and such
+//! clusters of escapes, of any character (so which bytes are anchors tells nothing of which
+//! characters the values hold; a quoted word on a line of model output is no cluster).
 //! Every base64 form is a run of the encoding's characters with line breaks allowed between them;
 //! so an occurrence either holds a line break between two such characters, inside a run of at
 //! least as many of them as the shortest form has, or holds any piece of the unbroken encoding.
-//! The anchors are those escapes, those line breaks, and one piece (a *block*) of each form,
-//! found by Teddy (SIMD) and memchr; the window around an anchor reaches as far as the longest
-//! form on either side, but not past a byte no form of its kind holds, so it holds every
-//! occurrence through the anchor, and the regex over the merged windows finds what it would
-//! find over everything. The reach is the longest form of this sandbox's values, as the rescan
-//! between chunks is: how long the scan of a body takes can tell how long the longest value is
-//! (a key's format tells as much), never which characters it holds. Ordinary text (model output, JSON,
-//! source code) has few anchors; a body that is all base64 or all escapes costs what the regex
-//! alone costs.
+//! The anchors of base64 are those line breaks and one piece (a *block*) of each alignment. The
+//! pieces are found by Teddy (SIMD), the escapes and line breaks by memchr. The window around an
+//! anchor reaches as far as the longest form on either side, but not past a byte no form of its
+//! kind holds, so it holds every occurrence through the anchor, and the regex over the merged
+//! windows finds what it would find over everything. The reach is the longest form of this
+//! sandbox's values, as the rescan between chunks is: how long the scan of a body takes can tell
+//! how long the longest value is (a key's format tells as much), never which characters it
+//! holds. Ordinary text (model output, JSON, source code) has few anchors; a body that is all
+//! base64 or all escapes costs what the regex alone costs.
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
-/// The longest block looked for: past the three bytes Teddy's fingerprint reads, length only
-/// makes a false hit rarer.
+/// The shortest text block, and the longest base64 block: past the three bytes Teddy's
+/// fingerprint reads, length makes a false hit rarer, and a guess of one costlier.
 const BLOCK: usize = 16;
+/// Windows at most this far apart are searched as one.
+const MERGE_GAP: usize = 512;
 /// The most variants of a base64 block (each character that is `+` or `/` in one alphabet is `-`
 /// or `_` in the other): a block is shortened until it has at most this many.
 const MAX_VARIANTS: usize = 16;
@@ -44,6 +49,9 @@ pub struct Anchors {
     blocks: AhoCorasick,
     /// How many of `blocks`' patterns are text blocks.
     text_blocks: usize,
+    /// The fewest pieces a value's text is cut into: an occurrence with no piece raw holds at
+    /// least this many escapes in one line, within `reach` (a length, never which characters).
+    pieces: usize,
     /// Whether every value is printable ASCII, so no text form holds a control or non-ASCII
     /// byte and a text window stops at one (the secrets module admits no other values).
     printable: bool,
@@ -136,17 +144,13 @@ impl<'h, F: Fn(u8) -> bool> Windows<'h, F> {
     }
 }
 
-/// The value's longest run without a space, at most [`BLOCK`] bytes of it from its end (keys
-/// share their prefixes, `sk-ant-api03-`; their ends are random): form encoding may write each
-/// space as `+`, so an occurrence with no escape holds every such run raw.
-fn text_block(v: &[u8]) -> &[u8] {
-    let run = v
-        .split(|&b| b == b' ')
-        .rev()
-        .max_by_key(|r| r.len())
-        .filter(|r| !r.is_empty())
-        .unwrap_or(v);
-    &run[run.len().saturating_sub(BLOCK)..]
+/// The pieces a value's text is cut into, each at least [`BLOCK`] bytes (a guest that wants to
+/// learn from a piece's hit must guess all of it at once): an occurrence either holds one of
+/// them raw, or an escape (or a `+` for a space) in every one of them.
+fn text_blocks(v: &[u8]) -> Vec<&[u8]> {
+    let k = (v.len() / BLOCK).max(1);
+    let size = v.len().div_ceil(k);
+    v.chunks(size).collect()
 }
 
 /// Whether the byte at `p` (`%` or `\`) begins an escape a text form may hold: `%XX`,
@@ -179,7 +183,16 @@ impl Anchors {
         min_base64: usize,
         reach: usize,
     ) -> Result<Anchors, AnchorError> {
-        let mut text: Vec<Vec<u8>> = values.iter().map(|v| text_block(v).to_vec()).collect();
+        let pieces = values
+            .iter()
+            .map(|v| text_blocks(v).len())
+            .min()
+            .unwrap_or(1);
+        let mut text: Vec<Vec<u8>> = values
+            .iter()
+            .flat_map(|v| text_blocks(v))
+            .map(<[u8]>::to_vec)
+            .collect();
         text.sort();
         text.dedup();
         let mut b64: Vec<Vec<u8>> = base64.iter().flat_map(|e| base64_block(e)).collect();
@@ -192,10 +205,17 @@ impl Anchors {
         Ok(Anchors {
             blocks,
             text_blocks,
+            pieces,
             printable: values.iter().all(|v| !v.iter().any(|&b| is_control(b))),
             min_base64,
             reach,
         })
+    }
+
+    /// The fewest pieces a value's text is cut into (see `pieces`).
+    #[cfg(test)]
+    pub fn pieces(&self) -> usize {
+        self.pieces
     }
 
     /// The windows of `hay` the regex must read, in order and apart: every occurrence of a form
@@ -217,15 +237,43 @@ impl Anchors {
                 base64.add(m.start(), m.end());
             }
         }
-        // Escapes and line breaks in one pass.
-        for p in memchr::memchr3_iter(b'%', b'\\', b'\n', hay) {
+        // Escapes and line breaks in one pass, `+` in another; an escape is an anchor when
+        // its line holds `pieces` of them within `reach` (the ones in `recent`).
+        let mut pluses = memchr::memchr_iter(b'+', hay).peekable();
+        let mut recent: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
+        let mut escape = |p: usize, recent: &mut std::collections::VecDeque<usize>| {
+            while recent.front().is_some_and(|&q| q + self.reach <= p) {
+                recent.pop_front();
+            }
+            recent.push_back(p);
+            if recent.len() >= self.pieces {
+                escapes.add(p, p + 1);
+                recent.pop_front();
+            }
+        };
+        let mut at = 0;
+        while let Some(i) = memchr::memchr3(b'%', b'\\', b'\n', &hay[at..]) {
+            let p = at + i;
+            at = p + 1;
+            while let Some(q) = pluses.next_if(|&q| q < p) {
+                escape(q, &mut recent);
+            }
             if hay[p] == b'\n' {
+                recent.clear(); // no text form holds a line break
                 if self.break_at(hay, p) {
                     breaks.add(p, p + 1);
                 }
+                // The line feeds that follow (an event's empty line) lie between no two
+                // characters of anything.
+                while hay.get(at) == Some(&b'\n') {
+                    at += 1;
+                }
             } else if escape_at(hay, p) {
-                escapes.add(p, p + 1);
+                escape(p, &mut recent);
             }
+        }
+        for q in pluses {
+            escape(q, &mut recent);
         }
         let mut spans: Vec<(usize, usize)> = [escapes.list, text.list, base64.list, breaks.list]
             .into_iter()
@@ -235,7 +283,9 @@ impl Anchors {
         let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
         for (s, e) in spans {
             match merged.last_mut() {
-                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                // Windows a few lines apart are read as one: a regex search has a cost of its
+                // own, which many small windows (an escape on every line) would pay each.
+                Some(last) if s <= last.1 + MERGE_GAP => last.1 = last.1.max(e),
                 _ => merged.push((s, e)),
             }
         }
