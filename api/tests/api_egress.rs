@@ -480,6 +480,8 @@ const OPENAI_JSON: &str = r#"{"id":"chatcmpl-7","object":"chat.completion","mode
 /// A call whose usage comes later, elsewhere (a batch): no usage in its answer.
 const BATCH_JSON: &str = r#"{"id":"batch_6","object":"batch","status":"validating"}"#;
 
+/// Gemini's `generateContent` answer: usage in `usageMetadata`, thoughts billed as output.
+const GEMINI_JSON: &str = r#"{"candidates":[{"content":{"parts":[{"text":"ok"}],"role":"model"},"finishReason":"STOP","index":0}],"usageMetadata":{"promptTokenCount":64,"candidatesTokenCount":5,"thoughtsTokenCount":20,"cachedContentTokenCount":32,"totalTokenCount":89},"modelVersion":"gemini-test-1","responseId":"resp-gemini-5"}"#;
 const OPENROUTER_JSON: &str = r#"{"id":"gen-4","object":"chat.completion","model":"router/model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":50,"completion_tokens":7,"total_tokens":57,"cost":0.00123}}"#;
 
 /// What the fake provider received: the request head and body.
@@ -490,7 +492,8 @@ type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 /// (JSON when the body does not ask for a stream; the stream's usage chunk only when the body
 /// asks for it, as OpenAI does), Responses API SSE on
 /// `/v1/responses`, a batch on `/v1/batches`, OpenRouter JSON with a billed cost on
-/// `/api/v1/chat/completions`; anything under `/hang/` after 5 s. Streams are sent in pieces.
+/// `/api/v1/chat/completions`, Gemini JSON on `…:generateContent`; anything under `/hang/`
+/// after 5 s. Streams are sent in pieces.
 /// TLS with the certificate `make_certs` put in `dir` (`common::tls_acceptor`).
 async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
     let acceptor = common::tls_acceptor(dir);
@@ -552,6 +555,8 @@ async fn fake_provider(dir: &std::path::Path) -> (u16, Seen) {
                         ("text/event-stream", RESPONSES_SSE.to_vec())
                     } else if path.starts_with("/v1/batches") {
                         ("application/json", vec![BATCH_JSON])
+                    } else if path.ends_with(":generateContent") {
+                        ("application/json", vec![GEMINI_JSON])
                     } else {
                         ("application/json", vec![OPENROUTER_JSON])
                     };
@@ -630,12 +635,13 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
             "api.provider.test",
             "openai.provider.test",
             "router.provider.test",
+            "gemini.provider.test",
         ],
     );
     let (port, seen) = fake_provider(dir.path()).await;
     let (http_port, http_seen) = http_server("plain\n").await;
     let resolve = format!(
-        "api.provider.test:{port}:127.0.0.1,openai.provider.test:{port}:127.0.0.1,router.provider.test:{port}:127.0.0.1,allowed.test:{http_port}:127.0.0.1"
+        "api.provider.test:{port}:127.0.0.1,openai.provider.test:{port}:127.0.0.1,router.provider.test:{port}:127.0.0.1,gemini.provider.test:{port}:127.0.0.1,allowed.test:{http_port}:127.0.0.1"
     );
     let ca = dir.path().join("ca.pem");
     let store = common::image_store();
@@ -649,6 +655,7 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         "sk-proj-REALKEY-fedcba9876543210",
         "sk-or-v1-REALKEY-0011223344556677",
     );
+    let gemini_key = "AIzaREALKEY-gemini-0123456789abcdef";
     let id = h
         .create(json!({
             "image": "vantik-guest:latest",
@@ -658,7 +665,9 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
                 "secrets": [
                     {"env": "ANTHROPIC_API_KEY", "value": anthropic_key, "hosts": ["api.provider.test"]},
                     {"env": "OPENAI_API_KEY", "value": openai_key, "hosts": ["openai.provider.test"]},
-                    {"env": "OPENROUTER_API_KEY", "value": router_key, "hosts": ["router.provider.test"]}
+                    {"env": "OPENROUTER_API_KEY", "value": router_key, "hosts": ["router.provider.test"]},
+                    {"env": "GEMINI_API_KEY", "value": gemini_key, "hosts": ["gemini.provider.test"],
+                     "headers": ["x-goog-api-key"]}
                 ]
             }
         }))
@@ -705,6 +714,13 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
                 "curl -sS -H \"authorization: Bearer $OPENROUTER_API_KEY\" -d '{{}}' https://router.provider.test:{port}/api/v1/chat/completions"
             ),
             OPENROUTER_JSON.to_string(),
+        ),
+        (
+            "gemini json (its native API)",
+            format!(
+                "curl -sS -H \"x-goog-api-key: $GEMINI_API_KEY\" -d '{{}}' https://gemini.provider.test:{port}/v1beta/models/gemini-test-1:generateContent"
+            ),
+            GEMINI_JSON.to_string(),
         ),
         (
             "node fetch",
@@ -789,6 +805,9 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
             )) || lower.contains(&format!(
                 "authorization: bearer {}",
                 router_key.to_ascii_lowercase()
+            )) || lower.contains(&format!(
+                "x-goog-api-key: {}",
+                gemini_key.to_ascii_lowercase()
             )) || head.contains(&basic),
             "{head}"
         );
@@ -892,6 +911,26 @@ async fn provider_keys_are_injected_and_usage_is_metered() {
         ),
         (&json!(50), &json!(7), &json!(0.00123), &json!("openrouter")),
         "{d}"
+    );
+    let g = by_id("resp-gemini-5");
+    assert_eq!(
+        (
+            &g["model"],
+            &g["input_tokens"],
+            &g["output_tokens"],
+            &g["cache_read_tokens"],
+            &g["provider"],
+            &g["unmetered"]
+        ),
+        (
+            &json!("gemini-test-1"),
+            &json!(64),
+            &json!(25),
+            &json!(32),
+            &json!("google"),
+            &Value::Null
+        ),
+        "{g}"
     );
     assert_eq!(u["totals"]["calls"], cases_len);
     // Two OpenRouter calls (Bearer and Basic), each billed 0.00123.

@@ -1,6 +1,6 @@
 //! One metered response: the shapes of Anthropic (Messages API), OpenAI (Chat Completions, the
-//! Responses API, embeddings) and OpenRouter (OpenAI's shape plus the billed `usage.cost`), as
-//! JSON bodies or SSE streams. The provider is told by what the response says, so any host named
+//! Responses API, embeddings), OpenRouter (OpenAI's shape plus the billed `usage.cost`) and
+//! Google's Gemini API (`usageMetadata`), as JSON bodies or SSE streams. The provider is told by what the response says, so any host named
 //! in `meter` is read.
 
 use serde_json::Value;
@@ -25,7 +25,7 @@ pub struct UsageRecord {
     pub cache_write_tokens: u64,
     /// The billed cost, when the provider reports one (OpenRouter's `usage.cost`).
     pub cost: Option<f64>,
-    /// `anthropic`, `openai` or `openrouter`.
+    /// `anthropic`, `openai`, `openrouter` or `google`.
     pub provider: &'static str,
     /// Whether `output_tokens` is the host's own lower bound, not the provider's count: a
     /// stream cut (or ended) before its final usage, counted one token per content delta that
@@ -90,7 +90,17 @@ pub enum Meter {
     Sse(Box<SseMeter>),
 }
 
-const KEYS: &[&str] = &["id", "model", "usage", "type", "object", "service_tier"];
+const KEYS: &[&str] = &[
+    "id",
+    "model",
+    "usage",
+    "type",
+    "object",
+    "service_tier",
+    "usageMetadata",
+    "modelVersion",
+    "responseId",
+];
 
 /// What [`sse_event`] reads, kept from events too long to hold whole (a Responses API event
 /// repeats the response's instructions and output).
@@ -108,6 +118,9 @@ const SSE_PATHS: &[&[&str]] = &[
     &["response", "model"],
     &["response", "usage"],
     &["response", "service_tier"],
+    &["usageMetadata"],
+    &["modelVersion"],
+    &["responseId"],
 ];
 
 impl Meter {
@@ -155,6 +168,11 @@ impl Meter {
                     }
                 }
                 let v = Value::Object(doc);
+                if let Some(meta) = v.get("usageMetadata").filter(|u| u.is_object()) {
+                    let mut r = gemini_record(&v);
+                    apply_gemini_usage(&mut r, meta);
+                    return Some(r);
+                }
                 let usage = v.get("usage").filter(|u| u.is_object())?;
                 let mut r = UsageRecord {
                     response_id: str_of(&v, "id"),
@@ -203,6 +221,17 @@ fn is_content_delta(v: &Value) -> bool {
                 .any(|k| non_empty(d.get(*k)))
         }),
         Some(t) if t.starts_with("response.") && t.ends_with(".delta") => non_empty(v.get("delta")),
+        // Gemini: a chunk's candidates' parts.
+        None if v.get("candidates").is_some() => v
+            .get("candidates")
+            .and_then(Value::as_array)
+            .is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.pointer("/content/parts")
+                        .and_then(Value::as_array)
+                        .is_some_and(|ps| ps.iter().any(|p| non_empty(Some(p))))
+                })
+            }),
         _ => v
             .get("choices")
             .and_then(Value::as_array)
@@ -299,6 +328,38 @@ fn apply_tier(r: &mut UsageRecord, v: &Value) {
     }
 }
 
+/// A Gemini response's id and model (`responseId`, `modelVersion`).
+fn gemini_record(v: &Value) -> UsageRecord {
+    UsageRecord {
+        response_id: str_of(v, "responseId"),
+        model: str_of(v, "modelVersion"),
+        provider: "google",
+        ..Default::default()
+    }
+}
+
+/// Reads Gemini's `usageMetadata` into `r`: the prompt (with the tool-use prompt, billed as
+/// input; the cached part of it also as cache reads), and the candidates with the thoughts
+/// (billed as output; shown apart as reasoning).
+fn apply_gemini_usage(r: &mut UsageRecord, u: &Value) {
+    let prompt = num(u, "promptTokenCount");
+    let tools = num(u, "toolUsePromptTokenCount");
+    if prompt.is_some() || tools.is_some() {
+        r.input_tokens = prompt.unwrap_or(0).saturating_add(tools.unwrap_or(0));
+    }
+    let candidates = num(u, "candidatesTokenCount");
+    let thoughts = num(u, "thoughtsTokenCount");
+    if candidates.is_some() || thoughts.is_some() {
+        r.output_tokens = candidates
+            .unwrap_or(0)
+            .saturating_add(thoughts.unwrap_or(0));
+    }
+    if let Some(n) = num(u, "cachedContentTokenCount") {
+        r.cache_read_tokens = n;
+    }
+    r.details.reasoning_tokens = thoughts.or(r.details.reasoning_tokens);
+}
+
 fn provider(r: &UsageRecord, usage: &Value, anthropic: bool, response: bool) -> &'static str {
     if !response && (anthropic || usage.get("input_tokens").is_some()) {
         "anthropic"
@@ -360,6 +421,19 @@ fn sse_event(rec: &mut Option<UsageRecord>, v: &Value) -> bool {
                 _ => false,
             }
         }
+        None if v.get("usageMetadata").is_some_and(Value::is_object) => {
+            // Gemini: every chunk a response with the usage so far; the last one, which
+            // gives each candidate its finishReason, the whole of it.
+            let r = rec.get_or_insert_with(|| gemini_record(v));
+            if let Some(u) = v.get("usageMetadata") {
+                apply_gemini_usage(r, u);
+            }
+            v.get("candidates")
+                .and_then(Value::as_array)
+                .is_some_and(|cs| {
+                    !cs.is_empty() && cs.iter().all(|c| c.get("finishReason").is_some())
+                })
+        }
         _ => {
             // OpenAI / OpenRouter chunks (and legacy completions'): id and model on every
             // chunk, usage on the last.
@@ -395,6 +469,62 @@ mod tests {
             m.feed(c);
         }
         m.finish()
+    }
+
+    /// Gemini's `generateContent` (JSON) and `streamGenerateContent?alt=sse`: the prompt with
+    /// the tool-use prompt as input, the candidates with the thoughts as output (both billed
+    /// so), the cached part as cache reads; a stream's last chunk (every candidate finished)
+    /// is its final usage, and one cut before it is the host's lower bound.
+    #[test]
+    fn gemini_json_and_stream() {
+        let json = br#"{"candidates":[{"content":{"parts":[{"text":"hi"}],"role":"model"},"finishReason":"STOP","index":0}],"usageMetadata":{"promptTokenCount":20,"candidatesTokenCount":7,"totalTokenCount":40,"cachedContentTokenCount":8,"thoughtsTokenCount":11,"toolUsePromptTokenCount":2},"modelVersion":"gemini-2.5-pro","responseId":"resp-1"}"#;
+        let want = UsageRecord {
+            response_id: Some("resp-1".into()),
+            model: Some("gemini-2.5-pro".into()),
+            input_tokens: 22,
+            output_tokens: 18,
+            cache_read_tokens: 8,
+            provider: "google",
+            details: Details {
+                reasoning_tokens: Some(11),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        for chunk in [json.len(), 1] {
+            assert_eq!(run("application/json", json, chunk).as_ref(), Some(&want));
+        }
+        let chunk = |text: &str, out: u64, fin: bool| {
+            format!(
+                "data: {{\"candidates\":[{{\"content\":{{\"parts\":[{{\"text\":\"{text}\"}}],\"role\":\"model\"}}{}}}],\"usageMetadata\":{{\"promptTokenCount\":20,\"candidatesTokenCount\":{out},\"totalTokenCount\":{}}},\"modelVersion\":\"gemini-2.5-flash\",\"responseId\":\"resp-2\"}}\r\n\r\n",
+                if fin {
+                    ",\"finishReason\":\"STOP\""
+                } else {
+                    ""
+                },
+                20 + out
+            )
+        };
+        let whole = [
+            chunk("a", 1, false),
+            chunk("b c", 3, false),
+            chunk("d", 9, true),
+        ]
+        .concat();
+        for size in [whole.len(), 7, 1] {
+            let r = run("text/event-stream", whole.as_bytes(), size).unwrap();
+            assert_eq!(
+                (r.input_tokens, r.output_tokens, r.estimated, r.provider),
+                (20, 9, false, "google"),
+                "chunks of {size}"
+            );
+            assert_eq!(r.model.as_deref(), Some("gemini-2.5-flash"));
+        }
+        // Cut before the last chunk: what the chunks said so far, at least one token for each
+        // that carried text, marked as the host's estimate.
+        let cut = [chunk("a", 1, false), chunk("b c", 3, false)].concat();
+        let r = run("text/event-stream", cut.as_bytes(), 5).unwrap();
+        assert_eq!((r.output_tokens, r.estimated), (3, true));
     }
 
     #[test]

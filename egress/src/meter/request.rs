@@ -80,6 +80,9 @@ pub enum Api {
     Messages,
     /// Embeddings: usage in the JSON response.
     Embeddings,
+    /// Google's Gemini API (`…/models/{model}:generateContent` and `:streamGenerateContent`):
+    /// usage in every response's `usageMetadata`.
+    Gemini,
     /// Token counting (`…/messages/count_tokens`, `…/responses/input_tokens`): no model call,
     /// nothing billed, nothing recorded.
     Count,
@@ -90,8 +93,13 @@ impl Api {
     pub fn of(target: &str) -> Option<Api> {
         let path = target.split(['?', '#']).next().unwrap_or("");
         let ends = |s: &str| path.ends_with(s);
-        if ends("/messages/count_tokens") || ends("/responses/input_tokens") {
+        if ends("/messages/count_tokens") || ends("/responses/input_tokens") || ends(":countTokens")
+        {
             Some(Api::Count)
+        } else if ends(":generateContent") || ends(":streamGenerateContent") {
+            Some(Api::Gemini)
+        } else if ends(":embedContent") || ends(":batchEmbedContents") {
+            Some(Api::Embeddings)
         } else if ends("/completions") {
             Some(Api::Chat)
         } else if ends("/responses") {
@@ -125,7 +133,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<Option<Vec<u8>>, Unmetered> {
                 Some(_) => Err(Unmetered::UnreadableBody),
             }
         }
-        Api::Messages | Api::Embeddings | Api::Count => Ok(None),
+        Api::Messages | Api::Embeddings | Api::Count | Api::Gemini => Ok(None),
     }
 }
 
@@ -362,6 +370,19 @@ mod tests {
             ("/v1/completions", Some(Api::Chat)),
             ("/v1/responses", Some(Api::Responses)),
             ("/v1/messages", Some(Api::Messages)),
+            (
+                "/v1beta/models/gemini-2.5-pro:generateContent",
+                Some(Api::Gemini),
+            ),
+            (
+                "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+                Some(Api::Gemini),
+            ),
+            ("/v1/models/gemini-2.5-pro:countTokens", Some(Api::Count)),
+            (
+                "/v1beta/models/text-embedding-004:embedContent",
+                Some(Api::Embeddings),
+            ),
             ("/v1/messages/count_tokens", Some(Api::Count)),
             ("/v1/responses/input_tokens", Some(Api::Count)),
             ("/v1/embeddings", Some(Api::Embeddings)),
@@ -432,7 +453,7 @@ mod tests {
         ] {
             assert_eq!(chat(body), Ok(None), "{body}");
         }
-        for api in [Api::Messages, Api::Embeddings, Api::Count] {
+        for api in [Api::Messages, Api::Embeddings, Api::Count, Api::Gemini] {
             assert_eq!(prepare(api, b"not even json"), Ok(None));
         }
         assert_eq!(
