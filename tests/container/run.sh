@@ -160,8 +160,10 @@ check_stop() {
   "$@" >/dev/null 2>&1
   secs=$(( $(date +%s) - start ))
   code=$(podman inspect -f '{{.State.ExitCode}}' "$ctr")
-  podman logs "$ctr" 2>&1 | grep -E 'Disposed of sandbox' | grep -q "$kept" \
-    || { podman logs "$ctr" 2>&1 | tail -10 >&2; fail "$ctr did not log the disposal of $kept on SIGTERM"; }
+  local logs
+  logs=$(podman logs "$ctr" 2>&1)
+  grep -E 'Disposed of sandbox' <<<"$logs" | grep -c -- "$kept" >/dev/null \
+    || { tail -10 <<<"$logs" >&2; fail "$ctr did not log the disposal of $kept on SIGTERM"; }
   [ "$code" = 0 ] || fail "$ctr exited with $code on SIGTERM (137: killed at the end of the grace period)"
   log "SIGTERM: $ctr disposed of $kept and exited 0 in ${secs}s (grace period 60 s)"
 }
@@ -200,7 +202,10 @@ echo "$line" >&2
 echo "$line" | grep -q '"backend":"' || fail "the Listening line names no backend"
 # The entrypoint does not hand the service root's group: on this machine /dev/kvm is root:root.
 if [ "$(stat -c %g /dev/kvm)" = 0 ]; then
-  podman logs "$host" 2>&1 | grep -q '/dev/kvm in this container belongs to the group root' \
+  # The log read whole first: `podman logs | grep -q` under pipefail fails when grep, done at the
+  # entrypoint's early line, leaves podman writing into a closed pipe (a warm run saw it).
+  logs=$(podman logs "$host" 2>&1)
+  grep -q '/dev/kvm in this container belongs to the group root' <<<"$logs" \
     || fail "the entrypoint took /dev/kvm's group root without a warning"
   podman top "$host" comm group | awk '$1 == "sandbox-host" && $2 == "root" { bad = 1 } END { exit bad }' \
     || fail "the service runs with the group root"
