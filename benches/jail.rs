@@ -63,6 +63,7 @@ fn main() {
                     memory_bytes: 64 << 20,
                     pids: 16,
                     cpu_weight: 100,
+                    cpus: 1,
                 },
                 nofile: 128,
                 fsize: Some(1 << 20),

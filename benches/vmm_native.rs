@@ -169,13 +169,20 @@ fn main() {
     // The snapshot every restore starts from: the spinning payload, paused mid-loop.
     let state = dir.path().join("snap.state");
     let memory = dir.path().join("snap.mem");
-    let (state_f, memory_f) = (
-        std::fs::File::create(&state).expect("state"),
-        std::fs::File::create(&memory).expect("memory"),
-    );
+    let state_f = std::fs::File::create(&state).expect("state");
+    // Read-write: the memory is written through a shared mapping of the file.
+    let memory_f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&memory)
+        .expect("memory");
+    sandbox_vmm::kvm::snapshot::size_memory_file(&memory_f, u64::from(MEMORY_MIB) << 20)
+        .expect("sizing the memory file");
     let (_, m) = start(&config(&spin, None)).expect("the spinning payload starts");
     let done = m
-        .pause_and_snapshot(&state_f, &memory_f, false)
+        .pause_and_snapshot(&mut &state_f, &memory_f, false)
         .expect("the snapshot");
     drop(m);
     let expect = sandbox_vmm::kvm::snapshot::Expect {

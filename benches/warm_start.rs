@@ -89,6 +89,7 @@ impl Qemu {
             net_fd: None,
             disk_fds: vec![],
             qmp_fd: None,
+            kvm_fd: None,
             snapshot_fd: None,
             restore_fd: None,
         };

@@ -73,15 +73,25 @@ pub async fn serve() -> ExitCode {
     }
     let store = ImageStore::new(cfg.image_dir.clone());
     let (mut availability, backend) = availability(&store).await;
-    let missing = jail.status().missing.clone();
-    if jail_settings.mode == sandbox_jail::Mode::Required && !missing.is_empty() {
+    let status = jail.status();
+    let mut jail_warnings = vec![];
+    if let Some(refusal) = &status.refusal {
         availability.available = false;
-        availability.reason = Some(format!(
-            "SANDBOX_HOST_JAIL=required, but {}",
-            missing.join("; ")
+        availability.reason = Some(refusal.clone());
+    } else if !status.missing.is_empty() {
+        jail_warnings.push(format!(
+            "the VM jail is incomplete: {}",
+            status.missing.join("; ")
         ));
-    } else if !missing.is_empty() {
-        let jail_warning = format!("the VM jail is incomplete: {}", missing.join("; "));
+    }
+    if !status.unenforced.is_empty() {
+        jail_warnings.push(format!(
+            "the VMs' cgroups cannot apply: {}",
+            status.unenforced.join("; ")
+        ));
+    }
+    if !jail_warnings.is_empty() {
+        let jail_warning = jail_warnings.join("; ");
         availability.warning = Some(match availability.warning.take() {
             Some(w) => format!("{w}; {jail_warning}"),
             None => jail_warning,

@@ -44,6 +44,8 @@ enum Layout {
         memory: Option<PathBuf>,
         pids: Option<PathBuf>,
         cpu: Option<PathBuf>,
+        /// With a weight file: the host's I/O scheduler shares by weight (BFQ).
+        blkio: Option<PathBuf>,
     },
 }
 
@@ -51,6 +53,70 @@ enum Layout {
 #[derive(Debug, Clone)]
 pub struct Cgroups {
     layout: Layout,
+    /// The optional limits' files this host has, probed at discovery.
+    optional: Optional,
+    /// The limits every VM's group lacks on this host, in the operator's words.
+    unenforced: Vec<String>,
+}
+
+/// Files of limits a host may lack (an older kernel, no CFS bandwidth control, no I/O weight
+/// scheduler): written where present, said where not, never a reason to refuse a VM.
+#[derive(Debug, Clone, Default)]
+struct Optional {
+    /// `cpu.max` (v2) or `cpu.cfs_quota_us` (v1).
+    cpu_bound: bool,
+    /// `memory.oom.group` (v2, Linux 4.19).
+    oom_group: bool,
+    /// The I/O weight's file: `io.weight` (blk-iocost) or `io.bfq.weight` on v2,
+    /// `blkio.weight` or `blkio.bfq.weight` on v1 (BFQ).
+    io_weight: Option<&'static str>,
+}
+
+impl Optional {
+    /// What is there under `dir` (a group whose parent enabled the controllers, as the VMs'
+    /// groups will have them), and in words what is not.
+    fn probe(
+        cpu_dir: Option<&Path>,
+        memory_dir: Option<&Path>,
+        io_dir: Option<&Path>,
+        v2: bool,
+    ) -> (Optional, Vec<String>) {
+        let has = |d: Option<&Path>, f: &str| d.is_some_and(|d| d.join(f).is_file());
+        let o = Optional {
+            cpu_bound: has(cpu_dir, if v2 { "cpu.max" } else { "cpu.cfs_quota_us" }),
+            oom_group: v2 && has(memory_dir, "memory.oom.group"),
+            io_weight: if v2 {
+                ["io.weight", "io.bfq.weight"]
+            } else {
+                ["blkio.weight", "blkio.bfq.weight"]
+            }
+            .into_iter()
+            .find(|f| has(io_dir, f)),
+        };
+        let mut unenforced = vec![];
+        if !o.cpu_bound {
+            unenforced.push(
+                "a bound on each VM's processor time (the kernel has no CFS bandwidth control \
+                 here); the CPU weight still shares the processors"
+                    .to_string(),
+            );
+        }
+        if v2 && !o.oom_group {
+            unenforced.push(
+                "one OOM kill for the whole group (no memory.oom.group before Linux 4.19); \
+                 each VM is one process, so its end is whole anyway"
+                    .to_string(),
+            );
+        }
+        if o.io_weight.is_none() {
+            unenforced.push(
+                "an I/O weight per VM (neither blk-iocost nor the BFQ scheduler's weight is \
+                 offered here); one VM's disk traffic can slow the others'"
+                    .to_string(),
+            );
+        }
+        (o, unenforced)
+    }
 }
 
 /// One VM's group, removed by [`Leaf::remove`] once its processes are gone.
@@ -72,6 +138,17 @@ impl Cgroups {
         if Path::new(ROOT).join("cgroup.controllers").is_file() {
             return v2(parent, instance).map(|c| (c, vec![]));
         }
+        // The I/O weight: only where the blkio controller has one (BFQ); not a part of the
+        // jail whose absence refuses VMs, but the operator is told.
+        let blkio = {
+            let dir = Path::new(ROOT).join("blkio").join(parent).join(instance);
+            let base = Path::new(ROOT).join("blkio");
+            let weighted = ["blkio.weight", "blkio.bfq.weight"]
+                .iter()
+                .any(|f| base.join(f).is_file());
+            (weighted && std::fs::create_dir_all(&dir).is_ok() && writable(&dir)).then_some(dir)
+        };
+
         let mut missing = vec![];
         let mut one = |ctrl: &str| {
             let base = Path::new(ROOT).join(ctrl);
@@ -95,6 +172,9 @@ impl Cgroups {
         let memory = one("memory");
         let pids = one("pids");
         let cpu = one("cpu");
+        // v1 groups have the files of their controller as soon as they are made.
+        let (optional, unenforced) =
+            Optional::probe(cpu.as_deref(), memory.as_deref(), blkio.as_deref(), false);
         if memory.is_none() && pids.is_none() && cpu.is_none() {
             return Err(format!(
                 "no cgroup controller can be used: {}",
@@ -103,7 +183,14 @@ impl Cgroups {
         }
         Ok((
             Cgroups {
-                layout: Layout::V1 { memory, pids, cpu },
+                layout: Layout::V1 {
+                    memory,
+                    pids,
+                    cpu,
+                    blkio,
+                },
+                optional,
+                unenforced,
             },
             missing,
         ))
@@ -139,6 +226,12 @@ impl Cgroups {
         }
     }
 
+    /// The limits every VM's group lacks on this host, for the start-up warning and
+    /// `/v1/health`: fairness between VMs, not confinement, so they never refuse VMs.
+    pub fn unenforced(&self) -> &[String] {
+        &self.unenforced
+    }
+
     /// `v2` or `v1`, for the operator.
     pub fn version(&self) -> &'static str {
         match self.layout {
@@ -150,9 +243,16 @@ impl Cgroups {
     fn dirs(&self) -> Vec<PathBuf> {
         match &self.layout {
             Layout::V2(d) => vec![d.clone()],
-            Layout::V1 { memory, pids, cpu } => {
-                [memory, pids, cpu].into_iter().flatten().cloned().collect()
-            }
+            Layout::V1 {
+                memory,
+                pids,
+                cpu,
+                blkio,
+            } => [memory, pids, cpu, blkio]
+                .into_iter()
+                .flatten()
+                .cloned()
+                .collect(),
         }
     }
 
@@ -205,12 +305,33 @@ impl Cgroups {
                     write(
                         &dir.join("cpu.weight"),
                         &limits.cpu_weight.clamp(1, 10_000).to_string(),
-                    )
+                    )?;
+                    let o = &self.optional;
+                    if limits.cpus > 0 && o.cpu_bound {
+                        optional(
+                            &dir.join("cpu.max"),
+                            &format!("{} {CPU_PERIOD_US}", cpu_quota_us(limits.cpus)),
+                        );
+                    }
+                    // The kernel's OOM killer ends the whole group, never a part of it.
+                    if o.oom_group {
+                        optional(&dir.join("memory.oom.group"), "1");
+                    }
+                    if let Some(f) = o.io_weight {
+                        let w = limits.cpu_weight.clamp(1, 10_000);
+                        optional(&dir.join(f), &format!("default {w}"));
+                    }
+                    Ok(())
                 };
                 set().inspect_err(|_| leaf.remove())?;
                 Ok(leaf)
             }
-            Layout::V1 { memory, pids, cpu } => {
+            Layout::V1 {
+                memory,
+                pids,
+                cpu,
+                blkio,
+            } => {
                 let mut leaf = Leaf {
                     dirs: vec![],
                     v2: false,
@@ -244,6 +365,24 @@ impl Cgroups {
                         let shares =
                             (u64::from(limits.cpu_weight.clamp(1, 10_000)) * 1024 / 100).max(2);
                         write(&dir.join("cpu.shares"), &shares.to_string())?;
+                        if limits.cpus > 0 && self.optional.cpu_bound {
+                            optional(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string());
+                            // Refused (EINVAL) above a parent's own quota: the parent bounds it.
+                            optional(
+                                &dir.join("cpu.cfs_quota_us"),
+                                &cpu_quota_us(limits.cpus).to_string(),
+                            );
+                        }
+                    }
+                    if let Some(b) = blkio {
+                        let dir = b.join(&leaf_name);
+                        fresh_dir(&dir)?;
+                        leaf.dirs.push(dir.clone());
+                        // v1's scale is 10 to 1000, 500 a default group (100 on v2's).
+                        let weight = (limits.cpu_weight.clamp(1, 10_000) * 5).clamp(10, 1000);
+                        if let Some(f) = self.optional.io_weight {
+                            optional(&dir.join(f), &weight.to_string());
+                        }
                     }
                     Ok(())
                 };
@@ -315,6 +454,13 @@ impl Leaf {
     }
 }
 
+/// The CFS period of a VM's CPU bound: 100 ms, the kernel's default.
+const CPU_PERIOD_US: u64 = 100_000;
+
+fn cpu_quota_us(cpus: u32) -> u64 {
+    u64::from(cpus) * CPU_PERIOD_US
+}
+
 fn v2(parent: &str, instance: &str) -> Result<Cgroups, String> {
     let root = Path::new(ROOT);
     let wanted = ["memory", "pids", "cpu"];
@@ -331,9 +477,38 @@ fn v2(parent: &str, instance: &str) -> Result<Cgroups, String> {
     if !writable(&dir) {
         return Err(format!("{} is not writable", dir.display()));
     }
+    // The io controller where the host already passes it down (systemd does): enabled in our
+    // own groups only, never at the hierarchy's root. Its absence is said, not refused
+    // (fairness between VMs, not confinement).
+    let mut io = root_has(&root.join("cgroup.subtree_control"), "io");
+    let mut d = root.to_path_buf();
+    for part in Path::new(parent).join(instance).components() {
+        d = d.join(part);
+        io = io && enable(&d, &["io"]).is_ok();
+    }
+    // A group of the instance's shows the files its VMs' groups will have.
+    let probe = dir.join(format!("probe-{}", std::process::id()));
+    let _ = std::fs::create_dir(&probe);
+    let (optional, unenforced) = Optional::probe(
+        Some(&probe),
+        Some(&probe),
+        io.then_some(probe.as_path()),
+        true,
+    );
+    let _ = std::fs::remove_dir(&probe);
     Ok(Cgroups {
         layout: Layout::V2(dir),
+        optional,
+        unenforced,
     })
+}
+
+/// Whether `control` (a `cgroup.subtree_control`) lists `controller`.
+fn root_has(control: &Path, controller: &str) -> bool {
+    std::fs::read_to_string(control)
+        .unwrap_or_default()
+        .split_whitespace()
+        .any(|c| c == controller)
 }
 
 fn enable(dir: &Path, wanted: &[&str]) -> Result<(), String> {
@@ -375,6 +550,14 @@ fn fresh_dir(dir: &Path) -> Result<(), CgroupError> {
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     std::fs::write(path, value).map_err(io("writing", path))
+}
+
+/// Writes a limit the host may refuse (a parent's tighter quota, a file of a scheduler that is
+/// not the disk's): the VM runs without it, and the log says so.
+fn optional(path: &Path, value: &str) {
+    if let Err(e) = std::fs::write(path, value) {
+        tracing::warn!(file = %path.display(), error = %e, "a VM's cgroup limit was not applied");
+    }
 }
 
 /// SIGKILLs every process of a group (a stale one, or one whose VM process is gone).

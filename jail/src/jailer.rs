@@ -32,6 +32,32 @@ impl std::fmt::Debug for Jailer {
     }
 }
 
+/// Whether this service runs as root (its VMs would too, without the jail's namespaces).
+fn root_service() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Why VMs are refused, if they are: in `required` mode any missing part; in `auto` mode a
+/// service running as root that cannot apply the namespaces (its VMs would run as root, with
+/// the host's mounts and network): never quietly. An ordinary user's service in `auto` mode
+/// runs its VMs with the warning.
+fn refusal(mode: Mode, root: bool, namespaces: bool, missing: &[String]) -> Option<String> {
+    match mode {
+        Mode::Required if !missing.is_empty() => Some(format!(
+            "SANDBOX_HOST_JAIL=required, but {}",
+            missing.join("; ")
+        )),
+        Mode::Auto if root && !namespaces => Some(format!(
+            "the sandbox host runs as root and its VMs would too, without the jail's namespaces \
+             ({}): run it as the user sandbox-host (bin/up does when started as root), or set \
+             SANDBOX_HOST_JAIL=off to run them unjailed anyway (debugging only)",
+            missing.join("; ")
+        )),
+        _ => None,
+    }
+}
+
 impl Jailer {
     /// Works out what this host allows and proves it by jailing a process that does nothing.
     pub fn new(settings: &Settings) -> Jailer {
@@ -100,6 +126,7 @@ impl Jailer {
                 ids: "none",
                 cgroup: None,
                 missing: vec![],
+                unenforced: vec![],
                 refusal: None,
             },
             spawner: Mutex::new(tx),
@@ -125,9 +152,13 @@ impl Jailer {
                 (true, _) => "per-vm",
             },
             cgroup: jailer.cgroups.as_ref().map(Cgroups::version),
-            refusal: (settings.mode == Mode::Required && !missing.is_empty())
-                .then(|| format!("SANDBOX_HOST_JAIL=required, but {}", missing.join("; "))),
+            refusal: refusal(settings.mode, root_service(), jailer.namespaces, &missing),
             missing,
+            unenforced: jailer
+                .cgroups
+                .as_ref()
+                .map(|c| c.unenforced().to_vec())
+                .unwrap_or_default(),
         };
         jailer
     }
@@ -154,6 +185,7 @@ impl Jailer {
                     memory_bytes: 64 << 20,
                     pids: 8,
                     cpu_weight: 100,
+                    cpus: 1,
                 },
                 nofile: 64,
                 fsize: Some(0),
@@ -260,4 +292,32 @@ fn system_layout() -> (Vec<(PathBuf, PathBuf)>, Vec<PathBuf>) {
         }
     }
     (links, dirs)
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+
+    #[test]
+    fn auto_refuses_a_root_service_without_namespaces_and_only_that() {
+        let missing = vec!["the jail cannot be applied here (mount: EPERM)".to_string()];
+        let why = refusal(Mode::Auto, true, false, &missing).expect("refused");
+        assert!(
+            why.contains("runs as root") && why.contains("EPERM"),
+            "{why}"
+        );
+        assert_eq!(
+            refusal(Mode::Auto, false, false, &missing),
+            None,
+            "a laptop's warning"
+        );
+        assert_eq!(
+            refusal(Mode::Auto, true, true, &missing),
+            None,
+            "only a cgroup missing"
+        );
+        assert!(refusal(Mode::Required, false, true, &missing).is_some());
+        assert_eq!(refusal(Mode::Required, true, true, &[]), None);
+        assert_eq!(refusal(Mode::Off, true, false, &missing), None);
+    }
 }

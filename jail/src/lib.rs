@@ -114,6 +114,9 @@ pub struct Status {
     pub cgroup: Option<&'static str>,
     /// Each part that is missing, with why, in the operator's words.
     pub missing: Vec<String>,
+    /// Limits of fairness between VMs the host's cgroups cannot apply (an I/O weight, one
+    /// OOM kill for the group), in the operator's words: said at start-up, never a refusal.
+    pub unenforced: Vec<String>,
     /// Set in `required` mode when a part is missing: VMs are refused with this.
     pub refusal: Option<String>,
 }

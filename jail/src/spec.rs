@@ -15,8 +15,11 @@ pub struct Limits {
     /// Processes and threads.
     pub pids: u64,
     /// CPU weight on v2's scale (1 to 10000, 100 is a default process); v1's shares are
-    /// derived from it.
+    /// derived from it. The I/O weight is the same share of the disks.
     pub cpu_weight: u32,
+    /// The most processors' worth of time the group gets (`cpu.max`, v1's CFS quota): a VM's
+    /// vCPUs. 0 leaves it unbounded.
+    pub cpus: u32,
 }
 
 /// A file or directory of the host made visible in the jail.

@@ -197,6 +197,7 @@ impl Jailer {
                 refusal: (settings.mode == Mode::Required)
                     .then(|| format!("SANDBOX_HOST_JAIL=required, but {}", missing.join("; "))),
                 missing,
+                unenforced: vec![],
             },
         }
     }
@@ -404,6 +405,7 @@ mod tests {
                 memory_bytes: 1 << 30,
                 pids: 16,
                 cpu_weight: 100,
+                cpus: 1,
             },
             nofile: 64,
             fsize: None,

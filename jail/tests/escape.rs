@@ -58,6 +58,41 @@ struct Outcome {
     out: String,
     exit: sandbox_jail::Exit,
     uid: Option<u32>,
+    /// The limits files of its groups, read while it ran: (file name, content).
+    limits: Vec<(String, String)>,
+}
+
+/// The CPU and memory limits of the groups `pid` is in, as the kernel shows them.
+fn group_limits(pid: u32) -> Vec<(String, String)> {
+    let groups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let mut dirs = vec![];
+    for line in groups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        if ctrls.is_empty() {
+            dirs.push(Path::new("/sys/fs/cgroup").join(path));
+        } else if ctrls.split(',').any(|c| c == "cpu") {
+            dirs.push(Path::new("/sys/fs/cgroup/cpu").join(path));
+        }
+    }
+    let files = [
+        "cpu.max",
+        "memory.oom.group",
+        "cpu.cfs_quota_us",
+        "cpu.cfs_period_us",
+    ];
+    dirs.iter()
+        .flat_map(|d| files.iter().map(move |f| (f, d.join(f))))
+        .filter_map(|(f, p)| {
+            Some((
+                f.to_string(),
+                std::fs::read_to_string(p).ok()?.trim().to_string(),
+            ))
+        })
+        .collect()
 }
 
 /// Runs one case of the payload in a fresh jail.
@@ -107,6 +142,7 @@ fn run_case(j: &Jailer, case: &str, seccomp: bool, scratch: &Path) -> Outcome {
                 memory_bytes: MEMORY,
                 pids: PIDS,
                 cpu_weight: 100,
+                cpus: 1,
             },
             nofile: 64,
             fsize: Some(FSIZE),
@@ -115,6 +151,7 @@ fn run_case(j: &Jailer, case: &str, seccomp: bool, scratch: &Path) -> Outcome {
         })
         .unwrap_or_else(|e| panic!("spawning the payload for {case}: {e}"));
     let uid = status_uid(jailed.pid());
+    let limits = group_limits(jailed.pid());
     let mut out = String::new();
     let mut r = std::fs::File::from(out_r);
     // The payload's output ends when it (and every process it made) is gone.
@@ -130,7 +167,12 @@ fn run_case(j: &Jailer, case: &str, seccomp: bool, scratch: &Path) -> Outcome {
         .block_on(async { tokio::time::timeout(Duration::from_secs(60), jailed.wait()).await })
         .unwrap_or_else(|_| panic!("case {case} did not end within 60 s"));
     let out = reader.join().unwrap();
-    Outcome { out, exit, uid }
+    Outcome {
+        out,
+        exit,
+        uid,
+        limits,
+    }
 }
 
 fn rand_suffix() -> u64 {
@@ -235,6 +277,39 @@ fn memory_past_the_limit_is_killed_by_the_oom_killer() {
     let o = run_case(&j, "memory", true, scratch.path());
     assert_eq!(o.exit.signal(), Some(libc::SIGKILL), "{}", o.out);
     assert!(o.exit.oom_kills > 0, "{o:?}", o = o.out);
+}
+
+#[test]
+fn a_group_bounds_its_cpu_time_to_its_cpus_and_is_killed_whole() {
+    let Some(j) = jailer() else { return };
+    let Some(version) = j.status().cgroup else {
+        eprintln!("skipped: no cgroup here");
+        return;
+    };
+    let scratch = tempfile::tempdir().unwrap();
+    let o = run_case(&j, "sleep", true, scratch.path());
+    let get = |f: &str| {
+        o.limits
+            .iter()
+            .find(|(n, _)| n == f)
+            .map(|(_, v)| v.as_str())
+    };
+    // One CPU (the case's `cpus: 1`) per 100 ms period, where the kernel has the files (what it
+    // lacks is listed under `unenforced`).
+    let lacks = |what: &str| j.status().unenforced.iter().any(|u| u.contains(what));
+    if lacks("processor time") {
+        eprintln!("skipped: {:?}", j.status().unenforced);
+        return;
+    }
+    if version == "v2" {
+        assert_eq!(get("cpu.max"), Some("100000 100000"), "{:?}", o.limits);
+        if !lacks("OOM kill") {
+            assert_eq!(get("memory.oom.group"), Some("1"), "{:?}", o.limits);
+        }
+    } else {
+        assert_eq!(get("cpu.cfs_quota_us"), Some("100000"), "{:?}", o.limits);
+        assert_eq!(get("cpu.cfs_period_us"), Some("100000"), "{:?}", o.limits);
+    }
 }
 
 #[test]

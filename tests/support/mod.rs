@@ -86,12 +86,20 @@ impl Deadline {
                 .take()
                 .and_then(|w| w.upgrade());
             let vm_state = match vm {
-                Some(vm) => format!(
-                    "its VM: exit {:?}; {}\n  console:\n    {}",
-                    vm.exit().map(|e| e.reason),
-                    vm.diagnostics(),
-                    vm.console_tail(12).join("\n    ")
-                ),
+                Some(vm) => {
+                    // This thread has no runtime: one of its own, for the VMM's answer (bounded
+                    // by the VM's side).
+                    let vcpus = tokio::runtime::Builder::new_current_thread()
+                        .enable_time()
+                        .build()
+                        .map(|rt| rt.block_on(vm.diagnostics()))
+                        .unwrap_or_default();
+                    format!(
+                        "its VM: exit {:?}; {vcpus}\n  console:\n    {}",
+                        vm.exit().map(|e| e.reason),
+                        vm.console_tail(12).join("\n    ")
+                    )
+                }
                 None => "no VM of it is alive".into(),
             };
             // Straight to the process's stderr: the test harness captures what this thread

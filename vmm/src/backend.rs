@@ -199,7 +199,8 @@ pub trait Vm: Send + Sync {
     /// The last `n` console lines.
     fn console_tail(&self, n: usize) -> Vec<String>;
     /// What the VMM knows of a VM that stopped answering (vCPU activity), for error messages.
-    fn diagnostics(&self) -> String {
+    /// Asked of a VM process, it is awaited (bounded), never waited for on a runtime's thread.
+    async fn diagnostics(&self) -> String {
         String::new()
     }
     /// The host process of the VM, if it is a separate one (QEMU).

@@ -284,7 +284,7 @@ async fn watch(
                 break format!("the guest agent's channel closed while the VM ran on ({why})");
             }
             Err(_) => {
-                let vcpus = vm.diagnostics();
+                let vcpus = vm.diagnostics().await;
                 break format!(
                     "the guest stopped answering: its agent did not reply to a ping within {:?}{}",
                     liveness.timeout,

@@ -49,5 +49,6 @@ pub fn jail_report() -> Value {
         "ids": s.ids,
         "cgroup": s.cgroup,
         "missing": s.missing,
+        "unenforced": s.unenforced,
     })
 }

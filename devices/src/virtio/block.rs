@@ -11,14 +11,14 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
-    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
-    VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 
 use event_manager::EventOps;
 
-use super::queue::{add_used, pop, reader, writer};
+use super::queue::{Chain, Reader, Writer, add_used, pop, reader, writer};
 use super::{
     BYTES_PER_WAKE, CHAINS_PER_WAKE, DeviceError, Queues, VIRTIO_F_VERSION_1, VirtioDevice,
 };
@@ -29,6 +29,17 @@ const SECTOR: u64 = 512;
 const QUEUE_SIZES: [u16; 1] = [256];
 /// Bounce buffer size: the most host memory one request holds at a time.
 const CHUNK: usize = 128 * 1024;
+/// The most data buffers one request may have (`seg_max`, offered), and the largest of them
+/// (`size_max`): a driver that keeps to them never asks for more than [`MAX_REQUEST`].
+const SEG_MAX: u32 = 64;
+const SIZE_MAX: u32 = 64 * 1024;
+/// The most bytes one request moves, whatever its descriptors say: one wake-up's budget. A
+/// chain of aliased buffers asking for more fails alone, before any host I/O, so no request
+/// costs more device-thread time than a wake-up may spend.
+pub const MAX_REQUEST: u64 = BYTES_PER_WAKE;
+const _: () = assert!(SEG_MAX as u64 * SIZE_MAX as u64 <= MAX_REQUEST);
+/// A request's header (16 bytes) and status byte, beside its data.
+const HEADER_AND_STATUS: u64 = 17;
 
 /// A block device.
 pub struct Block {
@@ -69,8 +80,8 @@ impl Block {
         })
     }
 
-    fn execute(&mut self, q: &mut Queues, chain: super::queue::Chain<'_>) -> (u8, u32) {
-        let Some(mut r) = reader(q.mem, chain.clone()) else {
+    fn execute(&mut self, q: &mut Queues, chain: &Chain) -> (u8, u32) {
+        let Some(mut r) = reader(q.mem, chain) else {
             return (VIRTIO_BLK_S_IOERR as u8, 0);
         };
         let Some(mut w) = writer(q.mem, chain) else {
@@ -82,12 +93,15 @@ impl Block {
         }
         // The status byte is the last writable byte; the data (for reads) comes before it.
         let data_len = w.available_bytes() - 1;
-        let Ok(mut status_w) = w.split_at(data_len) else {
+        let Some(mut status_w) = w.split_at(data_len) else {
             return (VIRTIO_BLK_S_IOERR as u8, 0);
         };
         let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
         let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or([0; 8]));
+        // Larger than the offer allows (aliased buffers included): refused before any host I/O.
+        let too_large = chain.total_len() > MAX_REQUEST + HEADER_AND_STATUS;
         let (status, written) = match kind {
+            _ if too_large => (VIRTIO_BLK_S_IOERR, 0),
             VIRTIO_BLK_T_IN => self.read(sector, &mut w),
             VIRTIO_BLK_T_OUT => self.write(sector, &mut r),
             VIRTIO_BLK_T_FLUSH => {
@@ -123,7 +137,7 @@ impl Block {
         (end <= self.capacity_sectors).then(|| sector * SECTOR)
     }
 
-    fn read(&mut self, sector: u64, w: &mut virtio_queue::Writer<'_>) -> (u32, u32) {
+    fn read(&mut self, sector: u64, w: &mut Writer<'_>) -> (u32, u32) {
         let total = w.available_bytes();
         let Some(mut off) = self.range(sector, total) else {
             return (VIRTIO_BLK_S_IOERR, 0);
@@ -143,7 +157,7 @@ impl Block {
         (VIRTIO_BLK_S_OK, done as u32)
     }
 
-    fn write(&mut self, sector: u64, r: &mut virtio_queue::Reader<'_>) -> (u32, u32) {
+    fn write(&mut self, sector: u64, r: &mut Reader<'_>) -> (u32, u32) {
         if self.read_only {
             return (VIRTIO_BLK_S_IOERR, 0);
         }
@@ -173,7 +187,10 @@ impl VirtioDevice for Block {
     }
 
     fn features(&self) -> u64 {
-        let mut f = VIRTIO_F_VERSION_1 | (1 << VIRTIO_BLK_F_FLUSH);
+        let mut f = VIRTIO_F_VERSION_1
+            | (1 << VIRTIO_BLK_F_FLUSH)
+            | (1 << VIRTIO_BLK_F_SEG_MAX)
+            | (1 << VIRTIO_BLK_F_SIZE_MAX);
         if self.read_only {
             f |= 1 << VIRTIO_BLK_F_RO;
         }
@@ -185,8 +202,11 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // Only `capacity` (le64 at offset 0); the rest of the layout reads as zero.
-        let cfg = self.capacity_sectors.to_le_bytes();
+        // `capacity` (le64), `size_max` and `seg_max` (le32 each); the rest reads as zero.
+        let mut cfg = [0u8; 16];
+        cfg[..8].copy_from_slice(&self.capacity_sectors.to_le_bytes());
+        cfg[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
+        cfg[12..].copy_from_slice(&SEG_MAX.to_le_bytes());
         super::read_config_bytes(&cfg, offset, data);
     }
 
@@ -209,9 +229,10 @@ impl VirtioDevice for Block {
                 break;
             };
             let head = chain.head_index();
-            // What the request moves, either way: its buffers' lengths.
-            bytes += chain.clone().map(|d| u64::from(d.len())).sum::<u64>();
-            let (_, len) = self.execute(q, chain);
+            // What the request moves, either way: its buffers' lengths (a request past
+            // MAX_REQUEST moves nothing, and counts as the most one may move).
+            bytes += chain.total_len().min(MAX_REQUEST);
+            let (_, len) = self.execute(q, &chain);
             add_used(index, &mut q.queues[index], q.mem, head, len)?;
             used = true;
         }
@@ -282,6 +303,52 @@ mod tests {
             "{failure:?}"
         );
         assert!(d.used(0).is_empty(), "nothing was executed");
+    }
+
+    #[test]
+    fn a_request_past_a_wakeups_budget_fails_before_any_io() {
+        // 16 aliased 4 MiB buffers ask for 64 MiB in one request of a 64 MiB disk: refused
+        // before a byte moves. One buffer of the whole budget is served.
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(64 << 20).unwrap();
+        let mut d = Driver::new(Block::open(f.path(), false, "big").unwrap());
+        let features = d.t.lock().unwrap().device().features();
+        d.setup(features);
+        const BIG: u64 = 0x80_0000;
+        d.put(BIG, &[0xaa; 64]);
+        header(&d, VIRTIO_BLK_T_IN, 0);
+        let mut bufs = vec![(HDR, 16, false)];
+        bufs.extend((0..16).map(|_| (BIG, 4 << 20, true)));
+        bufs.push((STATUS, 1, true));
+        d.add_chain(0, &bufs);
+        d.kick(0);
+        assert_eq!(status(&d), VIRTIO_BLK_S_IOERR as u8);
+        assert_eq!(d.used(0)[0].1, 1, "the status byte alone");
+        assert_eq!(d.get(BIG, 64), [0xaa; 64], "the disk was not read");
+        assert_eq!(d.t.lock().unwrap().device().bad_requests, 1);
+        header(&d, VIRTIO_BLK_T_IN, 0);
+        d.add_chain(
+            0,
+            &[(HDR, 16, false), (BIG, 4 << 20, true), (STATUS, 1, true)],
+        );
+        d.kick(0);
+        assert_eq!(status(&d), 0);
+        assert_eq!(d.get(BIG, 64), [0u8; 64]);
+    }
+
+    #[test]
+    fn the_offer_bounds_a_drivers_requests_to_the_budget() {
+        let (_f, d) = disk(false);
+        let features = d.t.lock().unwrap().device().features();
+        assert_ne!(features & (1 << VIRTIO_BLK_F_SEG_MAX), 0);
+        assert_ne!(features & (1 << VIRTIO_BLK_F_SIZE_MAX), 0);
+        let cfg = |off: u32| d.read(virtio_bindings::virtio_mmio::VIRTIO_MMIO_CONFIG + off);
+        let (size_max, seg_max) = (cfg(8), cfg(12));
+        assert_eq!(cfg(0), 128, "capacity in sectors");
+        assert!(u64::from(size_max) * u64::from(seg_max) <= MAX_REQUEST);
+        assert!((2..=256 - 2).contains(&seg_max), "{seg_max}");
+        // Not below a page of any guest (64 KiB pages on some aarch64 kernels).
+        assert!(size_max >= 64 * 1024, "{size_max}");
     }
 
     #[test]

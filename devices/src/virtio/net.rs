@@ -117,7 +117,7 @@ impl<B: NetBackend> Net<B> {
                 break;
             };
             let head = chain.head_index();
-            match reader(q.mem, chain) {
+            match reader(q.mem, &chain) {
                 Some(mut r)
                     if r.available_bytes() >= NET_HDR_LEN
                         && r.available_bytes() - NET_HDR_LEN <= MAX_FRAME =>
@@ -170,7 +170,7 @@ impl<B: NetBackend> Net<B> {
             };
             let head = chain.head_index();
             let mut len = 0u32;
-            if let Some(mut w) = writer(q.mem, chain)
+            if let Some(mut w) = writer(q.mem, &chain)
                 && w.available_bytes() >= NET_HDR_LEN + frame.len()
             {
                 let mut hdr = [0u8; NET_HDR_LEN];

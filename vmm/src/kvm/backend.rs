@@ -204,6 +204,7 @@ async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
         exit: exit_rx,
         state_dir: spec.state_dir.clone(),
         snapshot_to: snapshot_to.map(Arc::new),
+        memory_mib: spec.memory_mib,
     };
     // The caller's bound, as on QEMU: a nested host under load needs more than the default.
     let within = spec.start_timeout.unwrap_or(CONNECT_TIMEOUT);
@@ -295,6 +296,7 @@ pub struct KvmVm {
     exit: watch::Receiver<Option<VmExit>>,
     state_dir: std::path::PathBuf,
     snapshot_to: Option<Arc<(std::fs::File, std::fs::File)>>,
+    memory_mib: u32,
 }
 
 #[async_trait]
@@ -348,15 +350,29 @@ impl Vm for KvmVm {
             ));
         };
         let m = self.machine.clone();
-        tokio::task::spawn_blocking(move || {
-            m.pause_and_snapshot(&files.0, &files.1, resume)
-                .map_err(|e| VmError::Snapshot(e.to_string()))
+        let memory_mib = self.memory_mib;
+        tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let (state, memory) = (&files.0, &files.1);
+            super::snapshot::size_memory_file(memory, u64::from(memory_mib) << 20)
+                .map_err(|e| e.to_string())?;
+            state
+                .set_len(0)
+                .and_then(|()| std::io::Seek::seek(&mut &*state, std::io::SeekFrom::Start(0)))
+                .map_err(|e| format!("emptying the state file: {e}"))?;
+            let done = m
+                .pause_and_snapshot(&mut &*state, memory, resume)
+                .map_err(|e| e.to_string())?;
+            state
+                .sync_data()
+                .map_err(|e| format!("syncing the state file: {e}"))?;
+            Ok(done)
         })
         .await
         .map_err(|e| VmError::Snapshot(format!("the snapshot task failed: {e}")))?
+        .map_err(VmError::Snapshot)
     }
 
-    fn diagnostics(&self) -> String {
+    async fn diagnostics(&self) -> String {
         self.machine.vcpu_report()
     }
 

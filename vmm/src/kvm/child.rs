@@ -42,22 +42,9 @@ fn file(fd: RawFd, taken: &mut Vec<RawFd>) -> Result<std::fs::File, String> {
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
-/// The files [`Request::Snapshot`] writes.
-struct SnapshotOut {
-    state: std::fs::File,
-    memory: std::fs::File,
-}
-
-fn machine_config(cfg: VmConfig) -> Result<(MachineConfig, Option<SnapshotOut>), String> {
+fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
     let mut taken = vec![];
     let kvm = file(cfg.kvm_fd, &mut taken)?;
-    let snapshot_out = match cfg.snapshot_to {
-        Some(s) => Some(SnapshotOut {
-            state: file(s.state_fd, &mut taken)?,
-            memory: file(s.memory_fd, &mut taken)?,
-        }),
-        None => None,
-    };
     let restore = match cfg.restore {
         Some(s) => {
             let state = file(s.state_fd, &mut taken)?;
@@ -117,32 +104,35 @@ fn machine_config(cfg: VmConfig) -> Result<(MachineConfig, Option<SnapshotOut>),
         // SAFETY: a write to our stdout from a valid slice.
         unsafe { libc::write(1, bytes.as_ptr().cast(), bytes.len()) };
     }));
-    Ok((
-        MachineConfig {
-            restore,
-            kvm: Some(Arc::new(kvm)),
-            kernel,
-            initrd,
-            console: Some(console),
-            cmdline: cfg.cmdline,
-            memory_mib: cfg.memory_mib,
-            vcpus: cfg.vcpus,
-            disks,
-            vsock_cid: cfg.vsock_cid,
-            net,
-        },
-        snapshot_out,
-    ))
+    Ok(MachineConfig {
+        restore,
+        kvm: Some(Arc::new(kvm)),
+        kernel,
+        initrd,
+        console: Some(console),
+        cmdline: cfg.cmdline,
+        memory_mib: cfg.memory_mib,
+        vcpus: cfg.vcpus,
+        disks,
+        vsock_cid: cfg.vsock_cid,
+        net,
+    })
 }
 
-/// Pauses the machine and writes its snapshot; resumes it if asked or if anything failed.
+/// Pauses the machine and writes its snapshot with the two descriptors that came with the
+/// request (the state's pipe, the memory file); resumes it if asked or if anything failed.
+/// Both are closed before the answer: the service reads the pipe to its end.
 fn snapshot(
     m: &Machine,
-    out: Option<&SnapshotOut>,
+    reader: &mut control::Reader,
     resume: bool,
 ) -> Result<crate::backend::SnapshotDone, String> {
-    let out = out.ok_or("this VM was started without snapshot files")?;
-    m.pause_and_snapshot(&out.state, &out.memory, resume)
+    let (Some(state), Some(memory)) = (reader.take_fd(), reader.take_fd()) else {
+        return Err("the snapshot request came without its two descriptors".into());
+    };
+    let mut state = std::fs::File::from(state);
+    let memory = std::fs::File::from(memory);
+    m.pause_and_snapshot(&mut state, &memory, resume)
         .map_err(|e| e.to_string())
 }
 
@@ -230,7 +220,7 @@ pub fn main() -> i32 {
         say(&writer, &Event::Error(e.to_string()), None);
         return 1;
     }
-    let (mcfg, snapshot_out) = match machine_config(cfg) {
+    let mcfg = match machine_config(cfg) {
         Ok(c) => c,
         Err(e) => {
             say(&writer, &Event::Error(e), None);
@@ -238,7 +228,7 @@ pub fn main() -> i32 {
         }
     };
     let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
-    let machine = match Machine::start(
+    let machine = match Machine::start_held(
         &mcfg,
         Some(Box::new(move |e| {
             let _ = exit_tx.send(e.clone());
@@ -258,6 +248,9 @@ pub fn main() -> i32 {
         say(&writer, &Event::Error(e.to_string()), None);
         return 1;
     }
+    // Every thread of the process is sealed (the machine's own before its vCPUs pass the gate,
+    // the network link's before it was handed over): the guest may run.
+    machine.release();
     say(&writer, &Event::Started, None);
 
     // The boot marker, once it comes.
@@ -294,7 +287,7 @@ pub fn main() -> i32 {
                             say(&w, &Event::Diagnostics(m.vcpu_report()), None)
                         }
                         Ok(Some(Request::Snapshot { id, resume })) => {
-                            let result = snapshot(&m, snapshot_out.as_ref(), resume);
+                            let result = snapshot(&m, &mut reader, resume);
                             say(&w, &Event::Snapshot { id, result }, None)
                         }
                         Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {

@@ -36,13 +36,13 @@ pub struct VmConfig {
     pub vsock_cid: u64,
     /// The network: frames on a stream socket as a 4-byte big-endian length and the frame.
     pub net: Option<NetFd>,
-    /// Start from this snapshot instead of booting the kernel.
+    /// Start from this snapshot instead of booting the kernel. (Where a snapshot is written
+    /// comes only with each [`Request::Snapshot`]: until then the process holds no file it
+    /// could write one to.)
     pub restore: Option<SnapshotFds>,
-    /// Where [`Request::Snapshot`] writes.
-    pub snapshot_to: Option<SnapshotFds>,
 }
 
-/// A snapshot's two files (the state read or written, the memory mapped or written).
+/// A snapshot's two files, to restore from (the state read, the memory mapped privately).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct SnapshotFds {
     /// The state file.
@@ -93,8 +93,11 @@ pub enum Request {
     },
     /// Answer with [`Event::Diagnostics`].
     Diagnostics,
-    /// Pause the guest and write its snapshot to the `snapshot_to` files; run on after if
-    /// `resume`. The answer is [`Event::Snapshot`].
+    /// Pause the guest and write its snapshot; run on after if `resume`. Two descriptors come
+    /// with it: a pipe the state goes into (the service bounds it and writes the file), and the
+    /// memory file, which the service created at the guest's size (it is written through a
+    /// mapping, so the process's file size limit stays at its disks'). The answer is
+    /// [`Event::Snapshot`].
     Snapshot {
         /// Named in the answer, so a late answer to an earlier request is never taken for it.
         id: u64,
@@ -139,27 +142,37 @@ pub enum Event {
 
 /// Writes one message as a line, with `fd` attached when given.
 pub fn send<T: Serialize>(sock: &UnixStream, msg: &T, fd: Option<RawFd>) -> io::Result<()> {
-    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
-    line.push(b'\n');
-    match fd {
-        None => (&*sock).write_all(&line),
-        Some(fd) => {
-            // The descriptor travels with the first byte; the rest follows as plain bytes.
-            let n = send_with_fd(sock.as_raw_fd(), &line, fd)?;
-            (&*sock).write_all(&line[n..])
-        }
-    }
+    send_fds(sock, msg, fd.as_slice())
 }
 
-fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
+/// Writes one message as a line, with `fds` (at most four) attached.
+pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::Result<()> {
+    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    line.push(b'\n');
+    if fds.is_empty() {
+        return (&*sock).write_all(&line);
+    }
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::other(format!(
+            "{} descriptors in one message, more than {MAX_FDS}",
+            fds.len()
+        )));
+    }
+    // The descriptors travel with the first byte; the rest follows as plain bytes.
+    let n = send_with_fds(sock.as_raw_fd(), &line, fds)?;
+    (&*sock).write_all(&line[n..])
+}
+
+fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    let fds_len = std::mem::size_of_val(fds) as u32;
     // SAFETY: sendmsg with an iovec over `bytes` and a control buffer sized by CMSG_SPACE for
-    // one descriptor, both living across the call.
+    // the descriptors, both living across the call.
     unsafe {
         let mut iov = libc::iovec {
             iov_base: bytes.as_ptr() as *mut libc::c_void,
             iov_len: bytes.len(),
         };
-        let space = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
+        let space = libc::CMSG_SPACE(fds_len) as usize;
         let mut control = vec![0u8; space];
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &raw mut iov;
@@ -169,8 +182,10 @@ fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
         let cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        (*cmsg).cmsg_len = libc::CMSG_LEN(fds_len) as _;
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>().add(i), *fd);
+        }
         loop {
             let n = libc::sendmsg(sock, &raw const msg, libc::MSG_NOSIGNAL);
             if n >= 0 {
@@ -309,6 +324,37 @@ mod tests {
         ));
         drop(a);
         assert!(r.read::<Event>().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_snapshot_request_carries_its_two_descriptors_in_order() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (p, q) = UnixStream::pair().unwrap();
+        let (x, _y) = UnixStream::pair().unwrap();
+        send_fds(
+            &a,
+            &Request::Snapshot {
+                id: 7,
+                resume: true,
+            },
+            &[p.as_raw_fd(), x.as_raw_fd()],
+        )
+        .unwrap();
+        let mut r = Reader::new(&b);
+        assert!(matches!(
+            r.read::<Request>().unwrap(),
+            Some(Request::Snapshot {
+                id: 7,
+                resume: true
+            })
+        ));
+        let (first, _second) = (r.take_fd().unwrap(), r.take_fd().unwrap());
+        assert!(r.take_fd().is_none());
+        (&UnixStream::from(first)).write_all(b"!").unwrap();
+        let mut got = [0u8; 1];
+        std::io::Read::read_exact(&mut &q, &mut got).unwrap();
+        assert_eq!(&got, b"!", "the first descriptor is the first sent");
+        assert!(send_fds(&a, &Event::Started, &[p.as_raw_fd(); 5]).is_err());
     }
 
     #[test]

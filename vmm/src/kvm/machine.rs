@@ -260,6 +260,8 @@ struct Shared {
     pausing: AtomicBool,
     pause: Mutex<PauseState>,
     pause_cv: Condvar,
+    /// The vCPUs wait here, sealed, for every other thread's filter.
+    gate: super::gate::Gate,
 }
 
 /// Where a pause stands; under [`Shared::pause`].
@@ -328,6 +330,7 @@ impl Shared {
         self.stopping.store(true, Ordering::SeqCst);
         self.ended.notify_all();
         drop(exit);
+        self.gate.shut();
         // Parked threads wake to see `stopping`.
         let _p = self.pause.lock().unwrap_or_else(|e| e.into_inner());
         self.pause_cv.notify_all();
@@ -341,6 +344,8 @@ pub struct Machine {
     supervisor: Mutex<Option<JoinHandle<()>>>,
     on_exit: SharedOnExit,
     parts: Option<Parts>,
+    /// [`Machine::release`] passed the gate: once, whoever calls it again.
+    released: AtomicBool,
 }
 
 /// What a snapshot reads besides the vCPUs. Field order is drop order: the VM before the memory
@@ -360,6 +365,18 @@ impl Machine {
     /// Builds the machine and starts its threads. `on_exit` runs once, on the supervisor
     /// thread, when the machine has fully stopped.
     pub fn start(cfg: &MachineConfig, on_exit: Option<OnExit>) -> Result<Machine, MachineError> {
+        let m = Machine::start_held(cfg, on_exit)?;
+        m.release();
+        Ok(m)
+    }
+
+    /// [`Machine::start`] with the guest held: its vCPUs wait, each sealed, until the caller
+    /// has sealed its own thread and calls [`Machine::release`] (the VM process's main thread),
+    /// and the machine's device and supervisor threads have sealed theirs.
+    pub fn start_held(
+        cfg: &MachineConfig,
+        on_exit: Option<OnExit>,
+    ) -> Result<Machine, MachineError> {
         let t0 = Instant::now();
         if cfg.vcpus == 0 {
             return Err(MachineError::Cpu(cpu::CpuError::zero()));
@@ -515,6 +532,8 @@ impl Machine {
             pausing: AtomicBool::new(false),
             pause: Mutex::new(PauseState::default()),
             pause_cv: Condvar::new(),
+            // The device thread, the supervisor and the caller's release.
+            gate: super::gate::Gate::new(3),
         });
         install_kick_handler();
         let vm = Arc::new(vm);
@@ -550,6 +569,7 @@ impl Machine {
                             shared.end(e.to_string(), false, false);
                             return;
                         }
+                        shared.gate.pass();
                         while !shared.stopping.load(Ordering::SeqCst) {
                             if shared.pausing.load(Ordering::SeqCst) {
                                 park_devices(&shared);
@@ -578,6 +598,7 @@ impl Machine {
                     guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
                         // Filtered before its first KVM_RUN: no guest instruction runs unsealed.
                         match super::seal::enter(ThreadKind::Vcpu) {
+                            Ok(()) if !thread_shared.gate.wait() => {}
                             Ok(()) => vcpu_loop(
                                 vcpu,
                                 id,
@@ -613,14 +634,18 @@ impl Machine {
         };
         let on_exit: SharedOnExit = Arc::new(Mutex::new(on_exit));
         let supervisor = {
+            let outer = shared.clone();
             let shared = shared.clone();
             let on_exit = on_exit.clone();
             std::thread::Builder::new()
                 .name("vm-supervisor".into())
                 .spawn(move || {
                     guarded(&shared, "the VM's supervisor", || {
-                        if let Err(e) = super::seal::enter(ThreadKind::Main) {
-                            shared.end(e.to_string(), false, false);
+                        // Fail closed: unsealed, it ends the machine (the gate shuts, so no
+                        // vCPU runs the guest) and only tears it down.
+                        match super::seal::enter(ThreadKind::Main) {
+                            Ok(()) => shared.gate.pass(),
+                            Err(e) => shared.end(e.to_string(), false, false),
                         }
                         supervise(
                             &shared,
@@ -646,7 +671,9 @@ impl Machine {
                     *shared.finished.lock().unwrap_or_else(|e| e.into_inner()) = true;
                     shared.finished_cv.notify_all();
                 })
-                .map_err(io_err("starting the supervisor thread"))?
+                .map_err(io_err("starting the supervisor thread"))
+                // The threads already started end (the vCPUs at the gate, never in the guest).
+                .inspect_err(|_| outer.end("the supervisor could not start".into(), false, false))?
         };
 
         Ok(Machine {
@@ -655,7 +682,16 @@ impl Machine {
             supervisor: Mutex::new(Some(supervisor)),
             on_exit,
             parts: Some(parts),
+            released: AtomicBool::new(false),
         })
+    }
+
+    /// Lets the vCPUs of a [`Machine::start_held`] machine into the guest once the machine's
+    /// own threads have sealed.
+    pub fn release(&self) {
+        if !self.released.swap(true, Ordering::SeqCst) {
+            self.shared.gate.pass();
+        }
     }
 
     /// Stops every vCPU and the device thread where they are, each vCPU's last exit completed
@@ -736,11 +772,13 @@ impl Machine {
         self.shared.pause_cv.notify_all();
     }
 
-    /// Writes the state of a paused machine to `state` and its memory to `memory` (both
-    /// truncated first: never a file a machine is mapped from). The machine stays paused.
+    /// Writes the state of a paused machine to `state` (a pipe to the service, or a file the
+    /// caller emptied) and its memory into `memory` (sized by the caller with
+    /// [`snapshot::size_memory_file`]; never a file a machine is mapped from). The machine stays
+    /// paused.
     pub fn snapshot(
         &self,
-        state: &std::fs::File,
+        state: &mut dyn std::io::Write,
         memory: &std::fs::File,
     ) -> Result<u64, snapshot::SnapshotError> {
         let parts = self.parts()?;
@@ -793,8 +831,15 @@ impl Machine {
             serial,
             devices,
         };
+        let bytes = machine.encode()?;
         let written = snapshot::write_memory(&parts.mem, memory)?;
-        machine.write_to(state)?;
+        state
+            .write_all(&bytes)
+            .and_then(|()| state.flush())
+            .map_err(|source| snapshot::SnapshotError::Io {
+                context: "writing the state".into(),
+                source,
+            })?;
         Ok(written)
     }
 
@@ -802,7 +847,7 @@ impl Machine {
     /// snapshot failed (a failed pause has already resumed it).
     pub fn pause_and_snapshot(
         &self,
-        state: &std::fs::File,
+        state: &mut dyn std::io::Write,
         memory: &std::fs::File,
         resume: bool,
     ) -> Result<crate::backend::SnapshotDone, snapshot::SnapshotError> {
@@ -1379,7 +1424,29 @@ mod tests {
             pausing: AtomicBool::new(false),
             pause: Mutex::new(PauseState::default()),
             pause_cv: Condvar::new(),
+            gate: super::super::gate::Gate::new(3),
         })
+    }
+
+    #[test]
+    fn a_machine_that_ends_before_its_threads_sealed_never_runs_its_guest() {
+        // A vCPU thread, sealed, at the gate; the supervisor cannot seal and ends the machine.
+        let s = shared(1);
+        let vcpu = {
+            let s = s.clone();
+            std::thread::spawn(move || s.gate.wait())
+        };
+        s.gate.pass(); // the device thread
+        s.end(
+            "applying the main thread's system call filter: refused".into(),
+            false,
+            false,
+        );
+        assert!(!vcpu.join().unwrap(), "the vCPU went on into the guest");
+        // A release after that changes nothing.
+        s.gate.pass();
+        s.gate.pass();
+        assert!(!s.gate.wait());
     }
 
     #[test]
@@ -1419,6 +1486,7 @@ mod tests {
             supervisor: Mutex::new(Some(supervisor)),
             on_exit: Arc::new(Mutex::new(Some(on_exit))),
             parts: None,
+            released: AtomicBool::new(true),
         };
         let t = Instant::now();
         let exit = m.wait_finished(Duration::from_millis(200));

@@ -9,6 +9,7 @@ pub mod boot;
 pub mod child;
 pub mod control;
 pub mod cpu;
+mod gate;
 pub mod layout;
 pub mod machine;
 pub mod mptable;
@@ -17,6 +18,7 @@ pub mod process;
 pub mod seal;
 pub mod serial;
 pub mod snapshot;
+pub mod state_check;
 mod stream_link;
 
 pub use backend::KvmBackend;

@@ -30,6 +30,9 @@ const EXIT_CONSOLE_LINES: usize = 20;
 /// emulated host under load).
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long after its answer a VM process may take to close a snapshot's state pipe.
+const STATE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Where `sandbox-vm` is: `SANDBOX_HOST_VM_BINARY`, else beside this program (or one directory
 /// up, for cargo's test binaries in `deps/`).
 pub fn vm_binary() -> Result<PathBuf, String> {
@@ -66,7 +69,6 @@ struct Control {
     vmm_start: OnceLock<Duration>,
     learned: Mutex<Learned>,
     changed: tokio::sync::Notify,
-    changed_sync: std::sync::Condvar,
     marker: OnceLock<Duration>,
     writer: Mutex<UnixStream>,
 }
@@ -80,7 +82,6 @@ impl Control {
     fn update(&self, f: impl FnOnce(&mut Learned)) {
         f(&mut self.learned.lock().unwrap_or_else(|e| e.into_inner()));
         self.changed.notify_waiters();
-        self.changed_sync.notify_all();
     }
 
     /// Waits until `f` finds something, the process ends, or `within` passes.
@@ -116,8 +117,19 @@ pub async fn start(
     agent_port: u32,
     vsock_cid: u64,
 ) -> Result<StartedVm, VmError> {
-    let t0 = Instant::now();
     let program = vm_binary().map_err(VmError::MissingProgram)?;
+    start_program(program, spec, cmdline, agent_port, vsock_cid).await
+}
+
+/// [`start`] with the VM program named: the tests run stand-ins that misbehave.
+async fn start_program(
+    program: PathBuf,
+    spec: &VmSpec,
+    cmdline: String,
+    agent_port: u32,
+    vsock_cid: u64,
+) -> Result<StartedVm, VmError> {
+    let t0 = Instant::now();
     let kvm = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -167,30 +179,22 @@ pub async fn start(
         }
         None => None,
     };
-    // A snapshot's files: those to restore from read-only (the memory file is mapped privately,
-    // so a template serves many VMs unchanged), those to write read-write.
-    let mut snapshot_fds = |files: &Option<crate::backend::SnapshotFiles>, write: bool| {
-        files
-            .as_ref()
-            .map(|f| -> Result<SnapshotFds, VmError> {
-                Ok(SnapshotFds {
-                    state_fd: push(open(&f.state, write)?),
-                    memory_fd: push(open(&f.memory, write)?),
-                })
+    // A snapshot to restore from, read-only (the memory file is mapped privately, so a template
+    // serves many VMs unchanged). Where a snapshot is written is handed over only with each
+    // request for one: until then the process holds no file but its disks to write, and its
+    // file size limit is its largest disk's.
+    let restore = spec
+        .restore_from
+        .as_ref()
+        .map(|f| -> Result<SnapshotFds, VmError> {
+            Ok(SnapshotFds {
+                state_fd: push(open(&f.state, false)?),
+                memory_fd: push(open(&f.memory, false)?),
             })
-            .transpose()
-    };
-    let restore = snapshot_fds(&spec.restore_from, false)?;
-    let snapshot_to = snapshot_fds(&spec.snapshot_to, true)?;
-    if spec.snapshot_to.is_some() {
-        // The memory file is as large as guest memory: the VM's file size limit must allow it.
-        fsize = fsize.max(super::snapshot::memory_file_len(
-            u64::from(spec.memory_mib) << 20,
-        ));
-    }
+        })
+        .transpose()?;
     let config = VmConfig {
         restore,
-        snapshot_to,
         kvm_fd: 4,
         kernel_fd,
         initrd_fd,
@@ -214,6 +218,9 @@ pub async fn start(
         // each; and room for the C library's.
         pids: 16 + u64::from(spec.vcpus),
         cpu_weight: 100 * u32::from(spec.vcpus),
+        // Its vCPUs, and one more for the device, network and supervisor threads, so a guest
+        // spinning every vCPU does not starve its own disk and network.
+        cpus: u32::from(spec.vcpus) + 1,
     };
     let cmd = sandbox_jail::Command {
         name: spec.id.clone(),
@@ -255,7 +262,6 @@ pub async fn start(
         vmm_start: OnceLock::new(),
         learned: Mutex::new(Learned::default()),
         changed: tokio::sync::Notify::new(),
-        changed_sync: std::sync::Condvar::new(),
         marker: OnceLock::new(),
         writer: Mutex::new(writer),
     });
@@ -301,6 +307,8 @@ pub async fn start(
         stop_requested,
         state_dir: spec.state_dir.clone(),
         snapshots: std::sync::atomic::AtomicU64::new(0),
+        snapshot_to: spec.snapshot_to.clone(),
+        memory_mib: spec.memory_mib,
     };
 
     if !control.ask(&Request::Start(config)) {
@@ -371,6 +379,26 @@ pub async fn start(
     })
 }
 
+/// A snapshot's state as the VM process wrote it into its pipe: at most
+/// [`super::snapshot::MAX_STATE_BYTES`], as a restore reads; more is refused.
+async fn read_state(pipe: OwnedFd) -> Result<Vec<u8>, String> {
+    use tokio::io::AsyncReadExt;
+    let max = super::snapshot::MAX_STATE_BYTES;
+    let pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe)
+        .map_err(|e| format!("reading the state from the VM process: {e}"))?;
+    let mut bytes = Vec::new();
+    pipe.take(max + 1)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| format!("reading the state from the VM process: {e}"))?;
+    if bytes.len() as u64 > max {
+        return Err(format!(
+            "the VM process sent a state longer than {max} bytes"
+        ));
+    }
+    Ok(bytes)
+}
+
 /// The control reader: the VM process's events, until it closes the socket. What it says is
 /// bounded and parsed like guest data; a malformed line ends the reading (the VM is then judged
 /// by how its process ends).
@@ -390,7 +418,7 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
                 let _ = control.vmm_start.set(control.t0.elapsed());
                 control.update(|l| l.started = Some(Ok(())))
             }
-            Event::Error(why) => control.update(|l| l.started = Some(Err(why))),
+            Event::Error(why) => control.update(|l| l.started = Some(Err(told(why)))),
             Event::Marker => {
                 let _ = control.marker.set(spawned.elapsed());
             }
@@ -401,18 +429,26 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
                         Some(fd.ok_or_else(|| "no descriptor came with the connection".to_string()))
                 });
             }
-            Event::ConnectFailed(why) => control.update(|l| l.connected = Some(Err(why))),
-            Event::Diagnostics(d) => control.update(|l| l.diagnostics = Some(d)),
-            Event::Snapshot { id, result } => control.update(|l| l.snapshot = Some((id, result))),
+            Event::ConnectFailed(why) => control.update(|l| l.connected = Some(Err(told(why)))),
+            Event::Diagnostics(d) => {
+                control.update(|l| l.diagnostics = Some(told_within(d, DIAGNOSTICS_CHARS)))
+            }
+            Event::Snapshot { id, result } => {
+                control.update(|l| l.snapshot = Some((id, result.map_err(told))))
+            }
             Event::Exit {
                 reason,
                 requested,
                 console,
             } => control.update(|l| {
                 l.exit = Some(VmExit {
-                    reason,
+                    reason: told(reason),
                     requested,
-                    console: console.into_iter().take(EXIT_CONSOLE_LINES).collect(),
+                    console: console
+                        .into_iter()
+                        .take(EXIT_CONSOLE_LINES)
+                        .map(told)
+                        .collect(),
                 })
             }),
         }
@@ -449,48 +485,138 @@ async fn wait_exit(
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     let requested = stop_requested.load(std::sync::atomic::Ordering::SeqCst);
-    let exit = if let Some(reason) = killed {
+    let exit = judge(
+        Ending {
+            status,
+            killed,
+            requested,
+            memory_mib: limits.memory_bytes >> 20,
+            reported,
+        },
+        lines,
+        jailed.pid(),
+    );
+    tx.send_replace(Some(exit));
+}
+
+/// What the service knows when a VM process has ended.
+struct Ending {
+    /// The kernel's word: how the process ended, and the OOM kills in its cgroup.
+    status: sandbox_jail::Exit,
+    /// Why the service killed it, if it did.
+    killed: Option<String>,
+    /// The service asked it to stop.
+    requested: bool,
+    /// Its cgroup's memory limit, for the out-of-memory message.
+    memory_mib: u64,
+    /// What the VM process said of its end (its word, which a guest that took it over writes).
+    reported: Option<VmExit>,
+}
+
+/// Why a VM ended: the service's own kill, then the kernel's word (the OOM killer, the seccomp
+/// trap's status or signal, another signal), and only then what the VM process reported, whose
+/// `requested` counts only if the service asked. A report the kernel contradicts is logged.
+fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
+    let from_kernel = |reason: String| {
+        if let Some(r) = &e.reported {
+            tracing::warn!(
+                pid,
+                reported = %r.reason,
+                reported_requested = r.requested,
+                kernel = %reason,
+                "a VM process reported an end the kernel contradicts: the kernel's is recorded"
+            );
+        }
         VmExit {
             reason,
             requested: false,
-            console: lines,
-        }
-    } else if status.oom_kills > 0 {
-        VmExit {
-            reason: format!(
-                "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
-                 memory and the VMM's allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and the kernel \
-                 killed it",
-                limits.memory_bytes >> 20
-            ),
-            requested: false,
-            console: lines,
-        }
-    } else if let Some(mut e) = reported {
-        if e.console.is_empty() {
-            e.console = lines;
-        }
-        e
-    } else {
-        VmExit {
-            reason: match (status.signal(), status.code()) {
-                (Some(_), _) if requested => "stopped by the host".into(),
-                (Some(sig), _) => format!("the VM process was killed by signal {sig}"),
-                (None, Some(super::seal::SIGSYS_EXIT)) => {
-                    "a thread of the VM process made a system call outside its seccomp filter \
-                     (the console's last lines name the call): a bug of sandbox-vm, or a guest \
-                     that took over a VMM thread"
-                        .into()
-                }
-                (None, Some(code)) => format!("the VM process exited with status {code}"),
-                _ => "the VM process ended".into(),
-            },
-            requested,
-            console: lines,
+            console: console.clone(),
         }
     };
-    tx.send_replace(Some(exit));
+    if let Some(reason) = e.killed {
+        return VmExit {
+            reason,
+            requested: false,
+            console,
+        };
+    }
+    if e.status.oom_kills > 0 {
+        return from_kernel(format!(
+            "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
+             memory and the VMM's allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and the kernel \
+             killed it",
+            e.memory_mib
+        ));
+    }
+    let trapped = e.status.code() == Some(super::seal::SIGSYS_EXIT)
+        || e.status.signal() == Some(libc::SIGSYS);
+    if trapped {
+        return from_kernel(
+            "a thread of the VM process made a system call outside its seccomp filter \
+             (the console's last lines name the call): a bug of sandbox-vm, or a guest \
+             that took over a VMM thread"
+                .into(),
+        );
+    }
+    match e.status.signal() {
+        Some(_) if e.requested => {
+            return VmExit {
+                reason: "stopped by the host".into(),
+                requested: true,
+                console,
+            };
+        }
+        Some(sig) => return from_kernel(format!("the VM process was killed by signal {sig}")),
+        None => {}
+    }
+    if let Some(mut r) = e.reported {
+        r.requested &= e.requested;
+        if r.console.is_empty() {
+            r.console = console;
+        }
+        return r;
+    }
+    VmExit {
+        reason: match e.status.code() {
+            Some(code) => format!("the VM process exited with status {code}"),
+            None => "the VM process ended".into(),
+        },
+        requested: e.requested,
+        console,
+    }
 }
+
+/// A string the VM process sent, made fit for a log line and an API answer: at most
+/// [`TOLD_CHARS`] characters, control characters (escape sequences, line breaks) and the
+/// invisible ones that reorder or hide text (bidirectional overrides, zero-width) replaced.
+fn told(s: String) -> String {
+    told_within(s, TOLD_CHARS)
+}
+
+fn told_within(s: String, max: usize) -> String {
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{00ad}' | '\u{061c}' | '\u{200b}'..='\u{200f}'
+                | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+    };
+    if s.len() <= max && !s.chars().any(hidden) {
+        return s;
+    }
+    let mut out: String = s
+        .chars()
+        .take(max)
+        .map(|c| if hidden(c) { '\u{fffd}' } else { c })
+        .collect();
+    if s.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+/// The most characters of one string the VM process sends that the service keeps.
+const TOLD_CHARS: usize = 1024;
+/// Diagnostics name every vCPU (about 60 characters each): room for 254.
+const DIAGNOSTICS_CHARS: usize = 16 * 1024;
 
 /// A VM in a process of its own.
 pub struct ProcessVm {
@@ -504,6 +630,9 @@ pub struct ProcessVm {
     state_dir: PathBuf,
     /// Numbers snapshot requests.
     snapshots: std::sync::atomic::AtomicU64,
+    /// Where a snapshot goes: opened, and handed over, only when one is asked for.
+    snapshot_to: Option<crate::backend::SnapshotFiles>,
+    memory_mib: u32,
 }
 
 impl ProcessVm {
@@ -587,14 +716,55 @@ impl Vm for ProcessVm {
         if let Some(e) = self.exit() {
             return Err(VmError::Snapshot(format!("the VM has ended: {}", e.reason)));
         }
+        let Some(files) = &self.snapshot_to else {
+            return Err(VmError::Snapshot(
+                "this VM was started without snapshot files".into(),
+            ));
+        };
         let id = self
             .snapshots
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if !self.control.ask(&Request::Snapshot { id, resume }) {
+        // The memory file, sized here to the guest's memory (the VM process writes it through a
+        // mapping and cannot grow it), and a pipe for the state, which is read here, bounded.
+        let (path, mem_bytes) = (files.memory.clone(), u64::from(self.memory_mib) << 20);
+        let memory = tokio::task::spawn_blocking(move || {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .truncate(true)
+                .open(&path)
+                .map_err(|e| format!("opening {}: {e}", path.display()))?;
+            super::snapshot::size_memory_file(&f, mem_bytes).map_err(|e| e.to_string())?;
+            Ok::<_, String>(f)
+        })
+        .await
+        .map_err(|e| VmError::Snapshot(format!("preparing the memory file: {e}")))?
+        .map_err(VmError::Snapshot)?;
+        let (state_r, state_w) = pipe("snapshot state")?;
+        let sent = {
+            use std::os::fd::AsRawFd;
+            let w = self
+                .control
+                .writer
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            control::send_fds(
+                &w,
+                &Request::Snapshot { id, resume },
+                &[state_w.as_raw_fd(), memory.as_raw_fd()],
+            )
+            .is_ok()
+        };
+        // Ours closed: the pipe ends when the VM process closes its copy.
+        drop((state_w, memory));
+        if !sent {
             return Err(VmError::Snapshot(
                 "the VM process closed its control socket".into(),
             ));
         }
+        // Read as it comes (a state larger than the pipe's buffer blocks the VM until it is),
+        // on the runtime: aborted, the pipe closes, so no VM can pin a thread by holding it.
+        let mut state = tokio::spawn(read_state(state_r));
         let answer = self
             .control
             .wait_for(SNAPSHOT_TIMEOUT, &self.exit, |l| match l.snapshot.take() {
@@ -604,13 +774,50 @@ impl Vm for ProcessVm {
             })
             .await;
         match answer {
-            Ok(Ok(done)) => Ok(done),
-            Ok(Err(why)) => Err(VmError::Snapshot(why)),
-            Err(Some(exit)) => Err(VmError::Snapshot(format!(
-                "the VM ended while its snapshot was taken: {}",
-                exit.reason
-            ))),
+            Ok(Ok(done)) => {
+                // Written before the answer: a process that keeps its pipe open past that is
+                // given up on.
+                let bytes = match tokio::time::timeout(STATE_TIMEOUT, &mut state).await {
+                    Ok(read) => read
+                        .map_err(|e| VmError::Snapshot(format!("reading the state: {e}")))?
+                        .map_err(VmError::Snapshot)?,
+                    Err(_) => {
+                        state.abort();
+                        let why = format!(
+                            "the VM process answered its snapshot but did not close the state's \
+                             pipe within {STATE_TIMEOUT:?}"
+                        );
+                        self.kill(why.clone()).await;
+                        return Err(VmError::Snapshot(format!("{why}; the VM was stopped")));
+                    }
+                };
+                let path = files.state.clone();
+                tokio::task::spawn_blocking(move || {
+                    let file = std::fs::OpenOptions::new()
+                        .write(true)
+                        .truncate(true)
+                        .open(&path)
+                        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+                    super::snapshot::write_state_file(&bytes, &file).map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|e| VmError::Snapshot(format!("writing the state: {e}")))?
+                .map_err(VmError::Snapshot)?;
+                Ok(done)
+            }
+            Ok(Err(why)) => {
+                state.abort();
+                Err(VmError::Snapshot(why))
+            }
+            Err(Some(exit)) => {
+                state.abort();
+                Err(VmError::Snapshot(format!(
+                    "the VM ended while its snapshot was taken: {}",
+                    exit.reason
+                )))
+            }
             Err(None) => {
+                state.abort();
                 // Paused or running, writing or not: nobody can say. It is ended.
                 let why = format!(
                     "the VM process did not write its snapshot within {SNAPSHOT_TIMEOUT:?}"
@@ -621,33 +828,18 @@ impl Vm for ProcessVm {
         }
     }
 
-    fn diagnostics(&self) -> String {
+    async fn diagnostics(&self) -> String {
         // Asked of the process, answered within a moment or not at all (it may be the reason
         // the VM is being given up on).
         if self.exit().is_some() || !self.control.ask(&Request::Diagnostics) {
             return String::new();
         }
-        let deadline = Instant::now() + Duration::from_millis(500);
-        let mut learned = self
-            .control
-            .learned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(d) = learned.diagnostics.take() {
-                return d;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return String::new();
-            }
-            learned = self
-                .control
-                .changed_sync
-                .wait_timeout(learned, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        self.control
+            .wait_for(Duration::from_millis(500), &self.exit, |l| {
+                l.diagnostics.take()
+            })
+            .await
+            .unwrap_or_default()
     }
 
     fn pid(&self) -> Option<u32> {
@@ -669,5 +861,245 @@ impl Drop for ProcessVm {
             self.jailed.signal(libc::SIGKILL);
         }
         remove_state_dir(&self.state_dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exit(code: Option<i32>, signal: Option<i32>, oom_kills: u64) -> sandbox_jail::Exit {
+        let status = match (code, signal) {
+            (Some(c), _) => c << 8,
+            (_, Some(s)) => s,
+            _ => 0,
+        };
+        sandbox_jail::Exit { status, oom_kills }
+    }
+
+    fn lie() -> Option<VmExit> {
+        Some(VmExit {
+            reason: "stopped by the host as it asked".into(),
+            requested: true,
+            console: vec!["a line".into()],
+        })
+    }
+
+    fn ending(status: sandbox_jail::Exit, requested: bool) -> Ending {
+        Ending {
+            status,
+            killed: None,
+            requested,
+            memory_mib: 576,
+            reported: lie(),
+        }
+    }
+
+    #[test]
+    fn the_kernels_word_wins_over_the_vms() {
+        // The seccomp trap's status, its signal, the OOM killer and a signal all beat a report.
+        for (status, says) in [
+            (
+                exit(Some(super::super::seal::SIGSYS_EXIT), None, 0),
+                "seccomp filter",
+            ),
+            (exit(None, Some(libc::SIGSYS), 0), "seccomp filter"),
+            (exit(Some(0), None, 1), "out of memory"),
+            (exit(None, Some(libc::SIGSEGV), 0), "killed by signal 11"),
+        ] {
+            let e = judge(ending(status, false), vec![], 1);
+            assert!(e.reason.contains(says), "{status:?}: {}", e.reason);
+            assert!(!e.requested, "{status:?}");
+        }
+        // Even when the service had asked for a stop: a trap is a trap.
+        let e = judge(
+            ending(exit(Some(super::super::seal::SIGSYS_EXIT), None, 0), true),
+            vec![],
+            1,
+        );
+        assert!(e.reason.contains("seccomp") && !e.requested);
+    }
+
+    #[test]
+    fn requested_only_when_the_service_asked() {
+        let e = judge(ending(exit(Some(0), None, 0), false), vec![], 1);
+        assert!(!e.requested, "the VM's word alone");
+        assert_eq!(e.reason, "stopped by the host as it asked");
+        let e = judge(ending(exit(Some(0), None, 0), true), vec![], 1);
+        assert!(e.requested);
+        let e = judge(
+            Ending {
+                killed: Some("the guest stopped answering".into()),
+                ..ending(exit(None, Some(libc::SIGKILL), 0), true)
+            },
+            vec![],
+            1,
+        );
+        assert_eq!(
+            (e.reason.as_str(), e.requested),
+            ("the guest stopped answering", false)
+        );
+    }
+
+    #[test]
+    fn what_a_vm_process_says_is_bounded_and_printable() {
+        let s = told("reason\x1b[2J\nforged log line\r".into());
+        assert_eq!(s, "reason\u{fffd}[2J\u{fffd}forged log line\u{fffd}");
+        let s = told("ok \u{202e}gnp.exe".into());
+        assert_eq!(s, "ok \u{fffd}gnp.exe", "a bidirectional override");
+        let s = told("é".repeat(10_000));
+        assert_eq!(s.chars().count(), TOLD_CHARS + 1);
+        assert!(s.ends_with('…'));
+        assert_eq!(told("plain".into()), "plain");
+    }
+
+    /// The stand-in of `examples/stand_in_vm.rs`, built by `cargo test` beside the tests, and
+    /// whether this host lets the service open /dev/kvm (as it does for each VM).
+    fn stand_in() -> Option<PathBuf> {
+        if std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .is_err()
+        {
+            eprintln!("skipped: /dev/kvm cannot be opened here (the service opens it for each VM)");
+            return None;
+        }
+        if let Some(why) = &sandbox_jail::global().status().refusal {
+            eprintln!("skipped: this host refuses VM processes: {why}");
+            return None;
+        }
+        let exe = std::env::current_exe().unwrap();
+        let p = exe
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .join("examples/stand_in_vm");
+        if !p.is_file() {
+            // `cargo test` builds the examples; `cargo test --lib` does not.
+            assert!(
+                std::env::var_os("SANDBOX_HOST_REQUIRE_E2E").is_none(),
+                "{} was not built: run the tests with `cargo test`",
+                p.display()
+            );
+            eprintln!(
+                "skipped: {} was not built (`cargo test` builds it)",
+                p.display()
+            );
+            return None;
+        }
+        Some(p)
+    }
+
+    /// A VM spec in `dir` with a 64 MiB disk and snapshot files of a 256 MiB guest.
+    fn spec(dir: &Path) -> VmSpec {
+        let kernel = dir.join("kernel");
+        std::fs::write(&kernel, b"not a kernel").unwrap();
+        let disk = dir.join("disk.ext4");
+        std::fs::File::create(&disk)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let paused = dir.join("sbx.paused");
+        std::fs::create_dir(&paused).unwrap();
+        let files = crate::backend::SnapshotFiles {
+            state: paused.join("snapshot.state"),
+            memory: paused.join("snapshot.mem"),
+            disk: None,
+            take_disk: false,
+        };
+        for p in [&files.state, &files.memory] {
+            std::fs::File::create(p).unwrap();
+        }
+        let state_dir = dir.join("vm");
+        std::fs::create_dir(&state_dir).unwrap();
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        VmSpec {
+            id: format!(
+                "stand-in-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            ),
+            memory_mib: 256,
+            vcpus: 1,
+            kernel,
+            initrd: None,
+            disks: vec![crate::backend::Disk {
+                path: disk,
+                read_only: false,
+            }],
+            scratch_disk_mib: None,
+            cmdline: vec![],
+            state_dir,
+            net: None,
+            start_timeout: Some(Duration::from_secs(20)),
+            snapshot_to: Some(files),
+            restore_from: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_vm_process_that_reports_a_requested_stop_and_dies_of_its_filter_is_a_seccomp_kill() {
+        let Some(program) = stand_in() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let e = match start_program(program, &spec(dir.path()), "lie".into(), 1024, 3).await {
+            Err(VmError::DiedEarly(e)) => e,
+            Err(other) => panic!("expected the VM to die early, got {other}"),
+            Ok(_) => panic!("the stand-in never starts a machine"),
+        };
+        assert!(e.reason.contains("seccomp filter"), "{}", e.reason);
+        assert!(!e.requested);
+    }
+
+    #[tokio::test]
+    async fn a_vm_process_cannot_grow_its_disk() {
+        // Its file size limit is its disk's, not its guest memory's (the snapshot's memory file
+        // is written through a mapping the service sized).
+        let Some(program) = stand_in() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let spec = spec(dir.path());
+        let why = match start_program(program, &spec, "grow".into(), 1024, 3).await {
+            Err(VmError::Start(why)) => why,
+            Err(other) => panic!("expected the stand-in's report, got {other}"),
+            Ok(_) => panic!("the stand-in never starts a machine"),
+        };
+        assert_eq!(
+            why, "write: File too large (os error 27); truncate: File too large (os error 27)",
+            "a 64 MiB disk grew"
+        );
+        let len = std::fs::metadata(&spec.disks[0].path).unwrap().len();
+        assert_eq!(len, 64 << 20);
+    }
+
+    #[tokio::test]
+    async fn a_vm_process_holds_no_snapshot_file_before_a_pause() {
+        let Some(program) = stand_in() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let spec = spec(dir.path());
+        let started = start_program(program, &spec, "hold".into(), 1024, 3)
+            .await
+            .unwrap_or_else(|e| panic!("the stand-in starts: {e}"));
+        let pid = started.vm.pid().unwrap();
+        let paused = dir.path().join("sbx.paused");
+        let mut held = vec![];
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+            let fd = fd.unwrap();
+            let Ok(target) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            held.push(target.display().to_string());
+            assert!(
+                !target.starts_with(&paused),
+                "the VM process holds {} before any pause",
+                target.display()
+            );
+        }
+        assert!(
+            held.iter().any(|t| t.ends_with("disk.ext4")),
+            "the listing sees the VM's files: {held:?}"
+        );
+        let exit = started.vm.stop(Duration::ZERO).await;
+        assert!(exit.requested, "{}", exit.reason);
     }
 }

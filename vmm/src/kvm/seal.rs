@@ -290,7 +290,6 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     libc::SYS_lseek,
                     libc::SYS_fsync,
                     libc::SYS_fdatasync,
-                    libc::SYS_fallocate,
                     libc::SYS_recvfrom,
                     libc::SYS_sendto,
                     libc::SYS_recvmsg,
@@ -302,6 +301,17 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                 ],
             );
             m.insert(libc::SYS_ioctl, ioctl(&[FIONBIO])?);
+            // Only to give blocks back: with FALLOC_FL_KEEP_SIZE alone a thread could allocate
+            // blocks past a disk's end, which its file size limit does not count.
+            m.insert(
+                libc::SYS_fallocate,
+                vec![SeccompRule::new(vec![SeccompCondition::new(
+                    1,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::Eq,
+                    (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u64,
+                )?])?],
+            );
         }
         ThreadKind::Main => {
             add(
@@ -326,10 +336,10 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     libc::SYS_prctl,
                     libc::SYS_eventfd2,
                     libc::SYS_epoll_ctl,
-                    // A snapshot: the state and guest memory written to the two files the
-                    // service gave at start.
-                    libc::SYS_pwrite64,
-                    libc::SYS_ftruncate,
+                    // A snapshot: the state written into the pipe that came with the request
+                    // (`write`), guest memory copied into a shared mapping of the memory file
+                    // the service sized (`mmap`), then synced. No `pwrite64` or `ftruncate`: a
+                    // main thread writes no file and sizes none.
                     libc::SYS_fdatasync,
                 ],
             );
@@ -478,6 +488,105 @@ mod tests {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{:?}: {err}", out.status);
+    }
+
+    #[test]
+    fn a_main_thread_writes_a_snapshot_through_its_mapping_and_sizes_no_file() {
+        // The snapshot's path under the main filter: guest memory copied into the memory file
+        // the service sized, the state into a pipe. Then `ftruncate`, which a main thread no
+        // longer has, is trapped.
+        let me = std::env::current_exe().unwrap();
+        if std::env::var_os("SEAL_CHILD").is_some() {
+            use std::io::Write;
+            use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+            let bytes = 4u64 << 20;
+            let mem =
+                GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), bytes as usize)]).unwrap();
+            mem.write_slice(b"a page of the guest", GuestAddress(0x1000))
+                .unwrap();
+            let file = tempfile::tempfile().unwrap();
+            super::super::snapshot::size_memory_file(&file, bytes).unwrap();
+            let (_r, mut w) = std::io::pipe().unwrap();
+            install().unwrap();
+            enter(ThreadKind::Main).unwrap();
+            let written = super::super::snapshot::write_memory(&mem, &file).unwrap();
+            assert_eq!(written, 4096);
+            w.write_all(b"{\"state\": true}").unwrap();
+            eprintln!("snapshot written under the main filter");
+            let _ = file.set_len(0);
+            unreachable!("the filter let ftruncate(2) through");
+        }
+        let out = std::process::Command::new(me)
+            .args([
+                "--exact",
+                "kvm::seal::tests::a_main_thread_writes_a_snapshot_through_its_mapping_and_sizes_no_file",
+                "--nocapture",
+            ])
+            .env("SEAL_CHILD", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("snapshot written under the main filter"),
+            "{err}"
+        );
+        assert_eq!(out.status.code(), Some(SIGSYS_EXIT), "{err}");
+        assert!(
+            err.contains(&format!(
+                "the main thread made system call {}, outside its seccomp filter",
+                libc::SYS_ftruncate
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_device_thread_may_punch_holes_but_not_allocate_past_a_disks_end() {
+        let me = std::env::current_exe().unwrap();
+        if std::env::var_os("SEAL_CHILD").is_some() {
+            use std::os::fd::AsRawFd;
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+            let disk = tempfile::tempfile().unwrap();
+            disk.set_len(1 << 20).unwrap();
+            install().unwrap();
+            enter(ThreadKind::Device).unwrap();
+            let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            // SAFETY: fallocate on a descriptor we own.
+            let r = unsafe { libc::fallocate(disk.as_raw_fd(), punch, 0, 4096) };
+            eprintln!("punched a hole: {r}");
+            // SAFETY: as above; blocks past the end, the size kept: trapped.
+            unsafe {
+                libc::fallocate(
+                    disk.as_raw_fd(),
+                    libc::FALLOC_FL_KEEP_SIZE,
+                    1 << 20,
+                    1 << 30,
+                )
+            };
+            unreachable!("the filter let fallocate(KEEP_SIZE) through");
+        }
+        let out = std::process::Command::new(me)
+            .args([
+                "--exact",
+                "kvm::seal::tests::a_device_thread_may_punch_holes_but_not_allocate_past_a_disks_end",
+                "--nocapture",
+            ])
+            .env("SEAL_CHILD", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("punched a hole"), "{err}");
+        assert_eq!(out.status.code(), Some(SIGSYS_EXIT), "{err}");
+        assert!(
+            err.contains(&format!(
+                "the device thread made system call {}, outside its seccomp filter",
+                libc::SYS_fallocate
+            )),
+            "{err}"
+        );
     }
 
     #[test]

@@ -228,13 +228,21 @@ pub struct MachineState {
 }
 
 impl MachineState {
+    /// The state file's bytes: at most [`MAX_STATE_BYTES`], as a restore reads.
+    pub fn encode(&self) -> Result<Vec<u8>, SnapshotError> {
+        let bytes = serde_json::to_vec(self).map_err(|e| SnapshotError::Format(e.to_string()))?;
+        if bytes.len() as u64 > MAX_STATE_BYTES {
+            return Err(SnapshotError::Format(format!(
+                "a state of {} bytes, more than the {MAX_STATE_BYTES} a restore reads",
+                bytes.len()
+            )));
+        }
+        Ok(bytes)
+    }
+
     /// Writes the state file.
     pub fn write_to(&self, file: &File) -> Result<(), SnapshotError> {
-        let bytes = serde_json::to_vec(self).map_err(|e| SnapshotError::Format(e.to_string()))?;
-        file.set_len(0).map_err(io("truncating the state file"))?;
-        file.write_all_at(&bytes, 0)
-            .map_err(io("writing the state file"))?;
-        file.sync_data().map_err(io("syncing the state file"))
+        write_state_file(&self.encode()?, file)
     }
 
     /// Reads a state file back, bounded, and checks it against `expect` (the machine checks
@@ -246,13 +254,20 @@ impl MachineState {
         file.take(MAX_STATE_BYTES + 1)
             .read_to_end(&mut bytes)
             .map_err(io("reading the state file"))?;
+        MachineState::parse(&bytes, expect)
+    }
+
+    /// A state file's bytes, parsed and checked: bounded, this build's format, a machine like
+    /// `expect`, and every vCPU and in-kernel device in a state the architecture allows
+    /// ([`super::state_check`]), before any of it reaches KVM.
+    pub fn parse(bytes: &[u8], expect: &Expect) -> Result<MachineState, SnapshotError> {
         if bytes.len() as u64 > MAX_STATE_BYTES {
             return Err(SnapshotError::Format(format!(
                 "longer than {MAX_STATE_BYTES} bytes"
             )));
         }
         let state: MachineState =
-            serde_json::from_slice(&bytes).map_err(|e| SnapshotError::Format(e.to_string()))?;
+            serde_json::from_slice(bytes).map_err(|e| SnapshotError::Format(e.to_string()))?;
         if state.format != FORMAT {
             return Err(SnapshotError::Format(format!(
                 "format {}, this build restores {FORMAT}",
@@ -260,6 +275,11 @@ impl MachineState {
             )));
         }
         state.check_fits(expect)?;
+        let refused = |e: super::state_check::Refused| SnapshotError::Format(e.to_string());
+        for (id, v) in state.vcpus.iter().enumerate() {
+            super::state_check::vcpu(id, v).map_err(refused)?;
+        }
+        super::state_check::vm(&state.vm).map_err(refused)?;
         Ok(state)
     }
 
@@ -539,18 +559,101 @@ pub fn restore_vm(vm: &VmFd, s: &VmState, clock_ns: u64) -> Result<(), SnapshotE
     Ok(())
 }
 
+/// Replaces `file`'s content with a state's `bytes` and syncs it (the service's side: a VM
+/// process hands its state over a pipe).
+pub fn write_state_file(bytes: &[u8], file: &File) -> Result<(), SnapshotError> {
+    file.set_len(0).map_err(io("truncating the state file"))?;
+    file.write_all_at(bytes, 0)
+        .map_err(io("writing the state file"))?;
+    file.sync_data().map_err(io("syncing the state file"))
+}
+
 /// The memory file's length for a machine of `mem_bytes`: every RAM region back to back.
 pub fn memory_file_len(mem_bytes: u64) -> u64 {
     layout::ram_regions(mem_bytes).iter().map(|(_, l)| l).sum()
 }
 
-/// Writes guest memory to `file`, regions back to back; pages that hold only zeros are left as
-/// holes (reading a page the guest never touched maps the zero page: cheap). Returns the bytes
-/// written.
-pub fn write_memory(mem: &GuestMemoryMmap, file: &File) -> Result<u64, SnapshotError> {
-    let total: u64 = mem.iter().map(|r| r.len()).sum();
+/// Empties `file` and sizes it for a machine of `mem_bytes`, all holes: done by whoever hands
+/// the file over ([`write_memory`] never changes its size).
+pub fn size_memory_file(file: &File, mem_bytes: u64) -> Result<(), SnapshotError> {
     file.set_len(0).map_err(io("truncating the memory file"))?;
-    file.set_len(total).map_err(io("sizing the memory file"))?;
+    file.set_len(memory_file_len(mem_bytes))
+        .map_err(io("sizing the memory file"))
+}
+
+/// A shared, writable mapping of part of a file, unmapped on drop.
+struct FileMap {
+    at: *mut u8,
+    len: usize,
+}
+
+impl FileMap {
+    fn new(file: &File, offset: u64, len: usize) -> Result<FileMap, SnapshotError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh mapping of `len` bytes of an open file, at an address the kernel
+        // picks; it is unmapped once, on drop.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(SnapshotError::Io {
+                context: "mapping the memory file".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(FileMap { at: at.cast(), len })
+    }
+
+    /// Copies `bytes` to `at`. The pages are made writable first with
+    /// `MADV_POPULATE_WRITE` (Linux 5.14), so a file system that has no room answers with an
+    /// error instead of the `SIGBUS` a plain store would get; an older kernel copies without.
+    fn write(&mut self, at: usize, bytes: &[u8]) -> Result<(), SnapshotError> {
+        assert!(at + bytes.len() <= self.len, "inside the mapping");
+        // SAFETY: madvise on a page-aligned range inside our mapping (runs start on pages).
+        let r = unsafe {
+            libc::madvise(
+                self.at.add(at).cast(),
+                bytes.len(),
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(SnapshotError::Io {
+                    context: "writing the memory file (is its file system full?)".into(),
+                    source: e,
+                });
+            }
+        }
+        // SAFETY: the range was checked to lie inside the mapping, which lives as long as self;
+        // `bytes` is guest memory, a separate mapping.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.at.add(at), bytes.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.at.cast(), self.len) };
+    }
+}
+
+/// Writes guest memory into `file`, which the caller must have sized ([`size_memory_file`]; a
+/// shorter file faults the process at its end): regions back to back; pages that hold only zeros
+/// stay holes (reading a page the guest never touched maps the zero page: cheap). The bytes go
+/// through a shared mapping of the file, so a VM process writes it whatever its file size limit
+/// (its disks'), cannot make it any larger, and needs no call but `mmap` and `fdatasync` (its
+/// main thread's filter has no `fstat`, `pwrite64` or `ftruncate`). Returns the bytes written.
+pub fn write_memory(mem: &GuestMemoryMmap, file: &File) -> Result<u64, SnapshotError> {
     let mut offset = 0u64;
     let mut written = 0u64;
     for region in mem.iter() {
@@ -558,6 +661,7 @@ pub fn write_memory(mem: &GuestMemoryMmap, file: &File) -> Result<u64, SnapshotE
         let host = region
             .get_host_address(MemoryRegionAddress(0))
             .map_err(|e| SnapshotError::State(format!("guest memory: {e}")))?;
+        let mut out = FileMap::new(file, offset, len)?;
         let mut at = 0usize;
         while at < len {
             let n = CHUNK.min(len - at);
@@ -574,8 +678,7 @@ pub fn write_memory(mem: &GuestMemoryMmap, file: &File) -> Result<u64, SnapshotE
                     (true, None) => run = Some(p),
                     (false, Some(start)) => {
                         let b = &bytes[start * PAGE..p * PAGE];
-                        file.write_all_at(b, offset + (at + start * PAGE) as u64)
-                            .map_err(io("writing the memory file"))?;
+                        out.write(at + start * PAGE, b)?;
                         written += b.len() as u64;
                         run = None;
                     }
@@ -584,8 +687,7 @@ pub fn write_memory(mem: &GuestMemoryMmap, file: &File) -> Result<u64, SnapshotE
             }
             if let Some(start) = run {
                 let b = &bytes[start * PAGE..];
-                file.write_all_at(b, offset + (at + start * PAGE) as u64)
-                    .map_err(io("writing the memory file"))?;
+                out.write(at + start * PAGE, b)?;
                 written += b.len() as u64;
             }
             at += n;
@@ -689,6 +791,7 @@ mod tests {
             .unwrap();
         mem.write_obj(1u8, GuestAddress(mem_bytes - 1)).unwrap();
         let f = tempfile::tempfile().unwrap();
+        size_memory_file(&f, mem_bytes).unwrap();
         let written = write_memory(&mem, &f).unwrap();
         assert_eq!(written, 5 * PAGE as u64, "only the pages with data");
         assert_eq!(f.metadata().unwrap().len(), memory_file_len(mem_bytes));
@@ -808,6 +911,25 @@ mod tests {
             vcpus: 1,
             devices: 0,
         };
+        // A vCPU and chips as KVM has them after a reset: local interrupts masked, the IOAPIC
+        // at its address with every pin masked.
+        let mut lapic = kvm_lapic_state::default();
+        for off in [0x320, 0x330, 0x340, 0x350, 0x360, 0x370] {
+            lapic.regs[off + 2] = 1;
+        }
+        let mut irqchips: Vec<kvm_irqchip> = (0..3u32)
+            .map(|chip_id| kvm_irqchip {
+                chip_id,
+                ..Default::default()
+            })
+            .collect();
+        // SAFETY: the IOAPIC member of the third chip's union, all integers.
+        unsafe {
+            irqchips[2].chip.ioapic.base_address = 0xfec0_0000;
+            for e in &mut irqchips[2].chip.ioapic.redirtbl {
+                e.bits = 1 << 16;
+            }
+        }
         let state = MachineState {
             format: FORMAT,
             host: here.clone(),
@@ -818,13 +940,13 @@ mod tests {
                 xsave: Default::default(),
                 xcrs: Default::default(),
                 debugregs: Default::default(),
-                lapic: Default::default(),
+                lapic,
                 mp_state: Default::default(),
                 events: Default::default(),
                 msrs: vec![(0x10, 5)],
             }],
             vm: VmState {
-                irqchips: vec![Default::default(); 3],
+                irqchips,
                 pit: Default::default(),
                 clock: Default::default(),
             },
@@ -853,6 +975,23 @@ mod tests {
         .err()
         .unwrap();
         assert!(e.to_string().contains("1 vCPUs, the machine has 2"), "{e}");
+
+        // A vCPU in a state no processor has (VMX on, though no guest is offered it) is refused
+        // before KVM sees it.
+        let mut forged = MachineState {
+            vcpus: vec![],
+            ..MachineState::parse(&state.encode().unwrap(), &expect).unwrap()
+        };
+        let mut v = MachineState::parse(&state.encode().unwrap(), &expect)
+            .unwrap()
+            .vcpus
+            .remove(0);
+        v.sregs.cr4 |= 1 << 13;
+        forged.vcpus.push(v);
+        let e = MachineState::parse(&forged.encode().unwrap(), &expect)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("vCPU 0: CR4"), "{e}");
 
         // Truncated, and garbage.
         let len = f.metadata().unwrap().len();

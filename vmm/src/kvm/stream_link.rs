@@ -41,12 +41,18 @@ impl StreamLink {
             to_host_ready: Condvar::new(),
             waker: Mutex::new(None),
         });
+        // Each thread says when it has its filter; the link is handed over only then, so the
+        // machine's vCPUs never run beside an unfiltered thread of ours.
+        let (sealed_tx, sealed) = std::sync::mpsc::sync_channel::<()>(2);
         let mut reader = sock.try_clone()?;
         let r = inner.clone();
+        let sealed_in = sealed_tx.clone();
         std::thread::Builder::new()
             .name("vm-net-in".into())
             .spawn(move || {
                 super::seal::enter_or_abort(super::seal::ThreadKind::Device);
+                let _ = sealed_in.send(());
+                drop(sealed_in);
                 let mut len = [0u8; 4];
                 let mut buf = vec![0u8; 65_535 + 18];
                 loop {
@@ -81,6 +87,8 @@ impl StreamLink {
             .name("vm-net-out".into())
             .spawn(move || {
                 super::seal::enter_or_abort(super::seal::ThreadKind::Device);
+                let _ = sealed_tx.send(());
+                drop(sealed_tx);
                 loop {
                     let frame = {
                         let mut q = w.to_host.lock().unwrap_or_else(|e| e.into_inner());
@@ -99,6 +107,11 @@ impl StreamLink {
                     }
                 }
             })?;
+        for _ in 0..2 {
+            sealed
+                .recv()
+                .map_err(|_| std::io::Error::other("a network link thread ended unsealed"))?;
+        }
         Ok(StreamLink { inner })
     }
 }

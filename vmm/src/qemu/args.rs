@@ -80,12 +80,17 @@ pub struct Wiring {
     pub snapshot_fd: Option<i32>,
     /// A snapshot's memory file, open for reading: the VM starts from it instead of booting.
     pub restore_fd: Option<i32>,
+    /// `/dev/kvm`, opened by the service: QEMU in its jail needs neither the device node nor
+    /// the `kvm` group, so it keeps no group of the service's.
+    pub kvm_fd: Option<i32>,
 }
 
 /// The fd set of [`Wiring::snapshot_fd`]: the snapshot is a migration to `file:/dev/fdset/N`.
 pub const SNAPSHOT_FDSET: u32 = 1000;
 /// The fd set of [`Wiring::restore_fd`].
 pub const RESTORE_FDSET: u32 = 1001;
+/// The fd set of [`Wiring::kvm_fd`]: KVM's device is `/dev/fdset/N`.
+pub const KVM_FDSET: u32 = 1002;
 
 /// QEMU's own seccomp filter with every optional part set to deny: no obsolete system calls, no
 /// privilege changes, no new processes or programs, no scheduling or resource changes.
@@ -118,8 +123,18 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             });
         }
     }
-    push("-accel");
-    push(accel.as_str());
+    match (accel, wiring.kvm_fd) {
+        (Accel::Kvm, Some(fd)) => {
+            push("-add-fd");
+            push(&format!("fd={fd},set={KVM_FDSET}"));
+            push("-accel");
+            push(&format!("kvm,device=/dev/fdset/{KVM_FDSET}"));
+        }
+        _ => {
+            push("-accel");
+            push(accel.as_str());
+        }
+    }
     push("-cpu");
     push(match (arch, accel) {
         // QEMU's own pointer-authentication algorithm instead of the architected QARMA5, which
@@ -293,7 +308,34 @@ mod tests {
             qmp_fd: None,
             snapshot_fd: None,
             restore_fd: None,
+            kvm_fd: None,
         }
+    }
+
+    #[test]
+    fn kvm_comes_as_a_descriptor_the_service_opened() {
+        let w = Wiring {
+            kvm_fd: Some(7),
+            ..wiring()
+        };
+        for arch in [Arch::X86_64, Arch::Aarch64] {
+            let s = qemu_args(arch, Accel::Kvm, &spec(), &w)
+                .iter()
+                .map(|s| s.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ");
+            assert!(
+                s.contains("-add-fd fd=7,set=1002 -accel kvm,device=/dev/fdset/1002 -cpu host"),
+                "{s}"
+            );
+        }
+        // Not for TCG, which has no device.
+        let s = qemu_args(Arch::X86_64, Accel::Tcg, &spec(), &w)
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(s.contains("-accel tcg") && !s.contains("set=1002"), "{s}");
     }
 
     #[test]

@@ -122,6 +122,17 @@ pub async fn spawn(
         fds.push(f.into());
         restore_fd = Some(fds.len() as i32 - 1);
     }
+    // KVM's device, opened here: QEMU gets no device node and no group of the service's.
+    let mut kvm_fd = None;
+    if accel == super::Accel::Kvm {
+        let kvm = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .map_err(|e| VmError::io("opening /dev/kvm", e))?;
+        fds.push(kvm.into());
+        kvm_fd = Some(fds.len() as i32 - 1);
+    }
     let mut disk_fds = vec![];
     // The largest file QEMU may write: its disks, and a snapshot (the guest's memory, a header
     // per page, and the devices' state).
@@ -170,6 +181,7 @@ pub async fn spawn(
         qmp_fd,
         snapshot_fd,
         restore_fd,
+        kvm_fd,
     };
     let args = super::args::qemu_args(arch, accel, spec, &wiring);
 
@@ -188,7 +200,10 @@ pub async fn spawn(
             writable: false,
         });
     }
-    let (devices, keep_groups) = if accel == super::Accel::Kvm {
+    // None of the service's groups: not `kvm` (KVM comes as a descriptor), not the group that
+    // reads its settings. Except for QEMU with KVM on aarch64, which opens `/dev/kvm` by path
+    // besides (a scratch vCPU to learn the host's CPU and GIC): the node and its group stay.
+    let (devices, keep_groups) = if accel == super::Accel::Kvm && arch == super::Arch::Aarch64 {
         (
             vec![PathBuf::from("/dev/kvm")],
             kvm_group().into_iter().collect(),
@@ -208,6 +223,8 @@ pub async fn spawn(
         // QEMU's threads: the main loop, RCU, one per vCPU, and its block I/O pool (up to 64).
         pids: 128 + u64::from(spec.vcpus),
         cpu_weight: 100 * u32::from(spec.vcpus),
+        // Its vCPUs, and one more for the main loop and I/O threads that emulate its devices.
+        cpus: u32::from(spec.vcpus) + 1,
     };
     let cmd = sandbox_jail::Command {
         name: spec.id.clone(),
@@ -319,7 +336,7 @@ pub async fn spawn(
     })
 }
 
-/// The group that owns `/dev/kvm`, when it is not root's: QEMU with KVM keeps it in its jail.
+/// The group that owns `/dev/kvm`, when it is not root's.
 fn kvm_group() -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
     let gid = std::fs::metadata("/dev/kvm").ok()?.gid();

@@ -299,7 +299,7 @@ impl Vsock {
             };
             let head = chain.head_index();
             let mut payload = Vec::new();
-            let header = match reader(q.mem, chain) {
+            let header = match reader(q.mem, &chain) {
                 Some(mut r) => {
                     let mut b = [0u8; HEADER_LEN];
                     match r.read_exact(&mut b) {
@@ -447,7 +447,7 @@ impl Vsock {
                 break;
             };
             let head = chain.head_index();
-            let Some(mut w) = writer(q.mem, chain) else {
+            let Some(mut w) = writer(q.mem, &chain) else {
                 self.bad_packet();
                 add_used(RX, &mut q.queues[RX], q.mem, head, 0)?;
                 used = true;
@@ -551,7 +551,7 @@ impl Vsock {
         };
         let head = chain.head_index();
         let mut written = 0;
-        if let Some(mut w) = writer(q.mem, chain)
+        if let Some(mut w) = writer(q.mem, &chain)
             && std::io::Write::write_all(&mut w, &EVENT_TRANSPORT_RESET.to_le_bytes()).is_ok()
         {
             written = 4;
