@@ -337,6 +337,35 @@ impl Shared {
     }
 }
 
+/// Runs `f`, which hands a snapshot's saved state to KVM, on a thread of its own under the
+/// restore filter ([`ThreadKind::Restore`]: only the `KVM_SET_*` calls a restore makes), so
+/// what a state file a guest may have shaped reaches in the kernel is that list (issue 30).
+/// Without a sealer (the in-process machine) it is only a thread.
+fn restoring<F>(f: F) -> Result<(), MachineError>
+where
+    F: FnOnce() -> Result<(), snapshot::SnapshotError> + Send,
+{
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("vm-restore".into())
+            .spawn_scoped(s, || -> Result<(), MachineError> {
+                super::seal::enter(ThreadKind::Restore).map_err(|e| MachineError::Io {
+                    context: "sealing the restore".into(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                Ok(f()?)
+            })
+            .map_err(io_err("starting the restore thread"))?
+            .join()
+            .unwrap_or_else(|_| {
+                Err(MachineError::Io {
+                    context: "restoring the snapshot".into(),
+                    source: std::io::Error::other("the restore thread panicked"),
+                })
+            })
+    })
+}
+
 /// A running (or ended) machine.
 pub struct Machine {
     shared: Arc<Shared>,
@@ -469,7 +498,8 @@ impl Machine {
                 Some(entry)
             }
             Some(r) => {
-                snapshot::restore_vm(&vm, &r.state.vm, snapshot::restored_clock(&r.state, &mem))?;
+                let clock = snapshot::restored_clock(&r.state, &mem);
+                restoring(|| snapshot::restore_vm(&vm, &r.state.vm, clock))?;
                 for (index, ((device, _, _), saved)) in
                     devices.iter().zip(&r.state.devices).enumerate()
                 {
@@ -502,19 +532,26 @@ impl Machine {
             let vcpu = vm
                 .create_vcpu(u64::from(id))
                 .map_err(kvm_err("KVM_CREATE_VCPU"))?;
-            if let Some(r) = restore {
+            if restore.is_some() {
                 cpu::set_cpuid(&kvm, &vcpu, id, cfg.vcpus)?;
-                let saved = r.state.vcpus.get(usize::from(id)).ok_or_else(|| {
-                    snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
-                })?;
-                let supported = msr_list.as_ref().map_err(|e| {
-                    snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}"))
-                })?;
-                snapshot::restore_vcpu(&vcpu, usize::from(id), saved, supported)?;
             } else if let Some(entry) = boot_entry {
                 cpu::setup(&kvm, &vcpu, id, cfg.vcpus, entry)?;
             }
             vcpus.push(vcpu);
+        }
+        if let Some(r) = restore {
+            let supported = msr_list.as_ref().map_err(|e| {
+                snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}"))
+            })?;
+            restoring(|| {
+                for (id, vcpu) in vcpus.iter().enumerate() {
+                    let saved = r.state.vcpus.get(id).ok_or_else(|| {
+                        snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
+                    })?;
+                    snapshot::restore_vcpu(vcpu, id, saved, supported)?;
+                }
+                Ok(())
+            })?;
         }
         let msr_list = msr_list.ok();
 

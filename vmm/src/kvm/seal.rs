@@ -36,6 +36,9 @@ pub enum ThreadKind {
     /// The device thread and the network link's threads: the virtio queues, the disks, the
     /// frame socket.
     Device,
+    /// The thread that hands a snapshot's saved state to KVM, before the guest runs: the
+    /// `KVM_SET_*` calls of a restore and nothing else.
+    Restore,
 }
 
 impl ThreadKind {
@@ -44,6 +47,7 @@ impl ThreadKind {
             ThreadKind::Main => "main",
             ThreadKind::Vcpu => "vCPU",
             ThreadKind::Device => "device",
+            ThreadKind::Restore => "restore",
         }
     }
 }
@@ -67,11 +71,15 @@ static SEALER: OnceLock<Sealer> = OnceLock::new();
 /// builds the machine.
 pub fn install() -> Result<(), SealError> {
     // Built once, up front: a thread that starts later only loads its program.
-    let programs: Vec<(ThreadKind, BpfProgram)> =
-        [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Device]
-            .into_iter()
-            .map(|k| Ok((k, program(k)?)))
-            .collect::<Result<_, SealError>>()?;
+    let programs: Vec<(ThreadKind, BpfProgram)> = [
+        ThreadKind::Main,
+        ThreadKind::Vcpu,
+        ThreadKind::Device,
+        ThreadKind::Restore,
+    ]
+    .into_iter()
+    .map(|k| Ok((k, program(k)?)))
+    .collect::<Result<_, SealError>>()?;
     settle_the_allocator();
     install_sigsys_handler();
     let _ = SEALER.set(Box::new(move |kind| {
@@ -148,7 +156,7 @@ const ARCH: TargetArch = TargetArch::aarch64;
 mod requests {
     #![allow(missing_docs)]
     use kvm_bindings::KVMIO;
-    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iowr_nr};
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
     ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
     ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_bindings::kvm_regs);
@@ -170,6 +178,25 @@ mod requests {
     ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_bindings::kvm_irqchip);
     ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_bindings::kvm_clock_data);
     ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_bindings::kvm_pit_state2);
+    // A restore: the VM's in-kernel devices, then each vCPU (the kernel's own encodings, as
+    // kvm-ioctls has them: KVM_SET_IRQCHIP is an _IOR).
+    ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_bindings::kvm_irqchip);
+    ioctl_iow_nr!(KVM_SET_CLOCK, KVMIO, 0x7b, kvm_bindings::kvm_clock_data);
+    ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_bindings::kvm_pit_state2);
+    ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_bindings::kvm_mp_state);
+    ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_bindings::kvm_regs);
+    ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_bindings::kvm_sregs);
+    ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_bindings::kvm_xsave);
+    ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_bindings::kvm_xcrs);
+    ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_bindings::kvm_debugregs);
+    ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_bindings::kvm_lapic_state);
+    ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_bindings::kvm_msrs);
+    ioctl_iow_nr!(
+        KVM_SET_VCPU_EVENTS,
+        KVMIO,
+        0xa0,
+        kvm_bindings::kvm_vcpu_events
+    );
 }
 use requests::*;
 
@@ -313,6 +340,25 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                 )?])?],
             );
         }
+        ThreadKind::Restore => {
+            m.insert(
+                libc::SYS_ioctl,
+                ioctl(&[
+                    u64::from(KVM_SET_IRQCHIP()),
+                    u64::from(KVM_SET_CLOCK()),
+                    u64::from(KVM_SET_PIT2()),
+                    u64::from(KVM_SET_MP_STATE()),
+                    u64::from(KVM_SET_REGS()),
+                    u64::from(KVM_SET_SREGS()),
+                    u64::from(KVM_SET_XSAVE()),
+                    u64::from(KVM_SET_XCRS()),
+                    u64::from(KVM_SET_DEBUGREGS()),
+                    u64::from(KVM_SET_LAPIC()),
+                    u64::from(KVM_SET_MSRS()),
+                    u64::from(KVM_SET_VCPU_EVENTS()),
+                ])?,
+            );
+        }
         ThreadKind::Main => {
             add(
                 &mut m,
@@ -443,11 +489,28 @@ mod tests {
         assert_eq!(KVM_GET_IRQCHIP(), 0xc208_ae62);
         assert_eq!(KVM_GET_CLOCK(), 0x8030_ae7c);
         assert_eq!(KVM_GET_PIT2(), 0x8070_ae9f);
+        assert_eq!(KVM_SET_IRQCHIP(), 0x8208_ae63);
+        assert_eq!(KVM_SET_CLOCK(), 0x4030_ae7b);
+        assert_eq!(KVM_SET_PIT2(), 0x4070_aea0);
+        assert_eq!(KVM_SET_MP_STATE(), 0x4004_ae99);
+        assert_eq!(KVM_SET_REGS(), 0x4090_ae82);
+        assert_eq!(KVM_SET_SREGS(), 0x4138_ae84);
+        assert_eq!(KVM_SET_XSAVE(), 0x5000_aea5);
+        assert_eq!(KVM_SET_XCRS(), 0x4188_aea7);
+        assert_eq!(KVM_SET_DEBUGREGS(), 0x4080_aea2);
+        assert_eq!(KVM_SET_LAPIC(), 0x4400_ae8f);
+        assert_eq!(KVM_SET_MSRS(), 0x4008_ae89);
+        assert_eq!(KVM_SET_VCPU_EVENTS(), 0x4040_aea0);
     }
 
     #[test]
     fn every_kind_compiles_and_stays_small() {
-        for k in [ThreadKind::Main, ThreadKind::Vcpu, ThreadKind::Device] {
+        for k in [
+            ThreadKind::Main,
+            ThreadKind::Vcpu,
+            ThreadKind::Device,
+            ThreadKind::Restore,
+        ] {
             let p = program(k).unwrap();
             assert!(!p.is_empty() && p.len() < 512, "{k:?}: {}", p.len());
         }
@@ -584,6 +647,44 @@ mod tests {
             err.contains(&format!(
                 "the device thread made system call {}, outside its seccomp filter",
                 libc::SYS_fallocate
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_restore_may_only_set_state() {
+        // Under the restore filter a KVM_SET_* call reaches the kernel (here: a bad descriptor,
+        // EBADF), and anything else, KVM_RUN included, is trapped.
+        let me = std::env::current_exe().unwrap();
+        if std::env::var_os("SEAL_CHILD").is_some() {
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
+            unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+            install().unwrap();
+            enter(ThreadKind::Restore).unwrap();
+            // SAFETY: ioctls on a descriptor that is not open; nothing is read or written.
+            let r = unsafe { libc::ioctl(-1, KVM_SET_REGS() as _, 0) };
+            eprintln!("KVM_SET_REGS reached the kernel: {r}");
+            // SAFETY: as above.
+            unsafe { libc::ioctl(-1, KVM_RUN() as _, 0) };
+            unreachable!("the filter let KVM_RUN through");
+        }
+        let out = std::process::Command::new(me)
+            .args([
+                "--exact",
+                "kvm::seal::tests::a_restore_may_only_set_state",
+                "--nocapture",
+            ])
+            .env("SEAL_CHILD", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("KVM_SET_REGS reached the kernel: -1"), "{err}");
+        assert_eq!(out.status.code(), Some(SIGSYS_EXIT), "{err}");
+        assert!(
+            err.contains(&format!(
+                "the restore thread made system call {}, outside its seccomp filter",
+                libc::SYS_ioctl
             )),
             "{err}"
         );

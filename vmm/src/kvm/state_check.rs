@@ -334,7 +334,10 @@ fn pit(p: &kvm_pit_state2) -> Result<(), Refused> {
         if c.count > 0x1_0000 {
             return refuse(&what, format!("count {}", c.count));
         }
-        if c.mode > 5 || c.rw_mode > 3 || c.read_state > 4 || c.write_state > 4 {
+        // Modes 0 to 5 as programmed (KVM folds 6 and 7 onto 2 and 3), or 0xff: a channel no
+        // one programmed since the reset.
+        if (c.mode > 5 && c.mode != 0xff) || c.rw_mode > 3 || c.read_state > 4 || c.write_state > 4
+        {
             return refuse(
                 &what,
                 format!(
@@ -503,6 +506,10 @@ mod tests {
         let mut q = p;
         q.channels[2].mode = 6;
         assert!(pit(&q).is_err());
+        // KVM's reset state: a channel never programmed has mode 0xff.
+        let mut q = p;
+        q.channels[1].mode = 0xff;
+        assert_eq!(pit(&q), Ok(()));
         let mut q = p;
         q.flags = 1 << 5;
         assert!(pit(&q).is_err());
