@@ -82,6 +82,17 @@ impl Optional {
         v2: bool,
     ) -> (Optional, Vec<String>) {
         let has = |d: Option<&Path>, f: &str| d.is_some_and(|d| d.join(f).is_file());
+        // A weight file is there whenever its scheduler is built; it weighs only where the
+        // scheduler runs: blk-iocost enabled for a disk, or BFQ a disk's scheduler.
+        let iocost_on = std::fs::read_to_string(Path::new(ROOT).join("io.cost.qos"))
+            .is_ok_and(|q| q.contains("enable=1"));
+        let bfq_on = std::fs::read_dir("/sys/block").is_ok_and(|disks| {
+            disks.flatten().any(|d| {
+                std::fs::read_to_string(d.path().join("queue/scheduler"))
+                    .is_ok_and(|s| s.contains("[bfq]"))
+            })
+        });
+        let weighs = |f: &&str| f.contains("bfq") && bfq_on || !f.contains("bfq") && iocost_on;
         let o = Optional {
             cpu_bound: has(cpu_dir, if v2 { "cpu.max" } else { "cpu.cfs_quota_us" }),
             oom_group: v2 && has(memory_dir, "memory.oom.group"),
@@ -91,6 +102,7 @@ impl Optional {
                 ["blkio.weight", "blkio.bfq.weight"]
             }
             .into_iter()
+            .filter(weighs)
             .find(|f| has(io_dir, f)),
         };
         let mut unenforced = vec![];
@@ -110,8 +122,8 @@ impl Optional {
         }
         if o.io_weight.is_none() {
             unenforced.push(
-                "an I/O weight per VM (neither blk-iocost nor the BFQ scheduler's weight is \
-                 offered here); one VM's disk traffic can slow the others'"
+                "an I/O weight per VM (no disk here has blk-iocost enabled or the BFQ \
+                 scheduler); one VM's disk traffic can slow the others'"
                     .to_string(),
             );
         }
@@ -318,7 +330,9 @@ impl Cgroups {
                         optional(&dir.join("memory.oom.group"), "1");
                     }
                     if let Some(f) = o.io_weight {
-                        let w = limits.cpu_weight.clamp(1, 10_000);
+                        // BFQ's scale ends at 1000, iocost's at 10000.
+                        let top = if f.contains("bfq") { 1000 } else { 10_000 };
+                        let w = limits.cpu_weight.clamp(1, top);
                         optional(&dir.join(f), &format!("default {w}"));
                     }
                     Ok(())

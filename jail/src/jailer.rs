@@ -42,16 +42,23 @@ fn root_service() -> bool {
 /// service running as root that cannot apply the namespaces (its VMs would run as root, with
 /// the host's mounts and network): never quietly. An ordinary user's service in `auto` mode
 /// runs its VMs with the warning.
-fn refusal(mode: Mode, root: bool, namespaces: bool, missing: &[String]) -> Option<String> {
+fn refusal(
+    mode: Mode,
+    root: bool,
+    namespaces: bool,
+    shared_ids: bool,
+    missing: &[String],
+) -> Option<String> {
     match mode {
         Mode::Required if !missing.is_empty() => Some(format!(
             "SANDBOX_HOST_JAIL=required, but {}",
             missing.join("; ")
         )),
-        Mode::Auto if root && !namespaces => Some(format!(
+        Mode::Auto if root && (!namespaces || shared_ids) => Some(format!(
             "the sandbox host runs as root and its VMs would too, without the jail's namespaces \
-             ({}): run it as the user sandbox-host (bin/up does when started as root), or set \
-             SANDBOX_HOST_JAIL=off to run them unjailed anyway (debugging only)",
+             or ids of their own ({}): run it as the user sandbox-host (bin/up does when \
+             started as root), or set SANDBOX_HOST_JAIL=off to run them unjailed anyway \
+             (debugging only)",
             missing.join("; ")
         )),
         _ => None,
@@ -152,7 +159,13 @@ impl Jailer {
                 (true, _) => "per-vm",
             },
             cgroup: jailer.cgroups.as_ref().map(Cgroups::version),
-            refusal: refusal(settings.mode, root_service(), jailer.namespaces, &missing),
+            refusal: refusal(
+                settings.mode,
+                root_service(),
+                jailer.namespaces,
+                matches!(jailer.ids.mode(), IdMode::Shared),
+                &missing,
+            ),
             missing,
             unenforced: jailer
                 .cgroups
@@ -301,23 +314,26 @@ mod refusal_tests {
     #[test]
     fn auto_refuses_a_root_service_without_namespaces_and_only_that() {
         let missing = vec!["the jail cannot be applied here (mount: EPERM)".to_string()];
-        let why = refusal(Mode::Auto, true, false, &missing).expect("refused");
+        let why = refusal(Mode::Auto, true, false, false, &missing).expect("refused");
         assert!(
             why.contains("runs as root") && why.contains("EPERM"),
             "{why}"
         );
         assert_eq!(
-            refusal(Mode::Auto, false, false, &missing),
+            refusal(Mode::Auto, false, false, true, &missing),
             None,
             "a laptop's warning"
         );
         assert_eq!(
-            refusal(Mode::Auto, true, true, &missing),
+            refusal(Mode::Auto, true, true, false, &missing),
             None,
             "only a cgroup missing"
         );
-        assert!(refusal(Mode::Required, false, true, &missing).is_some());
-        assert_eq!(refusal(Mode::Required, true, true, &[]), None);
-        assert_eq!(refusal(Mode::Off, true, false, &missing), None);
+        assert!(refusal(Mode::Required, false, true, false, &missing).is_some());
+        assert_eq!(refusal(Mode::Required, true, true, false, &[]), None);
+        assert_eq!(refusal(Mode::Off, true, false, true, &missing), None);
+        // Root with one shared id pair (a bad SANDBOX_HOST_JAIL_IDS): every VM would be root.
+        let bad_ids = vec!["SANDBOX_HOST_JAIL_IDS=x is not START:COUNT".to_string()];
+        assert!(refusal(Mode::Auto, true, true, true, &bad_ids).is_some());
     }
 }

@@ -409,7 +409,10 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
             Ok(Some(e)) => e,
             Ok(None) => return,
             Err(e) => {
-                tracing::warn!("a VM process sent a bad control message: {e}");
+                tracing::warn!(
+                    "a VM process sent a bad control message: {}",
+                    told(e.to_string())
+                );
                 return;
             }
         };
@@ -467,13 +470,23 @@ async fn wait_exit(
     reader_done: tokio::sync::oneshot::Receiver<()>,
 ) {
     let status = jailed.wait().await;
-    // The process is gone: the reader reaches the end of what it said (bounded anyway).
-    let _ = tokio::time::timeout(Duration::from_secs(2), reader_done).await;
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let lines = console
+    // The process is gone. Shut the socket down: a descriptor of its own end that it passed
+    // back (SCM_RIGHTS) must not keep the reader, and what it queued, alive.
+    let _ = control
+        .writer
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .tail(EXIT_CONSOLE_LINES);
+        .shutdown(std::net::Shutdown::Both);
+    // The reader reaches the end of what it said (bounded anyway).
+    let _ = tokio::time::timeout(Duration::from_secs(2), reader_done).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let lines: Vec<String> = console
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .tail(EXIT_CONSOLE_LINES)
+        .into_iter()
+        .map(told)
+        .collect();
     let reported = control
         .learned
         .lock()
@@ -513,9 +526,10 @@ struct Ending {
     reported: Option<VmExit>,
 }
 
-/// Why a VM ended: the service's own kill, then the kernel's word (the OOM killer, the seccomp
-/// trap's status or signal, another signal), and only then what the VM process reported, whose
-/// `requested` counts only if the service asked. A report the kernel contradicts is logged.
+/// Why a VM ended: the kernel's word first (the OOM killer, the seccomp trap's status or
+/// signal), then the service's own kill, then another signal, and only then what the VM process
+/// reported, whose `requested` counts only if the service asked. A report the kernel
+/// contradicts is logged.
 fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
     let from_kernel = |reason: String| {
         if let Some(r) = &e.reported {
@@ -533,13 +547,6 @@ fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
             console: console.clone(),
         }
     };
-    if let Some(reason) = e.killed {
-        return VmExit {
-            reason,
-            requested: false,
-            console,
-        };
-    }
     if e.status.oom_kills > 0 {
         return from_kernel(format!(
             "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
@@ -557,6 +564,15 @@ fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
              that took over a VMM thread"
                 .into(),
         );
+    }
+    // The service's own kill, once the kernel has no cause of its own to give (a process that
+    // died of its filter or of memory just before the kill is recorded as what it died of).
+    if let Some(reason) = e.killed {
+        return VmExit {
+            reason,
+            requested: false,
+            console,
+        };
     }
     match e.status.signal() {
         Some(_) if e.requested => {
@@ -636,6 +652,29 @@ pub struct ProcessVm {
 }
 
 impl ProcessVm {
+    /// Once the process is gone: a memory file it was handed, and kept a descriptor of past
+    /// its pause, cut back to the guest's size (a compromised process could write past its end,
+    /// up to its file size limit).
+    fn trim_snapshot(&self) {
+        let (Some(files), true) = (
+            &self.snapshot_to,
+            self.snapshots.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        ) else {
+            return;
+        };
+        let want = super::snapshot::memory_file_len(u64::from(self.memory_mib) << 20);
+        let Ok(f) = std::fs::OpenOptions::new().write(true).open(&files.memory) else {
+            return;
+        };
+        if f.metadata().is_ok_and(|m| m.len() > want) {
+            tracing::warn!(
+                file = %files.memory.display(),
+                "a VM process wrote past its snapshot's memory file; cut back to the guest's size"
+            );
+            let _ = f.set_len(want);
+        }
+    }
+
     /// Waits for the process's end for at most `within`; SIGKILL and a bounded reap after that.
     async fn ended(&self, within: Duration) -> VmExit {
         if let Ok(e) = tokio::time::timeout(within, self.wait()).await {
@@ -691,6 +730,7 @@ impl Vm for ProcessVm {
             }
         }
         let exit = self.ended(STOP_TIMEOUT).await;
+        self.trim_snapshot();
         remove_state_dir(&self.state_dir);
         exit
     }
@@ -701,6 +741,7 @@ impl Vm for ProcessVm {
             self.jailed.signal(libc::SIGKILL);
         }
         let exit = self.ended(Duration::ZERO).await;
+        self.trim_snapshot();
         remove_state_dir(&self.state_dir);
         exit
     }
@@ -710,6 +751,9 @@ impl Vm for ProcessVm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .tail(n)
+            .into_iter()
+            .map(told)
+            .collect()
     }
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
@@ -939,6 +983,16 @@ mod tests {
             (e.reason.as_str(), e.requested),
             ("the guest stopped answering", false)
         );
+        // Dead of its filter just before the service's kill: the filter is the cause.
+        let e = judge(
+            Ending {
+                killed: Some("the guest stopped answering".into()),
+                ..ending(exit(Some(super::super::seal::SIGSYS_EXIT), None, 0), false)
+            },
+            vec![],
+            1,
+        );
+        assert!(e.reason.contains("seccomp filter"), "{}", e.reason);
     }
 
     #[test]

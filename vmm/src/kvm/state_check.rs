@@ -44,9 +44,9 @@ fn flag(what: &str, v: u8) -> Result<(), Refused> {
 const CR0_KNOWN: u64 = 0x8005_003f | (1 << 29) | (1 << 30);
 const CR0_PE: u64 = 1;
 const CR0_PG: u64 = 1 << 31;
-/// CR4 bits a guest of ours may have: the architected 32, less VMXE (13) and SMXE (14), which
-/// no guest is offered (KVM holds the rest to the guest's CPUID).
-const CR4_ALLOWED: u64 = 0xffff_ffff & !(1 << 13) & !(1 << 14);
+/// CR4 bits a guest of ours may have: any but VMXE (13) and SMXE (14), which no guest is
+/// offered (KVM holds the rest to the guest's CPUID; FRED is bit 32).
+const CR4_ALLOWED: u64 = !((1 << 13) | (1 << 14));
 const CR4_PAE: u64 = 1 << 5;
 /// EFER: SCE, LME, LMA, NXE, LMSLE, FFXSR, TCE, AutoIBRS; no SVME (12): no guest is offered
 /// SVM.
@@ -76,7 +76,7 @@ fn segment(name: &str, s: &kvm_segment) -> Result<(), Refused> {
     ] {
         flag(&format!("{what}.{f}"), v)?;
     }
-    if s.l == 1 && s.db == 1 {
+    if name == "cs" && s.unusable == 0 && s.l == 1 && s.db == 1 {
         return refuse(&what, "64-bit code with a 32-bit default size");
     }
     Ok(())
@@ -129,9 +129,11 @@ fn sregs(s: &kvm_sregs) -> Result<(), Refused> {
     Ok(())
 }
 
-/// The XSAVE area's header: XSTATE_BV within XCR0, the standard (not compacted) format, the
-/// reserved bytes zero; MXCSR without reserved bits.
-fn xsave(x: &kvm_xsave, xcr0: u64) -> Result<(), Refused> {
+/// The XSAVE area's header: the standard (not compacted) format, the reserved bytes zero; MXCSR
+/// without reserved bits. XSTATE_BV is left to KVM, which holds it to what the guest's CPUID
+/// supports: it may hold state the guest's XCR0 never enabled (the host's PKRU, on hosts with
+/// protection keys, for a guest kernel without them).
+fn xsave(x: &kvm_xsave) -> Result<(), Refused> {
     let word = |i: usize| u64::from(x.region[i]) | (u64::from(x.region[i + 1]) << 32);
     let mxcsr = x.region[6];
     let mxcsr_mask = match x.region[7] {
@@ -141,14 +143,7 @@ fn xsave(x: &kvm_xsave, xcr0: u64) -> Result<(), Refused> {
     if mxcsr & !mxcsr_mask != 0 {
         return refuse("XSAVE", format!("MXCSR {mxcsr:#x} has reserved bits"));
     }
-    let (xstate_bv, xcomp_bv) = (word(128), word(130));
-    if xstate_bv & !xcr0 != 0 {
-        return refuse(
-            "XSAVE",
-            format!("state {xstate_bv:#x} beyond the XCR0 {xcr0:#x}"),
-        );
-    }
-    if xcomp_bv != 0 {
+    if word(130) != 0 {
         return refuse("XSAVE", "a compacted area where KVM takes the standard one");
     }
     if x.region[132..144].iter().any(|w| *w != 0) {
@@ -159,7 +154,7 @@ fn xsave(x: &kvm_xsave, xcr0: u64) -> Result<(), Refused> {
 
 /// XCR0 itself: x87 always, AVX only with SSE, nothing past what the guest's CPUID offers
 /// (KVM checks that last part against the CPUID set before the restore).
-fn xcrs(x: &kvm_xcrs) -> Result<u64, Refused> {
+fn xcrs(x: &kvm_xcrs) -> Result<(), Refused> {
     if x.nr_xcrs > KVM_MAX_XCRS || x.flags != 0 {
         refuse(
             "XCRs",
@@ -176,7 +171,7 @@ fn xcrs(x: &kvm_xcrs) -> Result<u64, Refused> {
     if xcr0 & 1 == 0 || (xcr0 & 4 != 0 && xcr0 & 2 == 0) {
         refuse("XCR0", format!("{xcr0:#x}"))?;
     }
-    Ok(xcr0)
+    Ok(())
 }
 
 fn debugregs(d: &kvm_debugregs) -> Result<(), Refused> {
@@ -237,12 +232,15 @@ fn events(e: &kvm_vcpu_events) -> Result<(), Refused> {
         ("interrupt.injected", e.interrupt.injected),
         ("interrupt.soft", e.interrupt.soft),
         ("nmi.injected", e.nmi.injected),
-        ("nmi.pending", e.nmi.pending),
         ("nmi.masked", e.nmi.masked),
         ("triple_fault.pending", e.triple_fault.pending),
         ("exception_has_payload", e.exception_has_payload),
     ] {
         flag(&format!("events {f}"), v)?;
+    }
+    // KVM keeps up to two NMIs pending (one being delivered, one latched).
+    if e.nmi.pending > 2 {
+        return refuse("events", format!("{} pending NMIs", e.nmi.pending));
     }
     if (e.exception.injected == 1 || e.exception.pending == 1) && e.exception.nr >= 32 {
         return refuse("events", format!("exception {}", e.exception.nr));
@@ -270,8 +268,8 @@ pub fn vcpu(id: usize, s: &VcpuState) -> Result<(), Refused> {
         why: r.why,
     };
     sregs(&s.sregs).map_err(at)?;
-    let xcr0 = xcrs(&s.xcrs).map_err(at)?;
-    xsave(&s.xsave, xcr0).map_err(at)?;
+    xcrs(&s.xcrs).map_err(at)?;
+    xsave(&s.xsave).map_err(at)?;
     debugregs(&s.debugregs).map_err(at)?;
     lapic(id, &s.lapic).map_err(at)?;
     events(&s.events).map_err(at)
@@ -459,17 +457,20 @@ mod tests {
     #[test]
     fn the_xsave_header_is_held_to_xcr0() {
         let x = sane_xsave();
-        assert_eq!(xsave(&x, 0b111), Ok(()));
-        assert!(xsave(&x, 0b1).is_err(), "SSE state past XCR0");
+        assert_eq!(xsave(&x), Ok(()));
+        // The host's PKRU in a guest whose XCR0 has no PKRU: KVM's to judge, not refused.
+        let mut p = sane_xsave();
+        p.region[128] |= 1 << 9;
+        assert_eq!(xsave(&p), Ok(()));
         let mut c = sane_xsave();
         c.region[131] = 1 << 31; // XCOMP_BV's compacted bit
-        assert!(xsave(&c, 0b111).is_err());
+        assert!(xsave(&c).is_err());
         let mut r = sane_xsave();
         r.region[140] = 1;
-        assert!(xsave(&r, 0b111).is_err());
+        assert!(xsave(&r).is_err());
         let mut m = sane_xsave();
         m.region[6] = 1 << 20;
-        assert!(xsave(&m, 0b111).is_err(), "MXCSR reserved bits");
+        assert!(xsave(&m).is_err(), "MXCSR reserved bits");
     }
 
     #[test]
@@ -485,6 +486,8 @@ mod tests {
         assert!(events(&e).is_err());
         let mut e = ok;
         e.nmi.pending = 2;
+        assert_eq!(events(&e), Ok(()), "KVM's two pending NMIs");
+        e.nmi.pending = 3;
         assert!(events(&e).is_err());
         let mut e = ok;
         e.flags = 1 << 20;

@@ -495,7 +495,9 @@ impl Vsock {
                 }
                 return (h, Vec::new());
             }
-            if c.staged_len() > 0 {
+            // A buffer with room for the header alone carries no data: a data packet of 0
+            // bytes would count as one in flight that no credit update retires.
+            if c.staged_len() > 0 && room > 0 {
                 let n = c.staged_len().min(room);
                 let h = self.header(c, op::RW, n as u32, 0);
                 let Some(c) = self.conns.get_mut(&port) else {
@@ -900,6 +902,43 @@ mod tests {
         d.kick(TX);
         assert!(h.stats().bad_packets.load(Ordering::Relaxed) >= 4);
         assert!(d.t.lock().unwrap().is_active());
+    }
+
+    #[test]
+    fn header_only_buffers_carry_no_empty_data_packets() {
+        // Buffers with room for a header alone, while host data waits: each would have carried
+        // a data packet of 0 bytes, counted in flight for ever (the guest grew the VM process's
+        // memory by 256 entries a wake-up).
+        let (v, h) = Vsock::new(GUEST_CID).unwrap();
+        let mut d = Driver::new(v);
+        d.setup(VIRTIO_F_VERSION_1);
+        add_rx_buffer(&mut d);
+        d.kick(RX);
+        let (mut s, _port) = connect(&mut d, &h);
+        s.write_all(&[1u8; 100]).unwrap();
+        d.run();
+        let first: Vec<_> = received(&mut d).into_iter().map(|(p, _)| p.op).collect();
+        assert_eq!(first, vec![op::RW], "the data, in the one full buffer");
+        // `received` gave one full buffer back: more data than it holds, so some waits for the
+        // header-only buffers that follow.
+        let tiny = 0x60_0000u64;
+        s.write_all(&[2u8; 10_000]).unwrap();
+        for i in 0..100u64 {
+            d.add_chain(RX, &[(tiny + i * 64, HEADER_LEN as u32, true)]);
+        }
+        d.kick(RX);
+        d.run();
+        for (id, len) in d.used(RX) {
+            let b = d.get(tiny + u64::from(id) * 64, len as usize);
+            if b.len() < HEADER_LEN {
+                continue;
+            }
+            let p = Header::decode(b[..HEADER_LEN].try_into().unwrap());
+            assert_ne!(p.op, op::RW, "a data packet in a header-only buffer: {p:?}");
+        }
+        let dev = d.t.lock().unwrap();
+        let in_flight: usize = dev.device().conns.values().map(|c| c.sent_ends.len()).sum();
+        assert!(in_flight <= 2, "{in_flight} packets counted in flight");
     }
 
     #[test]
