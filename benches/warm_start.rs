@@ -90,7 +90,6 @@ impl Qemu {
             disk_fds: vec![],
             qmp_fd: None,
             kvm_fd: None,
-            snapshot_fd: None,
             restore_fd: None,
         };
         let mut a: Vec<String> =

@@ -159,44 +159,8 @@ pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::
         )));
     }
     // The descriptors travel with the first byte; the rest follows as plain bytes.
-    let n = send_with_fds(sock.as_raw_fd(), &line, fds)?;
+    let n = crate::vm_process::send_with_fds(sock.as_raw_fd(), &line, fds)?;
     (&*sock).write_all(&line[n..])
-}
-
-fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
-    let fds_len = std::mem::size_of_val(fds) as u32;
-    // SAFETY: sendmsg with an iovec over `bytes` and a control buffer sized by CMSG_SPACE for
-    // the descriptors, both living across the call.
-    unsafe {
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_ptr() as *mut libc::c_void,
-            iov_len: bytes.len(),
-        };
-        let space = libc::CMSG_SPACE(fds_len) as usize;
-        let mut control = vec![0u8; space];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &raw mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let cmsg = libc::CMSG_FIRSTHDR(&raw const msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(fds_len) as _;
-        for (i, fd) in fds.iter().enumerate() {
-            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>().add(i), *fd);
-        }
-        loop {
-            let n = libc::sendmsg(sock, &raw const msg, libc::MSG_NOSIGNAL);
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
 }
 
 /// Reads lines (and the descriptors that come with them) from a control socket.

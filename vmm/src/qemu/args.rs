@@ -76,8 +76,6 @@ pub struct Wiring {
     /// A connected stream socket for QEMU's monitor (QMP): only a VM that may be snapshotted
     /// has one.
     pub qmp_fd: Option<i32>,
-    /// The snapshot's memory file, open for writing: where a migration to a file goes.
-    pub snapshot_fd: Option<i32>,
     /// A snapshot's memory file, open for reading: the VM starts from it instead of booting.
     pub restore_fd: Option<i32>,
     /// `/dev/kvm`, opened by the service: QEMU in its jail needs neither the device node nor
@@ -85,7 +83,8 @@ pub struct Wiring {
     pub kvm_fd: Option<i32>,
 }
 
-/// The fd set of [`Wiring::snapshot_fd`]: the snapshot is a migration to `file:/dev/fdset/N`.
+/// The fd set a snapshot's memory file is added to (by QMP's `add-fd`, when the snapshot is
+/// taken): the snapshot is a migration to `file:/dev/fdset/N`.
 pub const SNAPSHOT_FDSET: u32 = 1000;
 /// The fd set of [`Wiring::restore_fd`].
 pub const RESTORE_FDSET: u32 = 1001;
@@ -253,12 +252,6 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             "chardev=qmp,mode=control".into(),
         ]);
     }
-    if let Some(fd) = wiring.snapshot_fd {
-        a.extend([
-            "-add-fd".into(),
-            format!("fd={fd},set={SNAPSHOT_FDSET}").into(),
-        ]);
-    }
     if let Some(fd) = wiring.restore_fd {
         a.extend([
             "-add-fd".into(),
@@ -306,7 +299,6 @@ mod tests {
             net_fd: Some(5),
             disk_fds: vec![vec![6]],
             qmp_fd: None,
-            snapshot_fd: None,
             restore_fd: None,
             kvm_fd: None,
         }
@@ -344,7 +336,6 @@ mod tests {
         assert!(!s.contains("qmp") && !s.contains("-incoming") && !s.contains("set=1000"));
         let w = Wiring {
             qmp_fd: Some(7),
-            snapshot_fd: Some(8),
             restore_fd: Some(9),
             ..wiring()
         };
@@ -354,9 +345,11 @@ mod tests {
             .collect::<Vec<_>>()
             .join(" ");
         assert!(
-            s.contains("-chardev socket,id=qmp,fd=7 -mon chardev=qmp,mode=control -add-fd fd=8,set=1000 -add-fd fd=9,set=1001 -incoming file:/dev/fdset/1001"),
+            s.contains("-chardev socket,id=qmp,fd=7 -mon chardev=qmp,mode=control -add-fd fd=9,set=1001 -incoming file:/dev/fdset/1001"),
             "{s}"
         );
+        // The snapshot's own file is no argument: it comes over the monitor with the snapshot.
+        assert!(!s.contains("set=1000"), "{s}");
     }
 
     fn joined(arch: Arch, accel: Accel) -> String {

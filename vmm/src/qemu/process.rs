@@ -42,6 +42,7 @@ struct SnapshotTarget {
     monitor: tokio::sync::Mutex<Option<std::os::unix::net::UnixStream>>,
     header: super::snapshot::Header,
     state: PathBuf,
+    memory: PathBuf,
 }
 
 /// Memory QEMU itself may use beyond the guest's, in its cgroup: TCG keeps a translation cache
@@ -97,23 +98,16 @@ pub async fn spawn(
         net_fd = Some(fds.len() as i32 - 1);
         (host, link)
     });
-    // A VM that may be snapshotted gets its monitor and its snapshot's memory file; a VM
-    // restored from one gets that file to read.
+    // A VM that may be snapshotted gets its monitor (its snapshot's memory file comes over it
+    // with the snapshot, by `add-fd`: until then QEMU holds no file it could write one to); a
+    // VM restored from one gets that file to read.
     let mut qmp_fd = None;
-    let mut snapshot_fd = None;
     let mut monitor = None;
-    if let Some(to) = &spec.snapshot_to {
+    if spec.snapshot_to.is_some() {
         let (host, vm) = socket_pair("monitor")?;
         fds.push(vm);
         qmp_fd = Some(fds.len() as i32 - 1);
         monitor = Some(host);
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .truncate(true)
-            .open(&to.memory)
-            .map_err(|e| VmError::io(format!("opening {}", to.memory.display()), e))?;
-        fds.push(f.into());
-        snapshot_fd = Some(fds.len() as i32 - 1);
     }
     let mut restore_fd = None;
     if let Some(from) = &spec.restore_from {
@@ -179,7 +173,6 @@ pub async fn spawn(
         net_fd,
         disk_fds,
         qmp_fd,
-        snapshot_fd,
         restore_fd,
         kvm_fd,
     };
@@ -298,6 +291,7 @@ pub async fn spawn(
             monitor: tokio::sync::Mutex::new(Some(m)),
             header: super::snapshot::Header::of(arch, accel, spec),
             state: to.state.clone(),
+            memory: to.memory.clone(),
         }),
         _ => None,
     };
@@ -515,6 +509,24 @@ impl Vm for QemuVm {
             let mut qmp = super::qmp::Qmp::connect(monitor, Duration::from_secs(10))
                 .await
                 .map_err(|e| VmError::Snapshot(format!("QEMU's monitor: {e}")))?;
+            // The memory file, handed over now: QEMU's migration writes it as `/dev/fdset/N`.
+            let memory = std::fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(&target.memory)
+                .map_err(|e| VmError::io(format!("opening {}", target.memory.display()), e))?;
+            {
+                use std::os::fd::AsRawFd;
+                qmp.execute_with_fd(
+                    "add-fd",
+                    serde_json::json!({ "fdset-id": super::args::SNAPSHOT_FDSET }),
+                    memory.as_raw_fd(),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|e| VmError::Snapshot(format!("handing QEMU its snapshot file: {e}")))?;
+            }
+            drop(memory);
             super::snapshot::take(&mut qmp, &target.header, &target.state, resume).await
         };
         tokio::select! {

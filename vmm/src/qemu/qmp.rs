@@ -70,6 +70,28 @@ impl Qmp {
         arguments: Value,
         within: Duration,
     ) -> Result<Value, QmpError> {
+        self.exchange(command, arguments, None, within).await
+    }
+
+    /// [`Qmp::execute`] with `fd` passed alongside (`SCM_RIGHTS`), as `add-fd` takes its
+    /// descriptor: how a snapshot's file reaches QEMU only when the snapshot is taken.
+    pub async fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Value,
+        fd: std::os::fd::RawFd,
+        within: Duration,
+    ) -> Result<Value, QmpError> {
+        self.exchange(command, arguments, Some(fd), within).await
+    }
+
+    async fn exchange(
+        &mut self,
+        command: &str,
+        arguments: Value,
+        fd: Option<std::os::fd::RawFd>,
+        within: Duration,
+    ) -> Result<Value, QmpError> {
         let mut msg = serde_json::json!({ "execute": command });
         if !arguments.is_null() {
             msg["arguments"] = arguments;
@@ -77,7 +99,22 @@ impl Qmp {
         let mut bytes = serde_json::to_vec(&msg).map_err(|e| QmpError::Protocol(e.to_string()))?;
         bytes.push(b'\n');
         let exchange = async {
-            self.stream.get_mut().write_all(&bytes).await?;
+            let mut sent = 0;
+            if let Some(fd) = fd {
+                use std::os::fd::AsRawFd;
+                let sock = self.stream.get_ref();
+                sent = loop {
+                    sock.writable().await?;
+                    match sock.try_io(tokio::io::Interest::WRITABLE, || {
+                        crate::vm_process::send_with_fds(sock.as_raw_fd(), &bytes, &[fd])
+                    }) {
+                        Ok(n) => break n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                };
+            }
+            self.stream.get_mut().write_all(&bytes[sent..]).await?;
             for _ in 0..MAX_LINES_PER_ANSWER {
                 let v = self.line().await?;
                 if let Some(r) = v.get("return") {
