@@ -10,7 +10,12 @@
 //!   next marker write, against a fresh start in the same run;
 //! - VMs created (started, marker seen, stopped) per second of this process's CPU time;
 //! - the memory a running VM costs the VMM beyond guest RAM (this process's smaps, guest
-//!   mappings left out), per VM with ten running.
+//!   mappings left out), per VM with ten running;
+//! - what the VM process's system call filters cost (issue 30: the per-thread lists with their
+//!   argument rules, `vmm/src/kvm/seal.rs`): start -> first marker write, and the time of one
+//!   call a vCPU thread makes on every exit (`KVM_RUN`, here on no descriptor) and one every lock
+//!   makes (`futex` wake), each in a child process of this bench without the filters and in one
+//!   with them (a filter cannot be taken back), side by side.
 //!
 //! Compared with Firecracker's published figures (docs/performance.md). `BENCH_RUNS` sets the
 //! number of runs (default 50).
@@ -149,8 +154,83 @@ fn rss_without_guest_kib() -> u64 {
     total
 }
 
+/// The per-call figures: nanoseconds per call, over `n` calls on this thread.
+fn per_call_ns(n: u32, mut call: impl FnMut()) -> f64 {
+    let t0 = Instant::now();
+    for _ in 0..n {
+        call();
+    }
+    t0.elapsed().as_nanos() as f64 / f64::from(n)
+}
+
+/// The child's side of the filters' rows: with `sealed`, every machine thread applies its kind's
+/// filter as in `sandbox-vm`, and so does the thread that times the calls (a vCPU's). Prints one
+/// line: `FILTERS <start ms, space separated> | <KVM_RUN ns> <futex ns>`.
+fn filters_child(halt: &std::path::Path, runs: usize, sealed: bool) {
+    use sandbox_vmm::kvm::seal;
+    if sealed {
+        seal::install().expect("the filters build");
+    }
+    let starts: Vec<String> = (0..runs)
+        .filter_map(|_| start(&config(halt, None)))
+        .map(|(d, m)| {
+            drop(m);
+            format!("{:.3}", d.as_secs_f64() * 1000.0)
+        })
+        .collect();
+    let (run_ns, futex_ns) = std::thread::spawn(|| {
+        seal::enter(seal::ThreadKind::Vcpu).expect("the vCPU filter applies");
+        let n = 200_000;
+        let word = 0u32;
+        // SAFETY: an ioctl on no descriptor (EBADF) and a wake of a word nobody waits on.
+        let run = per_call_ns(n, || unsafe {
+            libc::ioctl(-1, 0xae80, 0);
+        });
+        // SAFETY: as above.
+        let futex = per_call_ns(n, || unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                &word as *const u32,
+                libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+                1,
+            );
+        });
+        (run, futex)
+    })
+    .join()
+    .expect("the timing thread");
+    println!("FILTERS {} | {run_ns:.1} {futex_ns:.1}", starts.join(" "));
+}
+
+/// Runs [`filters_child`] in a child process of this bench: (start samples, KVM_RUN ns, futex ns).
+fn filters_run(sealed: bool) -> Option<(Vec<Duration>, f64, f64)> {
+    let out = std::process::Command::new(std::env::current_exe().ok()?)
+        .env("VMM_NATIVE_FILTERS", if sealed { "sealed" } else { "open" })
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find_map(|l| l.strip_prefix("FILTERS "))?;
+    let (starts, calls) = line.split_once(" | ")?;
+    let starts = starts
+        .split_whitespace()
+        .filter_map(|v| v.parse::<f64>().ok())
+        .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+        .collect();
+    let mut calls = calls
+        .split_whitespace()
+        .filter_map(|v| v.parse::<f64>().ok());
+    Some((starts, calls.next()?, calls.next()?))
+}
+
 fn main() {
     let runs = sandbox_benches::runs(50);
+    if let Ok(mode) = std::env::var("VMM_NATIVE_FILTERS") {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let halt = dir.path().join("halt.elf");
+        std::fs::write(&halt, payload(&code(false))).expect("payload");
+        filters_child(&halt, runs, mode == "sealed");
+        return;
+    }
     if std::fs::File::open("/dev/kvm").is_err() {
         println!("skipped: no usable /dev/kvm here");
         return;
@@ -273,4 +353,29 @@ fn main() {
     println!(
         "the VMM's memory beyond guest RAM: {per_vm} KiB per running VM (ten running, this process's smaps)"
     );
+
+    // The filters, in two child processes of this bench, one after the other.
+    match (filters_run(false), filters_run(true)) {
+        (Some((open, open_run, open_futex)), Some((sealed, sealed_run, sealed_futex))) => {
+            println!(
+                "\nThe VM process's system call filters (per-thread lists with argument rules)\n"
+            );
+            header();
+            let reference = stats(&open).0;
+            row(
+                "start -> first marker write, no filter (reference)",
+                &open,
+                Some(reference),
+            );
+            row(
+                "start -> first marker write, every thread filtered",
+                &sealed,
+                Some(reference),
+            );
+            println!(
+                "\none call on a vCPU thread, ns: KVM_RUN (ioctl rule) {open_run:.0} without, {sealed_run:.0} with the filter; futex wake (operation rule) {open_futex:.0} without, {sealed_futex:.0} with"
+            );
+        }
+        _ => println!("\nthe filters' rows: a child run failed"),
+    }
 }

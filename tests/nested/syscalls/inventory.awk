@@ -1,4 +1,5 @@
-# The system calls each thread of a `sandbox-vm` made after it applied its filter, from
+# The system calls each thread of a `sandbox-vm` made after it applied its filter (with the
+# arguments its filter has rules for), from
 # `strace -f -p PID` output (see trace.sh). Run as: awk -f inventory.awk NAMES TRACE TRACE
 # NAMES: a line "tid name" per thread present when strace attached. The trace is read twice:
 # first for which threads applied a filter (seccomp), then for what each did after it.
@@ -35,6 +36,13 @@ pass == 2 {
     split(rest, c, ", ")
     if (name == "ioctl") key = "ioctl:" c[2]
     if (name == "fcntl") key = "fcntl:" c[2]
+    # The arguments vmm/src/kvm/seal.rs has rules for.
+    if (name == "mmap") key = "mmap:" c[3] ((c[4] ~ /MAP_HUGETLB/) ? ":MAP_HUGETLB" : "")
+    if (name == "mprotect" || name == "madvise") key = name ":" c[3]
+    if (name == "futex") key = "futex:" c[2]
+    if (name == "prctl" || name == "socketpair") { key = c[1]; sub(/\(/, ":", key) }
+    if (name == "clone") key = "clone:" ((rest ~ /CLONE_THREAD/) ? "thread" : "process")
+    if (name == "tgkill") { key = c[1]; sub(/\(/, ":", key) }
   }
   seen[t " " key] = 1
 }

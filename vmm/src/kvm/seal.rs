@@ -203,16 +203,12 @@ use requests::*;
 /// `FIONBIO` (Rust's `set_nonblocking` on sockets).
 const FIONBIO: u64 = libc::FIONBIO;
 
-/// What every thread needs: memory (the allocator), futexes (locks, condition variables,
-/// channels), signals (the vCPU kick and this filter's own report), time, writing to its log,
-/// closing what it owns, and ending.
+/// What every thread needs without a rule on its arguments: memory given back, signals (the
+/// vCPU kick and this filter's own report), time, writing to its log, closing what it owns, and
+/// ending. The memory and futex calls every thread also makes come with rules ([`ArgRules`]).
 fn common() -> Vec<i64> {
     vec![
-        libc::SYS_futex,
-        libc::SYS_mmap,
         libc::SYS_munmap,
-        libc::SYS_mprotect,
-        libc::SYS_madvise,
         libc::SYS_mremap,
         libc::SYS_brk,
         libc::SYS_rt_sigreturn,
@@ -225,7 +221,6 @@ fn common() -> Vec<i64> {
         libc::SYS_nanosleep,
         libc::SYS_getpid,
         libc::SYS_gettid,
-        libc::SYS_tgkill,
         libc::SYS_write,
         libc::SYS_close,
         libc::SYS_exit,
@@ -241,30 +236,109 @@ const LEGACY_WAITS: [i64; 2] = [libc::SYS_poll, libc::SYS_epoll_wait];
 #[cfg(target_arch = "aarch64")]
 const LEGACY_WAITS: [i64; 0] = [];
 
-/// The system calls of one kind of thread, with their argument rules.
+/// A condition on one argument's low 32 bits: every argument our rules read is an `int`, or
+/// (`clone`'s flags) holds what they test there.
+fn arg(
+    index: u8,
+    op: SeccompCmpOp,
+    value: u64,
+) -> Result<SeccompCondition, seccompiler::BackendError> {
+    SeccompCondition::new(index, SeccompCmpArgLen::Dword, op, value)
+}
+
+/// One rule: the call passes when every condition holds.
+fn only(
+    conditions: Vec<Result<SeccompCondition, seccompiler::BackendError>>,
+) -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
+    Ok(vec![SeccompRule::new(
+        conditions.into_iter().collect::<Result<_, _>>()?,
+    )?])
+}
+
+/// A rule per value an argument may take.
+fn one_of(index: u8, values: &[u64]) -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
+    values
+        .iter()
+        .map(|&v| SeccompRule::new(vec![arg(index, SeccompCmpOp::Eq, v)?]))
+        .collect()
+}
+
+/// The futex operations of glibc's and Rust's locks, condition variables and thread joins
+/// (wait and wake, plain or with a bit set; private or shared; either clock). Not the
+/// priority-inheritance, requeue or wake-op families, whose kernel paths have had the
+/// privilege escalations (CVE-2014-3153, CVE-2021-3347).
+const FUTEX_OPS: [u64; 4] = [
+    libc::FUTEX_WAIT as u64,
+    libc::FUTEX_WAKE as u64,
+    libc::FUTEX_WAIT_BITSET as u64,
+    libc::FUTEX_WAKE_BITSET as u64,
+];
+
+/// The bits of a futex operation that name it, without its private and clock flags.
+const FUTEX_CMD_MASK: u64 =
+    !((libc::FUTEX_PRIVATE_FLAG | libc::FUTEX_CLOCK_REALTIME) as u64) & 0xffff_ffff;
+
+/// `madvise` advice every thread may give: the allocator handing pages back.
+const ADVICE: [u64; 2] = [libc::MADV_DONTNEED as u64, libc::MADV_FREE as u64];
+
+/// `fcntl` commands a thread may make on what it already holds: its descriptor and status
+/// flags. No duplicates (`F_DUPFD*`: a sealed thread needs no new descriptor numbers), no
+/// locks, leases, owners, notifications or pipe sizes.
+const FCNTL: [u64; 4] = [
+    libc::F_GETFD as u64,
+    libc::F_SETFD as u64,
+    libc::F_GETFL as u64,
+    libc::F_SETFL as u64,
+];
+
+/// `PR_SET_VMA`, with which a newer glibc names the memory it maps (not in every libc crate).
+const PR_SET_VMA: u64 = 0x5356_4d41;
+
+/// The system calls of one kind of thread, with their argument rules; `pid` is the process's,
+/// the only one whose threads it may signal.
 // `c_ulong` (the ioctl numbers' type) is `u64` on every target we build; `from` keeps it so.
 #[allow(clippy::useless_conversion)]
-fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompiler::BackendError> {
+fn rules(
+    kind: ThreadKind,
+    pid: u32,
+) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompiler::BackendError> {
+    use SeccompCmpOp::{Eq, MaskedEq};
     let mut m: BTreeMap<i64, Vec<SeccompRule>> =
         common().into_iter().map(|nr| (nr, vec![])).collect();
-    let ioctl = |codes: &[u64]| -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
-        codes
-            .iter()
-            .map(|&c| {
-                SeccompRule::new(vec![SeccompCondition::new(
-                    1,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::Eq,
-                    c,
-                )?])
-            })
-            .collect()
-    };
+    let ioctl = |codes: &[u64]| one_of(1, codes);
     let add = |m: &mut BTreeMap<i64, Vec<SeccompRule>>, nrs: &[i64]| {
         for &nr in nrs {
             m.insert(nr, vec![]);
         }
     };
+    // Memory, for every thread: nothing mapped or made executable (the process's code was
+    // mapped before it sealed, so new executable memory could only be an escaped guest's
+    // payload) and no hugetlbfs pages (a pool the host's other tenants draw on).
+    let no_exec = || arg(2, MaskedEq(libc::PROT_EXEC as u64), 0);
+    m.insert(
+        libc::SYS_mmap,
+        only(vec![
+            no_exec(),
+            arg(3, MaskedEq(libc::MAP_HUGETLB as u64), 0),
+        ])?,
+    );
+    m.insert(libc::SYS_mprotect, only(vec![no_exec()])?);
+    let mut advice = ADVICE.to_vec();
+    if kind == ThreadKind::Main {
+        // A snapshot's memory file is populated before the copy, so a full file system is a
+        // refusal there and not a SIGBUS in the middle (`snapshot::write_memory`).
+        advice.push(libc::MADV_POPULATE_WRITE as u64);
+    }
+    m.insert(libc::SYS_madvise, one_of(2, &advice)?);
+    m.insert(
+        libc::SYS_futex,
+        FUTEX_OPS
+            .iter()
+            .map(|&op| SeccompRule::new(vec![arg(1, MaskedEq(FUTEX_CMD_MASK), op)?]))
+            .collect::<Result<_, _>>()?,
+    );
+    // Signals only to the process's own threads (the vCPU kick, an abort).
+    m.insert(libc::SYS_tgkill, only(vec![arg(0, Eq, u64::from(pid))])?);
     add(&mut m, &LEGACY_WAITS);
     match kind {
         ThreadKind::Vcpu => {
@@ -293,12 +367,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
             // the thread's vCPU descriptor is at its end): reading its flags, nothing more.
             m.insert(
                 libc::SYS_fcntl,
-                vec![SeccompRule::new(vec![SeccompCondition::new(
-                    1,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::Eq,
-                    libc::F_GETFD as u64,
-                )?])?],
+                only(vec![arg(1, Eq, libc::F_GETFD as u64)])?,
             );
         }
         ThreadKind::Device => {
@@ -322,22 +391,25 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     libc::SYS_recvmsg,
                     libc::SYS_sendmsg,
                     libc::SYS_shutdown,
-                    libc::SYS_socketpair,
-                    libc::SYS_fcntl,
                     libc::SYS_eventfd2,
                 ],
+            );
+            m.insert(libc::SYS_fcntl, one_of(1, &FCNTL)?);
+            // A vsock connection's two ends (`UnixStream::pair`), and no other kind of socket.
+            m.insert(
+                libc::SYS_socketpair,
+                only(vec![arg(0, Eq, libc::AF_UNIX as u64)])?,
             );
             m.insert(libc::SYS_ioctl, ioctl(&[FIONBIO])?);
             // Only to give blocks back: with FALLOC_FL_KEEP_SIZE alone a thread could allocate
             // blocks past a disk's end, which its file size limit does not count.
             m.insert(
                 libc::SYS_fallocate,
-                vec![SeccompRule::new(vec![SeccompCondition::new(
+                only(vec![arg(
                     1,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::Eq,
+                    Eq,
                     (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u64,
-                )?])?],
+                )])?,
             );
         }
         ThreadKind::Restore => {
@@ -369,17 +441,14 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     libc::SYS_recvmsg,
                     libc::SYS_sendmsg,
                     libc::SYS_shutdown,
-                    libc::SYS_fcntl,
                     libc::SYS_ppoll,
                     // Threads: the jail's floor answers `clone3` with ENOSYS (a filter cannot
-                    // read its flags) and kills `clone` with a namespace flag; this list lets
-                    // both through to it (the strictest answer of all filters wins, and a trap
-                    // here would beat its ENOSYS). Then what a new thread does as it starts.
-                    libc::SYS_clone,
+                    // read its flags), and this list lets it through to it (the strictest
+                    // answer of all filters wins, and a trap here would beat its ENOSYS).
+                    // Then what a new thread does as it starts.
                     libc::SYS_clone3,
                     libc::SYS_set_robust_list,
                     libc::SYS_rseq,
-                    libc::SYS_prctl,
                     libc::SYS_eventfd2,
                     libc::SYS_epoll_ctl,
                     // A snapshot: the state written into the pipe that came with the request
@@ -388,6 +457,29 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     // main thread writes no file and sizes none.
                     libc::SYS_fdatasync,
                 ],
+            );
+            m.insert(libc::SYS_fcntl, one_of(1, &FCNTL)?);
+            // `clone` only for a thread: a new process (a fork, or one of `vfork`'s kind) would
+            // be a second program outside the threads' accounting.
+            m.insert(
+                libc::SYS_clone,
+                only(vec![arg(
+                    0,
+                    MaskedEq(libc::CLONE_THREAD as u64),
+                    libc::CLONE_THREAD as u64,
+                )])?,
+            );
+            // A new thread names itself (`PR_SET_NAME`); no other process control.
+            m.insert(
+                libc::SYS_prctl,
+                one_of(
+                    0,
+                    &[
+                        libc::PR_SET_NAME as u64,
+                        libc::PR_GET_NAME as u64,
+                        PR_SET_VMA,
+                    ],
+                )?,
             );
             m.insert(
                 libc::SYS_ioctl,
@@ -406,7 +498,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
 /// The program of one kind of thread.
 pub fn program(kind: ThreadKind) -> Result<BpfProgram, SealError> {
     let err = |e: &dyn std::fmt::Display| SealError::Build(kind.name(), e.to_string());
-    let rules = rules(kind).map_err(|e| err(&e))?;
+    let rules = rules(kind, std::process::id()).map_err(|e| err(&e))?;
     let f = SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, ARCH)
         .map_err(|e| err(&e))?;
     f.try_into().map_err(|e: seccompiler::BackendError| err(&e))
@@ -426,7 +518,37 @@ fn install_sigsys_handler() {
 /// Exit code of a VM process that made a system call outside its filter.
 pub const SIGSYS_EXIT: i32 = 159;
 
-extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+/// The first three arguments of the call a `SIGSYS` interrupted, from the thread's saved
+/// registers: with argument rules, the number alone does not say which rule a call broke.
+#[cfg(all(target_arch = "x86_64", target_env = "gnu"))]
+fn call_args(ctx: *mut libc::c_void) -> Option<[u64; 3]> {
+    if ctx.is_null() {
+        return None;
+    }
+    // SAFETY: an SA_SIGINFO handler's third argument is the interrupted thread's ucontext.
+    let g = unsafe { &(*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs };
+    Some([libc::REG_RDI, libc::REG_RSI, libc::REG_RDX].map(|r| g[r as usize] as u64))
+}
+
+#[cfg(all(target_arch = "aarch64", target_env = "gnu"))]
+fn call_args(ctx: *mut libc::c_void) -> Option<[u64; 3]> {
+    if ctx.is_null() {
+        return None;
+    }
+    // SAFETY: as on x86_64.
+    let r = unsafe { &(*ctx.cast::<libc::ucontext_t>()).uc_mcontext.regs };
+    Some([r[0], r[1], r[2]])
+}
+
+#[cfg(not(all(
+    any(target_arch = "x86_64", target_arch = "aarch64"),
+    target_env = "gnu"
+)))]
+fn call_args(_: *mut libc::c_void) -> Option<[u64; 3]> {
+    None
+}
+
+extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // The call's number is `si_syscall`: after si_signo, si_errno, si_code (padded to 16 bytes
     // on 64-bit targets) and the 8-byte si_call_addr of the SIGSYS member of the union.
     const SI_SYSCALL: usize = 24;
@@ -438,7 +560,7 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
             .read_unaligned()
     };
     let kind = KIND.try_with(|k| k.get()).ok().flatten();
-    let mut buf = [0u8; 160];
+    let mut buf = [0u8; 256];
     let mut n = 0;
     let mut put = |s: &[u8]| {
         for &b in s {
@@ -463,7 +585,27 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
         }
     }
     put(&digits[d..]);
-    put(b", outside its seccomp filter; the VM stops\n");
+    put(b", outside its seccomp filter");
+    if let Some(args) = call_args(ctx) {
+        put(b" (arguments");
+        for (i, a) in args.into_iter().enumerate() {
+            put(if i == 0 { b" 0x" } else { b", 0x" });
+            let mut hex = [0u8; 16];
+            let mut h = hex.len();
+            let mut v = a;
+            loop {
+                h -= 1;
+                hex[h] = b"0123456789abcdef"[(v & 0xf) as usize];
+                v >>= 4;
+                if v == 0 {
+                    break;
+                }
+            }
+            put(&hex[h..]);
+        }
+        put(b")");
+    }
+    put(b"; the VM stops\n");
     // SAFETY: write and _exit are async-signal-safe; `buf` is ours.
     unsafe {
         libc::write(2, buf.as_ptr().cast(), n);
@@ -728,5 +870,242 @@ mod tests {
             )),
             "{err}"
         );
+    }
+
+    /// A call a rule lets through, then one it traps, on one kind of thread.
+    struct Case {
+        kind: ThreadKind,
+        what: &'static str,
+        /// The call that passes; its result is printed.
+        allowed: fn() -> i64,
+        /// The call that is trapped, and its number.
+        trapped: fn(),
+        nr: i64,
+    }
+
+    /// A raw system call of a case.
+    fn raw(nr: i64, a: [u64; 6]) -> i64 {
+        // SAFETY: the cases pass null or addresses of memory they own (a fresh mapping, a word on
+        // their stack, a pair of ints), descriptors they own or none, and signal 0 (a check,
+        // nothing delivered): nothing the test harness holds is touched.
+        unsafe { libc::syscall(nr, a[0], a[1], a[2], a[3], a[4], a[5]) }
+    }
+
+    fn anon(prot: i32, flags: i32) -> i64 {
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags;
+        raw(
+            libc::SYS_mmap,
+            [0, 4096, prot as u64, flags as u64, u64::MAX, 0],
+        )
+    }
+
+    fn page() -> u64 {
+        anon(libc::PROT_READ | libc::PROT_WRITE, 0) as u64
+    }
+
+    fn futex(op: i32) -> i64 {
+        let word = 0u32;
+        raw(
+            libc::SYS_futex,
+            [&word as *const u32 as u64, op as u64, 1, 0, 0, 0],
+        )
+    }
+
+    fn pair(domain: i32) -> i64 {
+        let mut fds = [0i32; 2];
+        let (d, t) = (domain as u64, libc::SOCK_STREAM as u64);
+        raw(
+            libc::SYS_socketpair,
+            [d, t, 0, fds.as_mut_ptr() as u64, 0, 0],
+        )
+    }
+
+    fn fcntl(cmd: i32, value: u64) -> i64 {
+        raw(libc::SYS_fcntl, [2, cmd as u64, value, 0, 0, 0])
+    }
+
+    /// The parent test process's id, read before the filter (`getppid` is on no list).
+    static PARENT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+    const CASES: &[Case] = &[
+        Case {
+            kind: ThreadKind::Device,
+            what: "mmap without PROT_EXEC, then with it",
+            allowed: || anon(libc::PROT_READ | libc::PROT_WRITE, 0),
+            trapped: || {
+                anon(libc::PROT_READ | libc::PROT_EXEC, 0);
+            },
+            nr: libc::SYS_mmap,
+        },
+        Case {
+            kind: ThreadKind::Vcpu,
+            what: "mmap of hugetlbfs pages",
+            allowed: || anon(libc::PROT_NONE, libc::MAP_NORESERVE),
+            trapped: || {
+                anon(libc::PROT_READ | libc::PROT_WRITE, libc::MAP_HUGETLB);
+            },
+            nr: libc::SYS_mmap,
+        },
+        Case {
+            kind: ThreadKind::Main,
+            what: "mprotect to read-only, then to executable",
+            allowed: || {
+                raw(
+                    libc::SYS_mprotect,
+                    [page(), 4096, libc::PROT_READ as u64, 0, 0, 0],
+                )
+            },
+            trapped: || {
+                let prot = (libc::PROT_READ | libc::PROT_EXEC) as u64;
+                raw(libc::SYS_mprotect, [page(), 4096, prot, 0, 0, 0]);
+            },
+            nr: libc::SYS_mprotect,
+        },
+        Case {
+            kind: ThreadKind::Device,
+            what: "madvise DONTNEED, then MERGEABLE",
+            allowed: || {
+                raw(
+                    libc::SYS_madvise,
+                    [page(), 4096, libc::MADV_DONTNEED as u64, 0, 0, 0],
+                )
+            },
+            trapped: || {
+                raw(
+                    libc::SYS_madvise,
+                    [page(), 4096, libc::MADV_MERGEABLE as u64, 0, 0, 0],
+                );
+            },
+            nr: libc::SYS_madvise,
+        },
+        Case {
+            kind: ThreadKind::Vcpu,
+            what: "futex WAKE_PRIVATE, then LOCK_PI",
+            allowed: || futex(libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG),
+            trapped: || {
+                futex(libc::FUTEX_LOCK_PI | libc::FUTEX_PRIVATE_FLAG);
+            },
+            nr: libc::SYS_futex,
+        },
+        Case {
+            kind: ThreadKind::Device,
+            what: "tgkill of its own thread, then of another process",
+            allowed: || {
+                let me = raw(libc::SYS_getpid, [0; 6]) as u64;
+                let tid = raw(libc::SYS_gettid, [0; 6]) as u64;
+                raw(libc::SYS_tgkill, [me, tid, 0, 0, 0, 0])
+            },
+            trapped: || {
+                let parent = PARENT.load(std::sync::atomic::Ordering::SeqCst) as u64;
+                raw(libc::SYS_tgkill, [parent, parent, 0, 0, 0, 0]);
+            },
+            nr: libc::SYS_tgkill,
+        },
+        Case {
+            kind: ThreadKind::Main,
+            what: "a thread, then a fork",
+            allowed: || std::thread::spawn(|| 7i64).join().unwrap(),
+            trapped: || {
+                raw(libc::SYS_clone, [libc::SIGCHLD as u64, 0, 0, 0, 0, 0]);
+            },
+            nr: libc::SYS_clone,
+        },
+        Case {
+            kind: ThreadKind::Main,
+            what: "prctl PR_SET_NAME, then PR_SET_DUMPABLE",
+            allowed: || {
+                let name = c"sealed".as_ptr() as u64;
+                raw(
+                    libc::SYS_prctl,
+                    [libc::PR_SET_NAME as u64, name, 0, 0, 0, 0],
+                )
+            },
+            trapped: || {
+                raw(
+                    libc::SYS_prctl,
+                    [libc::PR_SET_DUMPABLE as u64, 1, 0, 0, 0, 0],
+                );
+            },
+            nr: libc::SYS_prctl,
+        },
+        Case {
+            kind: ThreadKind::Device,
+            what: "fcntl F_GETFL, then F_DUPFD_CLOEXEC",
+            allowed: || fcntl(libc::F_GETFL, 0),
+            trapped: || {
+                fcntl(libc::F_DUPFD_CLOEXEC, 100);
+            },
+            nr: libc::SYS_fcntl,
+        },
+        Case {
+            kind: ThreadKind::Main,
+            what: "fcntl F_SETFD, then F_DUPFD",
+            allowed: || fcntl(libc::F_SETFD, libc::FD_CLOEXEC as u64),
+            trapped: || {
+                fcntl(libc::F_DUPFD, 100);
+            },
+            nr: libc::SYS_fcntl,
+        },
+        Case {
+            kind: ThreadKind::Device,
+            what: "socketpair AF_UNIX, then AF_INET",
+            allowed: || pair(libc::AF_UNIX),
+            trapped: || {
+                pair(libc::AF_INET);
+            },
+            nr: libc::SYS_socketpair,
+        },
+        Case {
+            kind: ThreadKind::Main,
+            what: "no socketpair on a main thread",
+            allowed: || raw(libc::SYS_getpid, [0; 6]),
+            trapped: || {
+                pair(libc::AF_UNIX);
+            },
+            nr: libc::SYS_socketpair,
+        },
+    ];
+
+    #[test]
+    fn every_argument_rule_lets_its_calls_through_and_traps_the_rest() {
+        let me = std::env::current_exe().unwrap();
+        let name =
+            "kvm::seal::tests::every_argument_rule_lets_its_calls_through_and_traps_the_rest";
+        if let Some(i) = std::env::var_os("SEAL_CASE") {
+            let case = &CASES[i.to_str().unwrap().parse::<usize>().unwrap()];
+            // SAFETY: getppid and PR_SET_NO_NEW_PRIVS take no pointers.
+            unsafe {
+                PARENT.store(libc::getppid(), std::sync::atomic::Ordering::SeqCst);
+                libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+            }
+            install().unwrap();
+            enter(case.kind).unwrap();
+            let r = (case.allowed)();
+            eprintln!("allowed: {r}");
+            (case.trapped)();
+            unreachable!("the filter let the call through");
+        }
+        for (i, case) in CASES.iter().enumerate() {
+            let out = std::process::Command::new(&me)
+                .args(["--exact", name, "--nocapture"])
+                .env("SEAL_CASE", i.to_string())
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            let what = case.what;
+            assert!(
+                err.contains("allowed: ") && !err.contains("allowed: -1"),
+                "{what}: the allowed call failed or trapped: {err}"
+            );
+            assert_eq!(out.status.code(), Some(SIGSYS_EXIT), "{what}: {err}");
+            assert!(
+                err.contains(&format!(
+                    "the {} thread made system call {}, outside its seccomp filter (arguments 0x",
+                    case.kind.name(),
+                    case.nr
+                )),
+                "{what}: {err}"
+            );
+        }
     }
 }
