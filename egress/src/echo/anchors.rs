@@ -9,9 +9,11 @@
 //! line break) and within the longest form. The anchors of text are those pieces and such
 //! clusters of escapes, of any character (so which bytes are anchors tells nothing of which
 //! characters the values hold; a quoted word on a line of model output is no cluster).
-//! Every base64 form is a run of the encoding's characters with line breaks allowed between them;
-//! so an occurrence either holds a line break between two such characters, inside a run of at
-//! least as many of them as the shortest form has, or holds any piece of the unbroken encoding.
+//! Every base64 form is a run of the encoding's characters with line breaks allowed between them
+//! (raw with up to `MAX_INDENT` spaces after, or JSON's escaped `\n` and `\r\n`), and a `/` may
+//! be JSON's `\/`; so an occurrence either holds a line break between two such characters, inside
+//! a run of at least as many of them as the shortest form has, or holds any piece of the unbroken
+//! encoding (in some spelling of its `/`).
 //! The anchors of base64 are those line breaks and one piece (a *block*) of each alignment. The
 //! pieces are found by Teddy (SIMD), the escapes and line breaks by memchr. The window around an
 //! anchor reaches as far as the longest form on either side, but not past a byte no form of its
@@ -61,19 +63,84 @@ pub struct Anchors {
     reach: usize,
 }
 
-/// Whether `b` is a character of base64, in either alphabet.
-fn is_base64(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'-' | b'_')
-}
+use super::{MAX_INDENT, is_base64};
 
 /// Whether no text form of a printable value holds `b`.
 fn is_control(b: u8) -> bool {
     b.wrapping_sub(0x20) >= 0x5f
 }
 
-/// Whether no base64 form holds `b`.
+/// Whether no base64 form holds `b` (its characters, its line breaks raw, indented or escaped,
+/// and JSON's `\/`).
 fn ends_base64(b: u8) -> bool {
-    !(is_base64(b) || b == b'\r' || b == b'\n')
+    !(is_base64(b) || matches!(b, b'\r' | b'\n' | b' ' | b'\\'))
+}
+
+/// The end of the line break a base64 form may hold that starts at `i`, if one does: `\n` or
+/// `\r\n` with up to [`MAX_INDENT`] spaces after it, or JSON's escaped `\n` or `\r\n`.
+fn break_from(hay: &[u8], i: usize) -> Option<usize> {
+    let at = |k: usize| hay.get(i + k).copied();
+    let raw = match (at(0), at(1)) {
+        (Some(b'\n'), _) => Some(i + 1),
+        (Some(b'\r'), Some(b'\n')) => Some(i + 2),
+        _ => None,
+    };
+    if let Some(mut j) = raw {
+        let most = j + MAX_INDENT;
+        while j < most && hay.get(j) == Some(&b' ') {
+            j += 1;
+        }
+        return Some(j);
+    }
+    match (at(0), at(1), at(2), at(3)) {
+        (Some(b'\\'), Some(b'n'), _, _) => Some(i + 2),
+        (Some(b'\\'), Some(b'r'), Some(b'\\'), Some(b'n')) => Some(i + 4),
+        _ => None,
+    }
+}
+
+/// The start of the line break a base64 form may hold that ends at `i` (see [`break_from`]).
+fn break_to(hay: &[u8], i: usize) -> Option<usize> {
+    let mut j = i;
+    while j > 0 && i - j < MAX_INDENT && hay[j - 1] == b' ' {
+        j -= 1;
+    }
+    // Spaces that no raw line feed comes before: the break, if any, is an escaped one without
+    // them (which `break_from` would not have read past them either).
+    if j > 0 && hay[j - 1] == b'\n' {
+        let start = j - 1;
+        return Some(if start > 0 && hay[start - 1] == b'\r' {
+            start - 1
+        } else {
+            start
+        });
+    }
+    if i >= 2 && hay[i - 2] == b'\\' && hay[i - 1] == b'n' {
+        return Some(if i >= 4 && hay[i - 4] == b'\\' && hay[i - 3] == b'r' {
+            i - 4
+        } else {
+            i - 2
+        });
+    }
+    None
+}
+
+/// The length of the base64 character at `i` (`\/` is two bytes), if one is there.
+fn char_from(hay: &[u8], i: usize) -> Option<usize> {
+    match hay.get(i) {
+        Some(&b) if is_base64(b) => Some(1),
+        Some(b'\\') if hay.get(i + 1) == Some(&b'/') => Some(2),
+        _ => None,
+    }
+}
+
+/// The length of the base64 character that ends at `i`, if one does.
+fn char_to(hay: &[u8], i: usize) -> Option<usize> {
+    match i.checked_sub(1).map(|k| hay[k]) {
+        Some(b'/') if i >= 2 && hay[i - 2] == b'\\' => Some(2),
+        Some(b) if is_base64(b) => Some(1),
+        _ => None,
+    }
 }
 
 /// The windows of one kind of anchor, in order. A window reaches `reach` bytes either side of
@@ -260,16 +327,29 @@ impl Anchors {
             }
             if hay[p] == b'\n' {
                 recent.clear(); // no text form holds a line break
-                if self.break_at(hay, p) {
-                    breaks.add(p, p + 1);
+                let start = if p > 0 && hay[p - 1] == b'\r' {
+                    p - 1
+                } else {
+                    p
+                };
+                if let Some(end) = self.break_at(hay, start) {
+                    breaks.add(start, end);
                 }
                 // The line feeds that follow (an event's empty line) lie between no two
                 // characters of anything.
                 while hay.get(at) == Some(&b'\n') {
                     at += 1;
                 }
-            } else if escape_at(hay, p) {
-                escape(p, &mut recent);
+            } else {
+                // A backslash may begin an escaped line break inside base64, and an escape.
+                if hay[p] == b'\\'
+                    && let Some(end) = self.break_at(hay, p)
+                {
+                    breaks.add(p, end);
+                }
+                if escape_at(hay, p) {
+                    escape(p, &mut recent);
+                }
             }
         }
         for q in pluses {
@@ -292,95 +372,87 @@ impl Anchors {
         merged
     }
 
-    /// Whether the line feed at `p` (with the carriage return before it, if any) lies between
-    /// two base64 characters in a run long enough to hold a form: base64 characters with at
-    /// most one line break (`\n` or `\r\n`) between two of them, as the forms have. At most
-    /// `min_base64` characters and their breaks are read.
+    /// Whether the line break at `start` (see [`break_from`]) lies between two base64 characters
+    /// in a run long enough to hold a form: base64 characters with at most one line break between
+    /// two of them, as the forms have. At most `min_base64` characters and their breaks are
+    /// read. Read backwards, `\n` after a backslash is taken for a break (inside a form a
+    /// backslash begins only a break or `\/`), so the count never falls short of a form's.
     #[inline]
-    fn break_at(&self, hay: &[u8], p: usize) -> bool {
-        let start = if p > 0 && hay[p - 1] == b'\r' {
-            p - 1
-        } else {
-            p
-        };
-        if start == 0
-            || !is_base64(hay[start - 1])
-            || !hay.get(p + 1).is_some_and(|&b| is_base64(b))
-        {
-            return false;
-        }
+    fn break_at(&self, hay: &[u8], start: usize) -> Option<usize> {
+        let end = break_from(hay, start)?;
+        char_to(hay, start)?;
+        char_from(hay, end)?;
         let want = self.min_base64;
         let mut n = 0;
         let mut i = start;
-        loop {
-            while i > 0 && n < want && is_base64(hay[i - 1]) {
-                n += 1;
-                i -= 1;
+        while n < want {
+            if let Some(k) = break_to(hay, i).filter(|&k| k < i && char_to(hay, k).is_some()) {
+                i = k;
+                continue;
             }
-            if n >= want || i == 0 || hay[i - 1] != b'\n' {
-                break;
+            match char_to(hay, i) {
+                Some(len) => {
+                    n += 1;
+                    i -= len;
+                }
+                None => break,
             }
-            let mut k = i - 1;
-            if k > 0 && hay[k - 1] == b'\r' {
-                k -= 1;
-            }
-            if k == 0 || !is_base64(hay[k - 1]) {
-                break;
-            }
-            i = k;
         }
-        let mut j = p + 1;
-        loop {
-            while j < hay.len() && n < want && is_base64(hay[j]) {
-                n += 1;
-                j += 1;
+        let mut j = end;
+        while n < want {
+            match char_from(hay, j) {
+                Some(len) => {
+                    n += 1;
+                    j += len;
+                }
+                None => match break_from(hay, j).filter(|&k| char_from(hay, k).is_some()) {
+                    Some(k) => j = k,
+                    None => break,
+                },
             }
-            if n >= want || j >= hay.len() {
-                break;
-            }
-            let k = match hay[j] {
-                b'\n' => j + 1,
-                b'\r' if hay.get(j + 1) == Some(&b'\n') => j + 2,
-                _ => break,
-            };
-            if !hay.get(k).is_some_and(|&b| is_base64(b)) {
-                break;
-            }
-            j = k;
         }
-        n >= want
+        (n >= want).then_some(end)
+    }
+}
+
+/// How a base64 character (given in the standard alphabet) may be spelled: `+` is the URL-safe
+/// alphabet's `-`, and `/` its `_` or JSON's `\/`.
+fn spellings(b: &u8) -> Vec<Vec<u8>> {
+    match b {
+        b'+' => vec![b"+".to_vec(), b"-".to_vec()],
+        b'/' => vec![b"/".to_vec(), b"_".to_vec(), b"\\/".to_vec()],
+        &b => vec![vec![b]],
     }
 }
 
 /// One block of a base64 encoding's unbroken characters (given in the standard alphabet), in
-/// every alphabet's spelling: the piece of at most [`BLOCK`] characters with the fewest
-/// characters that the two alphabets spell differently, shortened until it has at most
-/// [`MAX_VARIANTS`] spellings.
+/// every spelling: the piece of at most [`BLOCK`] characters with the fewest spellings, shortened
+/// until it has at most [`MAX_VARIANTS`].
 fn base64_block(exact: &[u8]) -> Vec<Vec<u8>> {
-    let differs = |b: &u8| matches!(b, b'+' | b'/');
+    let count = |block: &[u8]| {
+        block
+            .iter()
+            .fold(1usize, |n, b| n.saturating_mul(spellings(b).len()))
+    };
     let mut len = BLOCK.min(exact.len());
     loop {
         let best = (0..=exact.len() - len)
-            .min_by_key(|&s| exact[s..s + len].iter().filter(|b| differs(b)).count())
+            .min_by_key(|&s| count(&exact[s..s + len]))
             .unwrap_or(0);
         let block = &exact[best..best + len];
-        let n = block.iter().filter(|b| differs(b)).count();
-        if 1usize << n.min(usize::BITS as usize - 1) <= MAX_VARIANTS || len == 1 {
-            let mut out = vec![Vec::with_capacity(len)];
-            for &b in block {
-                let other = match b {
-                    b'+' => Some(b'-'),
-                    b'/' => Some(b'_'),
-                    _ => None,
-                };
-                if let Some(o) = other {
-                    let mut alt = out.clone();
-                    alt.iter_mut().for_each(|v| v.push(o));
-                    out.iter_mut().for_each(|v| v.push(b));
-                    out.extend(alt);
-                } else {
-                    out.iter_mut().for_each(|v| v.push(b));
-                }
+        if count(block) <= MAX_VARIANTS || len == 1 {
+            let mut out = vec![Vec::with_capacity(len + 2)];
+            for b in block {
+                out = out
+                    .iter()
+                    .flat_map(|v| {
+                        spellings(b).into_iter().map(move |s| {
+                            let mut w = v.clone();
+                            w.extend_from_slice(&s);
+                            w
+                        })
+                    })
+                    .collect();
             }
             return out;
         }
