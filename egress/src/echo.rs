@@ -127,6 +127,11 @@ pub struct EchoForms {
     longest: usize,
     /// Whether a barrier byte ends what must be held back (see `held_back`).
     barriers: bool,
+    /// The patterns, for the matcher of header names ([`EchoForms::in_name`]), compiled the
+    /// first time a response has a header (`None` if it outgrew its limit: every name is then
+    /// taken to hold a value).
+    patterns: Vec<String>,
+    names: std::sync::OnceLock<Option<Regex>>,
 }
 
 impl EchoForms {
@@ -160,22 +165,27 @@ impl EchoForms {
             .map(|chars| exact_run(&chars))
             .collect();
         let anchors = Anchors::new(&values, &exact, MIN_BASE64_FORM, longest)?;
-        let matcher = Regex::builder()
-            .syntax(syntax::Config::new().unicode(false).utf8(false))
-            .configure(
-                Regex::config()
-                    .utf8_empty(false)
-                    .nfa_size_limit(Some(MATCHER_LIMIT)),
-            )
-            .build_many(&patterns)
-            .map_err(|e| EchoError::Build(e.to_string()))?;
+        let matcher = compile(&patterns, false).map_err(|e| EchoError::Build(e.to_string()))?;
         Ok(Some(Arc::new(EchoForms {
             matcher,
             anchors,
             hold: HOLD_BACK.max(longest - 1),
             longest,
             barriers,
+            patterns,
+            names: std::sync::OnceLock::new(),
         })))
+    }
+
+    /// Whether a header name holds a form of a value in any letter case: HTTP lower-cases the
+    /// names it reads, so an upstream that puts a reflected value into a name (`X-Echo-<value>`)
+    /// would pass it on lower-cased, a bit of the key per letter short of whole (issue 29's
+    /// second review).
+    pub fn in_name(&self, name: &[u8]) -> bool {
+        self.names
+            .get_or_init(|| compile(&self.patterns, true).ok())
+            .as_ref()
+            .is_none_or(|m| m.is_match(name))
     }
 
     /// Overwrites every occurrence in `buf` (keeping its line breaks); returns how many there
@@ -221,6 +231,24 @@ impl EchoForms {
         };
         after.min(self.hold)
     }
+}
+
+/// The matcher of `patterns`, in any letter case with `any_case`; the error as its message.
+fn compile(patterns: &[String], any_case: bool) -> Result<Regex, String> {
+    Regex::builder()
+        .syntax(
+            syntax::Config::new()
+                .unicode(false)
+                .utf8(false)
+                .case_insensitive(any_case),
+        )
+        .configure(
+            Regex::config()
+                .utf8_empty(false)
+                .nfa_size_limit(Some(MATCHER_LIMIT)),
+        )
+        .build_many(patterns)
+        .map_err(|e| e.to_string())
 }
 
 /// Overwrites the occurrences `found` in `buf`, keeping their line breaks; returns how many.

@@ -550,8 +550,11 @@ impl Proxy {
                 .icp
                 .as_ref()
                 .is_some_and(|i| i.secrets.iter().any(|s| s.applies_to(&self.name)));
-        if metered {
-            // Responses the meter can read.
+        // Every response of a sandbox with secrets is scanned for them (`respond`): none may come
+        // compressed, where the scan cannot read it.
+        let scanned = self.icp.as_ref().is_some_and(|i| i.echo.is_some());
+        if metered || scanned {
+            // Responses the meter and the scan can read.
             headers.insert(
                 header::ACCEPT_ENCODING,
                 HeaderValue::from_static("identity"),
@@ -692,12 +695,13 @@ impl Proxy {
         // unscanned ("401 invalid key sk-..."): the guest gets the standard one.
         parts.extensions.remove::<hyper::ext::ReasonPhrase>();
         let echo = self.icp.as_ref().and_then(|i| i.echo.clone());
-        // Asked for identity (`metered` covers secret hosts), a provider that compresses anyway
-        // sends bytes the scan cannot read: it does not reach the guest.
+        // Asked for identity (every host is, in a sandbox with secrets), a host that compresses
+        // anyway sends bytes the scan cannot read: they do not reach the guest (issue 29: on any
+        // scanned host, a `Transfer-Encoding` other than chunked as a `Content-Encoding`).
         if let Some(p) = pending.as_mut() {
             p.status = parts.status.as_u16();
         }
-        if metered && echo.is_some() && encoded {
+        if echo.is_some() && encoded {
             self.cx.log.log(|| {
                 tracing::warn!(
                     "egress: {target} answered with a compressed body although asked for identity"
@@ -736,19 +740,17 @@ impl Proxy {
                 Unmetered::NoUsage
             });
         }
-        let body = Idle::new(
-            MeteredBody {
-                inner: body,
-                call: pending,
-                echo: echo.map(EchoScanner::new),
-                trailers: None,
-                target,
-                stats: self.cx.stats.clone(),
-                _memory: memory,
-            },
-            self.cx.idle_timeout,
-            "the upstream's response body",
-        )
+        // The upstream's own pace counts, not the guest's: a body whose bytes the scan holds back
+        // (no barrier yet) still arrives, and is not cut as idle.
+        let body = MeteredBody {
+            inner: Idle::new(body, self.cx.idle_timeout, "the upstream's response body"),
+            call: pending,
+            echo: echo.map(EchoScanner::new),
+            trailers: None,
+            target,
+            stats: self.cx.stats.clone(),
+            _memory: memory,
+        }
         .boxed();
         Response::from_parts(parts, body)
     }
@@ -1115,7 +1117,8 @@ impl Body for ScannedBody {
 /// meter as it passes, the call recorded when the body ends, or when it is dropped before (a cut
 /// stream reports what it saw).
 struct MeteredBody {
-    inner: Incoming,
+    /// The upstream's body, cut if the upstream sends nothing for the idle timeout.
+    inner: Idle<Incoming>,
     /// The model call this answers, read by its meter as it passes.
     call: Option<Pending>,
     /// Masks secret values on their way to the guest (intercepted hosts with secrets).
@@ -1257,7 +1260,7 @@ impl Body for MeteredBody {
                 }
                 Poll::Ready(Some(Err(e))) => {
                     this.finish(false);
-                    return Poll::Ready(Some(Err(Box::new(e))));
+                    return Poll::Ready(Some(Err(e)));
                 }
                 Poll::Ready(None) => {
                     let (held, n) = this
@@ -1290,14 +1293,13 @@ impl Body for MeteredBody {
     }
 }
 
-/// Masks secret values in header values (and drops a header whose name holds one); returns how
-/// many there were.
+/// Masks secret values in header values (and drops a header whose name holds one, in any letter
+/// case); returns how many there were.
 fn mask_headers(forms: &EchoForms, headers: &mut HeaderMap) -> usize {
     let mut found = 0;
     let names: Vec<HeaderName> = headers.keys().cloned().collect();
     for name in names {
-        let mut n = name.as_str().as_bytes().to_vec();
-        if forms.mask(&mut n) > 0 {
+        if forms.in_name(name.as_str().as_bytes()) {
             found += headers.get_all(&name).iter().count();
             headers.remove(&name);
             continue;
@@ -1440,6 +1442,23 @@ mod tests {
             ]
         );
         assert_eq!(u.totals.unmetered_calls(), 3);
+    }
+
+    /// HTTP lower-cases header names: a value reflected into one is found in any letter case
+    /// (issue 29's second review: it passed lower-cased, its letters' case all it lost).
+    #[test]
+    fn a_value_in_a_header_name_is_found_in_any_case() {
+        use crate::echo::EchoForms;
+        use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+        let key = "Sk-Ant-Api03-ZX9QW0ER1TY2UI3OP";
+        let forms = EchoForms::new([key]).unwrap().unwrap();
+        let mut h = HeaderMap::new();
+        let name = HeaderName::from_bytes(format!("x-echo-{key}").as_bytes()).unwrap();
+        h.insert(name, HeaderValue::from_static("1"));
+        h.insert("x-other", HeaderValue::from_static("2"));
+        assert_eq!(super::mask_headers(&forms, &mut h), 1);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-other"]);
     }
 
     #[test]

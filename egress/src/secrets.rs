@@ -46,6 +46,20 @@ pub enum SecretsError {
     /// No randomness for placeholders.
     #[error("reading /dev/urandom for secret placeholders: {0}")]
     Random(std::io::Error),
+    /// A host with a port: the key would go to that name on every port the allowlist opens.
+    #[error(
+        "secret `{env}`: `{host}` names a port, but a secret's hosts are names: the key goes to \
+         the name on whichever port the allowlist opens for it. Give the name alone (`{name}`), \
+         and the port in `allow`"
+    )]
+    HostPort {
+        /// The secret's variable.
+        env: String,
+        /// The entry as given.
+        host: String,
+        /// The entry without its port.
+        name: String,
+    },
     /// A wildcard host the run did not mark as meant.
     #[error(
         "secret `{env}`: `{host}` is a wildcard: anyone who can own a name under it (a tenant of \
@@ -245,12 +259,17 @@ fn endpoint(rule: &str, method: &str, path: &str) -> bool {
 fn plain_path(path: &str) -> bool {
     let path = path.split(['?', '#']).next().unwrap_or("");
     let lower = path.to_ascii_lowercase();
+    // A dot segment is one before its parameters too (`..;` is `..` to Tomcat, Jetty and
+    // Spring), and `%25` may be decoded twice on the way (`%252e` is `.` to such a server).
     path.starts_with('/')
         && !path.contains('\\')
-        && !["%2e", "%2f", "%5c", "%00"]
+        && !["%2e", "%2f", "%5c", "%00", "%25"]
             .iter()
             .any(|e| lower.contains(e))
-        && !path.split('/').any(|seg| seg == "." || seg == "..")
+        && !path.split('/').any(|seg| {
+            let name = seg.split(';').next().unwrap_or("");
+            name == "." || name == ".."
+        })
 }
 
 /// Whether `path` is `prefix` or below it (a whole segment: `/v1/messages` holds
@@ -358,12 +377,24 @@ impl Secret {
         };
         let hosts: Vec<HostPattern> = hosts
             .iter()
-            .map(|h| HostPattern::parse(h))
-            .collect::<Result<_, _>>()
-            .map_err(|source| SecretsError::Host {
-                env: env.to_string(),
-                source,
-            })?;
+            .map(|h| match HostPattern::parse_with_port(h) {
+                Ok((p, None)) => Ok(p),
+                Ok((_, Some(_))) => Err(SecretsError::HostPort {
+                    env: env.to_string(),
+                    host: h.chars().take(256).collect(),
+                    name: h
+                        .rsplit_once(':')
+                        .map_or("", |(n, _)| n)
+                        .chars()
+                        .take(256)
+                        .collect(),
+                }),
+                Err(source) => Err(SecretsError::Host {
+                    env: env.to_string(),
+                    source,
+                }),
+            })
+            .collect::<Result<_, _>>()?;
         if !wildcard
             && let Some(HostPattern::Subdomains(d)) = hosts
                 .iter()
@@ -745,6 +776,31 @@ mod tests {
         let many: Vec<&str> = std::iter::repeat_n("/x", MAX_PATHS + 1).collect();
         assert!(with(&["a.com"], Some(&many), false).is_err());
         assert!(with(&["a.com"], Some(&["/v1/"]), false).is_ok());
+        // Issue 29's second review: what a server resolves to another path than the prefix
+        // check saw (`..;` is `..` to Tomcat, Jetty and Spring; `%252e` is `.` to a server that
+        // decodes twice) is refused under a custom prefix and on a known provider.
+        let custom = with(&["git.example.com"], Some(&["/repos/"]), false).unwrap();
+        for bad in [
+            "/repos/..;/admin",
+            "/repos/.;/x",
+            "/repos/%252e%252e/admin",
+            "/repos/a%25/b",
+        ] {
+            assert!(!custom.allows("git.example.com", "GET", bad), "{bad}");
+        }
+        assert!(custom.allows("git.example.com", "GET", "/repos/a;b/c"));
+        let anthropic = with(&["api.anthropic.com"], None, false).unwrap();
+        for bad in ["/v1/models/..;", "/v1/models/%252e%252e"] {
+            assert!(!anthropic.allows("api.anthropic.com", "GET", bad), "{bad}");
+        }
+        // A host with a port: refused, with the name to give instead.
+        let e = with(&["api.example.com:8443"], None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("names a port") && e.contains("`api.example.com`"),
+            "{e}"
+        );
     }
 
     #[test]

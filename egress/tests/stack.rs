@@ -680,3 +680,163 @@ fn connections_past_the_egress_memory_are_refused_until_some_end() {
         }
     }
 }
+
+/// A loopback HTTP/1.1 server that answers every request with `body`, one byte every `gap`.
+fn trickle_server(rt: &Runtime, body: &'static [u8], gap: Duration) -> u16 {
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                for byte in body {
+                    tokio::time::sleep(gap).await;
+                    if s.write_all(std::slice::from_ref(byte)).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    port
+}
+
+/// A stack for a guest allowed `host` (at `port` on loopback) in a sandbox with a secret (for
+/// another host), so that every response it gets is scanned for the secret, and its guest.
+fn start_scanned(rt: &Runtime, host: &str, port: u16, limits: Limits) -> (Egress, GuestSim) {
+    use sandbox_egress::intercept::{Interception, upstream_client};
+    use sandbox_egress::secrets::Secret;
+    let mac = guest_mac("scanned");
+    let mut cfg = EgressConfig::new(mac, Allowlist::parse([host]).unwrap());
+    cfg.overrides = Arc::new(ResolveOverrides::parse(&format!("{host}:{port}:127.0.0.1")).unwrap());
+    cfg.limits = limits;
+    let secret = Secret::new(
+        "API_KEY",
+        "sk-test-0123456789abcdefghijklmnop",
+        &["api.test".to_string()],
+        None,
+    )
+    .unwrap();
+    let icp = Interception::new(
+        "scanned",
+        &[],
+        vec![secret],
+        vec![],
+        Default::default(),
+        upstream_client(None).unwrap(),
+    )
+    .unwrap();
+    cfg.interception = Some(Arc::new(icp));
+    let (egress, link) = {
+        let _in = rt.enter();
+        Egress::start(cfg)
+    };
+    (egress, GuestSim::new(link, mac))
+}
+
+/// Issue 29: a response body the upstream sends slowly, whose bytes the response scan holds back
+/// (no barrier: letters only), arrives whole. The idle timeout (1 s here) counts the upstream's
+/// pace, not what the scan has released: before, the body was cut after 1 s of nothing released.
+#[test]
+fn a_body_the_scan_holds_back_while_it_trickles_is_not_cut_as_idle() {
+    const BODY: &[u8] = b"abcdefghijklmnop";
+    let rt = runtime();
+    let port = trickle_server(&rt, BODY, Duration::from_millis(200));
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let (egress, mut g) = start_scanned(&rt, "slow.test", port, limits);
+    let addr = g.resolve("slow.test", Duration::from_secs(5)).unwrap();
+    let t0 = Instant::now();
+    let got = exchange(
+        &mut g,
+        addr,
+        port,
+        format!("GET /slow HTTP/1.1\r\nHost: slow.test:{port}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    );
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    assert!(
+        text.ends_with("\r\n\r\nabcdefghijklmnop"),
+        "the body came whole after {:?}: {text}",
+        t0.elapsed()
+    );
+    drop(egress);
+}
+
+/// Issue 29, item 2 (and the second review's F6): in a sandbox with secrets every host's response
+/// is scanned, so every host is asked for identity, and one that sends a body the scan cannot read
+/// anyway (`Transfer-Encoding: gzip, chunked`, or `Content-Encoding: gzip`) is answered 502:
+/// nothing passes unread, on a host the run never metered either.
+#[test]
+fn a_scanned_host_that_compresses_anyway_is_answered_502() {
+    let rt = runtime();
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (heads_tx, heads) = std::sync::mpsc::channel::<String>();
+    rt.spawn(async move {
+        let mut n = 0;
+        while let Ok((mut s, _)) = l.accept().await {
+            n += 1;
+            let heads_tx = heads_tx.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => buf.extend_from_slice(&b[..k]),
+                    }
+                }
+                let _ = heads_tx.send(String::from_utf8_lossy(&buf).to_ascii_lowercase());
+                let answer: &[u8] = if n % 2 == 1 {
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\nconnection: close\r\n\r\n5\r\nxxxxx\r\n0\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\nconnection: close\r\n\r\nxxxxx"
+                };
+                let _ = s.write_all(answer).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    let (egress, mut g) = start_scanned(&rt, "gz.test", port, Limits::default());
+    let addr = g.resolve("gz.test", Duration::from_secs(5)).unwrap();
+    for _ in 0..2 {
+        let got = exchange(
+            &mut g,
+            addr,
+            port,
+            format!(
+                "GET /f HTTP/1.1\r\nHost: gz.test:{port}\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+        assert!(!text.contains("xxxxx"), "{text}");
+        let head = heads.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(head.contains("accept-encoding: identity"), "{head}");
+    }
+    drop(egress);
+}

@@ -96,7 +96,10 @@ impl Api {
         if ends("/messages/count_tokens") || ends("/responses/input_tokens") || ends(":countTokens")
         {
             Some(Api::Count)
-        } else if ends(":generateContent") || ends(":streamGenerateContent") {
+        } else if ends(":generateContent") || (ends(":streamGenerateContent") && sse(target)) {
+            // A stream without `alt=sse` is one JSON array, which the meter does not read: an
+            // unknown request, known before it goes upstream (so refused under `meter_strict`;
+            // issue 29's second review).
             Some(Api::Gemini)
         } else if ends(":embedContent") || ends(":batchEmbedContents") {
             Some(Api::Embeddings)
@@ -117,6 +120,15 @@ impl Api {
     pub fn reads_body(self) -> bool {
         matches!(self, Api::Chat | Api::Responses)
     }
+}
+
+/// Whether a request target's query asks for server-sent events (`alt=sse`).
+fn sse(target: &str) -> bool {
+    target
+        .split('#')
+        .next()
+        .and_then(|t| t.split_once('?'))
+        .is_some_and(|(_, q)| q.split('&').any(|kv| kv == "alt=sse"))
 }
 
 /// The body to send upstream for a call of `api`: `Ok(None)` to send it as it is, `Ok(Some)` for
@@ -377,6 +389,19 @@ mod tests {
             (
                 "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
                 Some(Api::Gemini),
+            ),
+            (
+                "/v1beta/models/gemini-2.5-flash:streamGenerateContent?key=k&alt=sse",
+                Some(Api::Gemini),
+            ),
+            // One JSON array, which the meter does not read: unknown, so refused when strict.
+            (
+                "/v1beta/models/gemini-2.5-flash:streamGenerateContent",
+                None,
+            ),
+            (
+                "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=json",
+                None,
             ),
             ("/v1/models/gemini-2.5-pro:countTokens", Some(Api::Count)),
             (
