@@ -11,7 +11,10 @@
 //!   guest never reads, spliced and served as HTTP: the process's resident memory they add,
 //!   against what the sandbox's egress memory counts for them and its limit (issue 29, item 8).
 //! - Response scanning: a body streamed through the echo scan (every secret's forms looked for and
-//!   masked) against the same body copied, as a share of the stack's measured throughput.
+//!   masked) against the same body copied, as a share of the stack's measured throughput; and the
+//!   flow the scan runs in, end to end: a large model-output response downloaded over
+//!   intercepted TLS (the stack's TLS to the guest and to the server, hyper between), in a
+//!   sandbox with secrets (every response scanned) against one without, interleaved.
 //!
 //! `cargo bench -p sandbox-benches --bench egress` (SANDBOX_HOST_BENCH_MIB, default 256).
 
@@ -274,9 +277,34 @@ fn https_server(rt: &tokio::runtime::Runtime, names: &[&str]) -> (u16, String) {
                         Ok(n) => buf.extend_from_slice(&b[..n]),
                     }
                     while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        // `GET /big/<bytes>`: that many bytes of model output, in 16 KiB writes.
+                        let big = std::str::from_utf8(&buf[..i])
+                            .ok()
+                            .and_then(|h| h.strip_prefix("GET /big/"))
+                            .and_then(|r| r.split(' ').next())
+                            .and_then(|n| n.parse::<usize>().ok());
                         buf.drain(..i + 4);
-                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n!";
-                        if s.write_all(answer).await.is_err() || s.flush().await.is_err() {
+                        let Some(len) = big else {
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n!";
+                            if s.write_all(answer).await.is_err() || s.flush().await.is_err() {
+                                return;
+                            }
+                            continue;
+                        };
+                        let head = format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len}\r\n\r\n");
+                        if s.write_all(head.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        let chunk: Vec<u8> = MODEL_OUTPUT.iter().copied().cycle().take(16 * 1024).collect();
+                        let mut left = len;
+                        while left > 0 {
+                            let n = left.min(chunk.len());
+                            if s.write_all(&chunk[..n]).await.is_err() {
+                                return;
+                            }
+                            left -= n;
+                        }
+                        if s.flush().await.is_err() {
                             return;
                         }
                     }
@@ -285,6 +313,159 @@ fn https_server(rt: &tokio::runtime::Runtime, names: &[&str]) -> (u16, String) {
         }
     });
     (port, ca_cert.pem())
+}
+
+/// What a model's streamed answer looks like: SSE events of JSON deltas.
+const MODEL_OUTPUT: &[u8] = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
+
+/// Downloads `len` bytes of model output over HTTPS from `name` (from the request to the last
+/// byte, in the guest's TLS client); Gbit/s of the body.
+fn https_download(
+    g: &mut GuestSim,
+    addr: Ipv4Addr,
+    port: u16,
+    name: &str,
+    cfg: &Arc<rustls::ClientConfig>,
+    len: usize,
+) -> f64 {
+    let h = g.connect(addr, port, 256 * 1024);
+    let mut tls =
+        rustls::ClientConnection::new(cfg.clone(), name.to_string().try_into().unwrap()).unwrap();
+    tls.writer()
+        .write_all(format!("GET /big/{len} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n").as_bytes())
+        .unwrap();
+    let (mut out, mut got, mut buf) = (Vec::new(), 0usize, vec![0u8; 64 * 1024]);
+    let mut t = None;
+    let ok = g.run_until(Duration::from_secs(120), |g| {
+        let s = g.tcp(h);
+        while tls.wants_write() {
+            tls.write_tls(&mut out).unwrap();
+        }
+        if !out.is_empty() && s.can_send() {
+            let n = s.send_slice(&out).unwrap_or(0);
+            out.drain(..n);
+        }
+        while s.can_recv() {
+            let _ = s.recv(|b| {
+                let n = tls.read_tls(&mut &b[..]).unwrap_or(0);
+                (n, ())
+            });
+            tls.process_new_packets()
+                .expect("the guest's TLS accepts the server");
+            while let Ok(n) = tls.reader().read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                t.get_or_insert_with(Instant::now);
+                got += n;
+            }
+        }
+        got >= len
+    });
+    assert!(
+        ok,
+        "the download from {name} did not finish: {got} of {len} bytes"
+    );
+    let secs = t.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
+    g.tcp(h).abort();
+    g.poll();
+    g.remove(h);
+    len as f64 * 8.0 / secs / 1e9
+}
+
+/// Model output downloaded over intercepted TLS, `len` bytes `n` times, in a sandbox whose
+/// every response is scanned for three secrets, against one with none, interleaved: the
+/// Gbit/s of each (median).
+fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
+    use sandbox_egress::intercept::{Interception, upstream_client};
+    use sandbox_egress::policy::HostPattern;
+    use sandbox_egress::secrets::Secret;
+    let rt = runtime();
+    let (port, server_ca) = https_server(&rt, &["intercepted.test"]);
+    let keys = [
+        "sk-ant-api03-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJ-0123456789abcdefghij",
+        "sk-proj-0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOP",
+        "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    ];
+    let mut sides = Vec::new();
+    for scanned in [false, true] {
+        let mac = guest_mac(if scanned {
+            "bench-scan"
+        } else {
+            "bench-noscan"
+        });
+        let mut cfg = EgressConfig::new(mac, Allowlist::parse(["intercepted.test"]).unwrap());
+        cfg.overrides = Arc::new(
+            ResolveOverrides::parse(&format!("intercepted.test:{port}:127.0.0.1")).unwrap(),
+        );
+        let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
+        // The secrets are for other hosts: their keys never go to this one, but every response
+        // of the sandbox is scanned for them.
+        let secrets: Vec<Secret> = if scanned {
+            keys.iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    Secret::new(&format!("KEY_{i}"), k, &[format!("api{i}.test")], None).unwrap()
+                })
+                .collect()
+        } else {
+            vec![]
+        };
+        let icp = Interception::new(
+            "bench",
+            &intercepted,
+            secrets,
+            intercepted.clone(),
+            Default::default(),
+            upstream_client(Some(server_ca.as_bytes())).unwrap(),
+        )
+        .unwrap();
+        let sandbox_ca = icp.ca_pem().to_string();
+        cfg.intercept = intercepted;
+        cfg.interception = Some(Arc::new(icp));
+        let (egress, link) = {
+            let _in = rt.enter();
+            Egress::start(cfg)
+        };
+        let mut g = GuestSim::new(link, mac);
+        let addr = g
+            .resolve("intercepted.test", Duration::from_secs(5))
+            .unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        use rustls::pki_types::pem::PemObject;
+        for c in rustls::pki_types::CertificateDer::pem_slice_iter(sandbox_ca.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let client = Arc::new(
+            rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+        );
+        sides.push((egress, g, addr, client));
+    }
+    let (mut open, mut scanned) = (Vec::new(), Vec::new());
+    for i in 0..=n {
+        for (k, (_, g, addr, client)) in sides.iter_mut().enumerate() {
+            let gbit = https_download(g, *addr, port, "intercepted.test", client, len);
+            // The first of each is a warm-up (the leaf certificate, the upstream connection).
+            if i > 0 {
+                if k == 0 {
+                    open.push(gbit)
+                } else {
+                    scanned.push(gbit)
+                }
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    (median(&mut open), median(&mut scanned))
 }
 
 /// From connect to the first byte of the answer to one HTTPS request to `name`, with the guest's
@@ -520,6 +701,20 @@ fn main() {
         );
     }
     println!("\n(the cost per flow: at the stack's measured {stack:.2} Gbit/s)");
+    // The flow the scan runs in: an intercepted HTTPS response, end to end.
+    let len = (mib.min(64)) << 20;
+    let (open, scanned) = intercepted_downloads(len, 5);
+    println!(
+        "\nmodel output over intercepted TLS, {} MiB per download (median of 5, interleaved)",
+        len >> 20
+    );
+    println!("| sandbox | Gbit/s | the scan's cost per flow |");
+    println!("|---|---|---|");
+    println!("| no secrets, nothing scanned (reference) | {open:.2} | |");
+    println!(
+        "| three secrets, every response scanned | {scanned:.2} | {:.1} % |",
+        100.0 * (open / scanned - 1.0)
+    );
 }
 
 /// Streams `total` bytes of a response body (`event` over and over) in 16 KiB chunks
