@@ -143,6 +143,77 @@ fn char_to(hay: &[u8], i: usize) -> Option<usize> {
     }
 }
 
+/// The positions of the bytes the windows' pass reads (`%`, `\`, `+` and the line feed), in
+/// order: sixteen bytes compared at once (safe SIMD, `wide`), four such masks a block, their set
+/// bits taken one by one; so a body whose line breaks come every hundred bytes (model output)
+/// costs one pass, not a search started again after each (issue 29's budget).
+struct Marks<'h> {
+    hay: &'h [u8],
+    /// Where the block of `bits` starts, and where the next one does.
+    base: usize,
+    next: usize,
+    bits: u64,
+}
+
+impl<'h> Marks<'h> {
+    fn new(hay: &'h [u8]) -> Self {
+        Marks {
+            hay,
+            base: 0,
+            next: 0,
+            bits: 0,
+        }
+    }
+
+    /// The marks of sixteen bytes, bit `i` for byte `i`.
+    #[inline(always)]
+    fn lane(lane: [u8; 16]) -> u64 {
+        use wide::u8x16;
+        let v = u8x16::new(lane);
+        let hit = v.cmp_eq(u8x16::splat(b'%'))
+            | v.cmp_eq(u8x16::splat(b'\\'))
+            | v.cmp_eq(u8x16::splat(b'+'))
+            | v.cmp_eq(u8x16::splat(b'\n'));
+        u64::from(hit.move_mask() as u16)
+    }
+
+    /// The marks of up to 64 bytes, bit `i` for byte `i`.
+    #[inline]
+    fn block(bytes: &[u8]) -> u64 {
+        if let Ok(full) = <&[u8; 64]>::try_from(bytes) {
+            let (a, rest) = full.split_at(16);
+            let (b, rest) = rest.split_at(16);
+            let (c, d) = rest.split_at(16);
+            let lane = |x: &[u8]| Self::lane(x.try_into().unwrap_or([0; 16]));
+            return lane(a) | lane(b) << 16 | lane(c) << 32 | lane(d) << 48;
+        }
+        bytes
+            .iter()
+            .enumerate()
+            .filter(|&(_, &b)| matches!(b, b'%' | b'\\' | b'+' | b'\n'))
+            .fold(0, |bits, (i, _)| bits | 1 << i)
+    }
+}
+
+impl Iterator for Marks<'_> {
+    type Item = usize;
+
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        while self.bits == 0 {
+            if self.next >= self.hay.len() {
+                return None;
+            }
+            let end = self.hay.len().min(self.next + 64);
+            self.bits = Self::block(&self.hay[self.next..end]);
+            (self.base, self.next) = (self.next, end);
+        }
+        let i = self.bits.trailing_zeros() as usize;
+        self.bits &= self.bits - 1;
+        Some(self.base + i)
+    }
+}
+
 /// The windows of one kind of anchor, in order. A window reaches `reach` bytes either side of
 /// its anchor, but not past a byte no form of that kind holds (a text form is printable, a
 /// base64 form is base64 characters and line breaks), so binary data and short lines cost
@@ -304,9 +375,8 @@ impl Anchors {
                 base64.add(m.start(), m.end());
             }
         }
-        // Escapes and line breaks in one pass, `+` in another; an escape is an anchor when
-        // its line holds `pieces` of them within `reach` (the ones in `recent`).
-        let mut pluses = memchr::memchr_iter(b'+', hay).peekable();
+        // Escapes, `+` and line breaks in one pass; an escape is an anchor when its line holds
+        // `pieces` of them within `reach` (the ones in `recent`).
         let mut recent: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
         let mut escape = |p: usize, recent: &mut std::collections::VecDeque<usize>| {
             while recent.front().is_some_and(|&q| q + self.reach <= p) {
@@ -319,20 +389,25 @@ impl Anchors {
             }
         };
         let mut at = 0;
-        while let Some(i) = memchr::memchr3(b'%', b'\\', b'\n', &hay[at..]) {
-            let p = at + i;
-            at = p + 1;
-            while let Some(q) = pluses.next_if(|&q| q < p) {
-                escape(q, &mut recent);
+        for p in Marks::new(hay) {
+            if p < at {
+                continue; // a line feed of an empty line (below)
             }
-            if hay[p] == b'\n' {
+            at = p + 1;
+            if hay[p] == b'+' {
+                escape(p, &mut recent);
+            } else if hay[p] == b'\n' {
                 recent.clear(); // no text form holds a line break
                 let start = if p > 0 && hay[p - 1] == b'\r' {
                     p - 1
                 } else {
                     p
                 };
-                if let Some(end) = self.break_at(hay, start) {
+                // Only between two base64 characters (most lines end otherwise).
+                if start > 0
+                    && is_base64(hay[start - 1])
+                    && let Some(end) = self.break_at(hay, start)
+                {
                     breaks.add(start, end);
                 }
                 // The line feeds that follow (an event's empty line) lie between no two
@@ -343,6 +418,7 @@ impl Anchors {
             } else {
                 // A backslash may begin an escaped line break inside base64, and an escape.
                 if hay[p] == b'\\'
+                    && matches!(hay.get(p + 1), Some(b'n' | b'r'))
                     && let Some(end) = self.break_at(hay, p)
                 {
                     breaks.add(p, end);
@@ -351,9 +427,6 @@ impl Anchors {
                     escape(p, &mut recent);
                 }
             }
-        }
-        for q in pluses {
-            escape(q, &mut recent);
         }
         let mut spans: Vec<(usize, usize)> = [escapes.list, text.list, base64.list, breaks.list]
             .into_iter()
@@ -457,5 +530,35 @@ fn base64_block(exact: &[u8]) -> Vec<Vec<u8>> {
             return out;
         }
         len -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Marks;
+
+    /// The SIMD pass finds what a byte-by-byte one finds, at every length and offset (blocks,
+    /// lanes and tails).
+    #[test]
+    fn marks_are_every_mark_in_order() {
+        let mut x: u32 = 0x9e37_79b9;
+        let pool = b"%\\+\nab \x00\xff\r";
+        for len in (0..200).chain([1000, 4096 + 7]) {
+            let hay: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    pool[x as usize % pool.len()]
+                })
+                .collect();
+            let want: Vec<usize> = hay
+                .iter()
+                .enumerate()
+                .filter(|&(_, b)| matches!(b, b'%' | b'\\' | b'+' | b'\n'))
+                .map(|(i, _)| i)
+                .collect();
+            assert_eq!(Marks::new(&hay).collect::<Vec<_>>(), want, "length {len}");
+        }
     }
 }
