@@ -200,9 +200,8 @@ impl EchoForms {
         let mut found: Vec<(usize, usize)> = Vec::new();
         for (start, end) in self.anchors.windows(buf) {
             found.extend(
-                self.matcher
-                    .find_iter(&buf[start..end])
-                    .map(|m| (start + m.start(), start + m.end()))
+                matches(&self.matcher, &buf[start..end])
+                    .map(|(s, e)| (start + s, start + e))
                     .filter(|&(s, _)| settled(s)),
             );
         }
@@ -212,11 +211,7 @@ impl EchoForms {
     /// [`EchoForms::mask`] with the regex over all of `buf`: what the anchors must not change.
     #[cfg(test)]
     fn mask_everywhere(&self, buf: &mut [u8]) -> usize {
-        let found: Vec<(usize, usize)> = self
-            .matcher
-            .find_iter(&*buf)
-            .map(|m| (m.start(), m.end()))
-            .collect();
+        let found: Vec<(usize, usize)> = matches(&self.matcher, buf).collect();
         overwrite(buf, &found)
     }
 
@@ -231,6 +226,19 @@ impl EchoForms {
         };
         after.min(self.hold)
     }
+}
+
+/// Every occurrence in `hay`, as (start, end): after each, the search goes on from two bytes
+/// before its end, not from its end, as two base64 forms side by side share up to two
+/// characters (the boundary of two copies of a value falls inside a character, which carries
+/// bits of both); from its end the second copy could not match (issue 29's third review).
+fn matches<'h>(matcher: &'h Regex, hay: &'h [u8]) -> impl Iterator<Item = (usize, usize)> + 'h {
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        let m = matcher.find(regex_automata::Input::new(hay).span(from..hay.len()))?;
+        from = m.end().saturating_sub(2).max(m.start() + 1);
+        Some((m.start(), m.end()))
+    })
 }
 
 /// The matcher of `patterns`, in any letter case with `any_case`; the error as its message.
@@ -1046,6 +1054,48 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A base64 block that starts before a value's only text piece and overlaps it does not hide
+    /// the piece (issue 29's third review: the blocks were searched without overlaps, and the
+    /// block's window stopped at the `:` before the other value's occurrence).
+    #[test]
+    fn a_base64_block_overlapping_a_text_piece_hides_nothing() {
+        let y = "ABCDEFGHIJKLMNOPQRS";
+        let x = "EVGR0hJSktM:tail";
+        let forms = EchoForms::new([y, x]).unwrap().unwrap();
+        let body = format!("echo: QUJDR{x} end\n");
+        let (mut anchored, mut full) = (body.clone().into_bytes(), body.clone().into_bytes());
+        let n = forms.mask(&mut anchored);
+        assert_eq!(n, forms.mask_everywhere(&mut full));
+        assert!(n >= 1 && !String::from_utf8_lossy(&anchored).contains("tail"));
+        assert_eq!(stream_with(&forms, body.as_bytes(), 1).0, full);
+    }
+
+    /// Two copies of a value side by side, base64-encoded together so that their boundary falls
+    /// inside a character: both are masked (issue 29's third review: the first match took the
+    /// shared character and the second copy could not start).
+    #[test]
+    fn two_base64_copies_that_share_a_character_are_both_masked() {
+        let v = "sk-test-0123456789abcdefXYZ";
+        let forms = EchoForms::new([v]).unwrap().unwrap();
+        let b64 = base64::engine::general_purpose::STANDARD;
+        for lead in 1..4 {
+            let enc = b64.encode(format!("{}{v}{v}", "L".repeat(lead)));
+            let mut full = enc.clone().into_bytes();
+            forms.mask_everywhere(&mut full);
+            let mut anchored = enc.clone().into_bytes();
+            forms.mask(&mut anchored);
+            assert_eq!(anchored, full, "lead {lead}");
+            // Every character carrying a bit of either copy is masked.
+            let (first, last) = ((8 * lead) / 6 + 1, (8 * (lead + 2 * v.len())) / 6);
+            let left: String = full[first..last]
+                .iter()
+                .filter(|&&b| b != MASK)
+                .map(|&b| b as char)
+                .collect();
+            assert!(left.is_empty(), "lead {lead}: {left:?} left in {enc}");
         }
     }
 

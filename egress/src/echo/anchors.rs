@@ -368,12 +368,22 @@ impl Anchors {
         let mut text = Windows::new(hay, self.reach, text_stop);
         let mut base64 = Windows::new(hay, self.reach, ends_base64);
         let mut breaks = Windows::new(hay, self.reach, ends_base64);
-        for m in self.blocks.find_iter(hay) {
+        // Every block wherever it starts, overlapping ones too: a base64 block that ends inside
+        // a value's text piece must not hide the piece (a window of base64 stops at the first
+        // byte no base64 form holds, before the text's occurrence; issue 29's third review).
+        // Two blocks that start at one byte are one anchor: either's window, which stops only
+        // at bytes neither form holds, covers the other's occurrence.
+        let mut from = 0;
+        while let Some(m) = self
+            .blocks
+            .find(aho_corasick::Input::new(hay).span(from..hay.len()))
+        {
             if m.pattern().as_usize() < self.text_blocks {
                 text.add(m.start(), m.end());
             } else {
                 base64.add(m.start(), m.end());
             }
+            from = m.start() + 1;
         }
         // Escapes, `+` and line breaks in one pass; an escape is an anchor when its line holds
         // `pieces` of them within `reach` (the ones in `recent`).
