@@ -318,25 +318,29 @@ fn https_server(rt: &tokio::runtime::Runtime, names: &[&str]) -> (u16, String) {
 /// What a model's streamed answer looks like: SSE events of JSON deltas.
 const MODEL_OUTPUT: &[u8] = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
 
-/// Downloads `len` bytes of model output over HTTPS from `name` (from the request to the last
-/// byte, in the guest's TLS client); Gbit/s of the body.
-fn https_download(
+/// Sends `GET path` over TLS from the simulated guest to `name` (a socket window of
+/// `window`) and runs the session, handing it to `read` after each batch of records, until
+/// `read` says it has what it wants or `within` passes; closes the connection. Whether it had.
+#[allow(clippy::too_many_arguments)]
+fn https_get(
     g: &mut GuestSim,
-    addr: Ipv4Addr,
-    port: u16,
+    (addr, port): (Ipv4Addr, u16),
     name: &str,
     cfg: &Arc<rustls::ClientConfig>,
-    len: usize,
-) -> f64 {
-    let h = g.connect(addr, port, 256 * 1024);
+    path: &str,
+    window: usize,
+    within: Duration,
+    mut read: impl FnMut(&mut rustls::ClientConnection) -> bool,
+) -> bool {
+    let h = g.connect(addr, port, window);
     let mut tls =
         rustls::ClientConnection::new(cfg.clone(), name.to_string().try_into().unwrap()).unwrap();
     tls.writer()
-        .write_all(format!("GET /big/{len} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n").as_bytes())
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n").as_bytes())
         .unwrap();
-    let (mut out, mut got, mut buf) = (Vec::new(), 0usize, vec![0u8; 64 * 1024]);
-    let mut t = None;
-    let ok = g.run_until(Duration::from_secs(120), |g| {
+    let mut out: Vec<u8> = Vec::new();
+    let mut done = false;
+    let ok = g.run_until(within, |g| {
         let s = g.tcp(h);
         while tls.wants_write() {
             tls.write_tls(&mut out).unwrap();
@@ -352,13 +356,36 @@ fn https_download(
             });
             tls.process_new_packets()
                 .expect("the guest's TLS accepts the server");
-            while let Ok(n) = tls.reader().read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                t.get_or_insert_with(Instant::now);
-                got += n;
+            // Read as it comes: rustls holds a bounded amount of plaintext.
+            done |= read(&mut tls);
+        }
+        done || read(&mut tls)
+    });
+    g.tcp(h).abort();
+    g.poll();
+    g.remove(h);
+    ok
+}
+
+/// Downloads `len` bytes of model output over HTTPS from `name` (from the first byte of the
+/// answer to the last, in the guest's TLS client); Gbit/s of the body.
+fn https_download(
+    g: &mut GuestSim,
+    to: (Ipv4Addr, u16),
+    name: &str,
+    cfg: &Arc<rustls::ClientConfig>,
+    len: usize,
+) -> f64 {
+    let (mut got, mut buf, mut t) = (0usize, vec![0u8; 64 * 1024], None);
+    let path = format!("/big/{len}");
+    let within = Duration::from_secs(120);
+    let ok = https_get(g, to, name, cfg, &path, 256 * 1024, within, |tls| {
+        while let Ok(n) = tls.reader().read(&mut buf) {
+            if n == 0 {
+                break;
             }
+            t.get_or_insert_with(Instant::now);
+            got += n;
         }
         got >= len
     });
@@ -366,10 +393,7 @@ fn https_download(
         ok,
         "the download from {name} did not finish: {got} of {len} bytes"
     );
-    let secs = t.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
-    g.tcp(h).abort();
-    g.poll();
-    g.remove(h);
+    let secs = t.map_or(f64::NAN, |t: Instant| t.elapsed().as_secs_f64());
     len as f64 * 8.0 / secs / 1e9
 }
 
@@ -450,7 +474,7 @@ fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
     let (mut open, mut scanned) = (Vec::new(), Vec::new());
     for i in 0..=n {
         for (k, (_, g, addr, client)) in sides.iter_mut().enumerate() {
-            let gbit = https_download(g, *addr, port, "intercepted.test", client, len);
+            let gbit = https_download(g, (*addr, port), "intercepted.test", client, len);
             // The first of each is a warm-up (the leaf certificate, the upstream connection).
             if i > 0 {
                 if k == 0 {
@@ -478,43 +502,17 @@ fn https_first_byte(
     cfg: &Arc<rustls::ClientConfig>,
 ) -> Duration {
     let t = Instant::now();
-    let h = g.connect(addr, port, 64 * 1024);
-    let mut tls =
-        rustls::ClientConnection::new(cfg.clone(), name.to_string().try_into().unwrap()).unwrap();
-    tls.writer()
-        .write_all(format!("GET / HTTP/1.1\r\nHost: {name}:{port}\r\n\r\n").as_bytes())
-        .unwrap();
-    let mut out: Vec<u8> = Vec::new();
-    let mut got = false;
-    let ok = g.run_until(Duration::from_secs(10), |g| {
-        let s = g.tcp(h);
-        while tls.wants_write() {
-            tls.write_tls(&mut out).unwrap();
-        }
-        if !out.is_empty() && s.can_send() {
-            let n = s.send_slice(&out).unwrap_or(0);
-            out.drain(..n);
-        }
-        while s.can_recv() {
-            let _ = s.recv(|b| {
-                let n = tls.read_tls(&mut &b[..]).unwrap_or(0);
-                (n, ())
-            });
-            tls.process_new_packets()
-                .expect("the guest's TLS accepts the server");
-        }
+    let within = Duration::from_secs(10);
+    let mut first = None;
+    let ok = https_get(g, (addr, port), name, cfg, "/", 64 * 1024, within, |tls| {
         let mut b = [0u8; 64];
-        if let Ok(n) = tls.reader().read(&mut b) {
-            got |= n > 0;
+        if matches!(tls.reader().read(&mut b), Ok(n) if n > 0) {
+            first.get_or_insert_with(|| t.elapsed());
         }
-        got
+        first.is_some()
     });
     assert!(ok, "no HTTPS answer for {name}");
-    let elapsed = t.elapsed();
-    g.tcp(h).abort();
-    g.poll();
-    g.remove(h);
-    elapsed
+    first.unwrap_or_else(|| t.elapsed())
 }
 
 /// First byte of an HTTPS request: spliced (the guest talks TLS to the server) against

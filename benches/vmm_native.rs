@@ -12,7 +12,7 @@
 //! - the memory a running VM costs the VMM beyond guest RAM (this process's smaps, guest
 //!   mappings left out), per VM with ten running;
 //! - what the VM process's system call filters cost (issue 30: the per-thread lists with their
-//!   argument rules, `vmm/src/kvm/seal.rs`): start -> first marker write, and the time of one
+//!   argument rules, `vm/src/seal.rs`): start -> first marker write, and the time of one
 //!   call a vCPU thread makes on every exit (`KVM_RUN`, here on no descriptor) and one every lock
 //!   makes (`futex` wake), each in a child process of this bench without the filters and in one
 //!   with them (a filter cannot be taken back), side by side.
@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sandbox_benches::{header, row, stats};
-use sandbox_vmm::kvm::{FileRef, Machine, MachineConfig, Restore};
+use sandbox_vm::{FileRef, Machine, MachineConfig, Restore};
 
 const MEMORY_MIB: u32 = 128;
 /// Where the payload's code starts (linux-loader puts PT_LOAD segments at their physical
@@ -167,7 +167,7 @@ fn per_call_ns(n: u32, mut call: impl FnMut()) -> f64 {
 /// filter as in `sandbox-vm`, and so does the thread that times the calls (a vCPU's). Prints one
 /// line: `FILTERS <start ms, space separated> | <KVM_RUN ns> <futex ns>`.
 fn filters_child(halt: &std::path::Path, runs: usize, sealed: bool) {
-    use sandbox_vmm::kvm::seal;
+    use sandbox_vm::seal;
     if sealed {
         seal::install().expect("the filters build");
     }
@@ -258,20 +258,20 @@ fn main() {
         .truncate(true)
         .open(&memory)
         .expect("memory");
-    sandbox_vmm::kvm::snapshot::size_memory_file(&memory_f, u64::from(MEMORY_MIB) << 20)
+    sandbox_vm::snapshot::size_memory_file(&memory_f, u64::from(MEMORY_MIB) << 20)
         .expect("sizing the memory file");
     let (_, m) = start(&config(&spin, None)).expect("the spinning payload starts");
     let done = m
         .pause_and_snapshot(&mut &state_f, &memory_f, false)
         .expect("the snapshot");
     drop(m);
-    let expect = sandbox_vmm::kvm::snapshot::Expect {
+    let expect = sandbox_vm::snapshot::Expect {
         memory_mib: MEMORY_MIB,
         vcpus: 1,
         devices: 1,
     };
     let saved = Arc::new(
-        sandbox_vmm::kvm::snapshot::MachineState::read_from(
+        sandbox_vm::snapshot::MachineState::read_from(
             &std::fs::File::open(&state).expect("state"),
             &expect,
         )

@@ -27,7 +27,7 @@ say() { echo "service-user: $*" >&2; }
 id "$user" >/dev/null 2>&1 || { say "no user $user: run scripts/install-deps.sh (it adds it)"; exit 1; }
 [ -x "$binary" ] || { say "no sandbox-host binary at $binary: build it first (scripts/prepare.sh)"; exit 1; }
 vm=$(dirname "$binary")/sandbox-vm
-[ -x "$vm" ] || { say "no sandbox-vm beside $binary: cargo build -p sandbox-vmm --bins"; exit 1; }
+[ -x "$vm" ] || { say "no sandbox-vm beside $binary: cargo build -p sandbox-vm --bins"; exit 1; }
 . "$(dirname "$0")/cache-dir.sh"
 store=$(sandbox_image_dir)
 

@@ -6,8 +6,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use sandbox_vmm::kvm::snapshot::{Expect, MachineState, VcpuState, VmState};
-use sandbox_vmm::kvm::state_check;
+use sandbox_vm::snapshot::{Expect, MachineState, VcpuState, VmState};
+use sandbox_vm::state_check;
 
 /// A `T` whose first bytes come from `data` (zeros past its end), `data` advanced past them.
 /// `T` is one of KVM's plain structures of integers: every byte pattern is one of its values.

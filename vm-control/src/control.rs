@@ -18,6 +18,10 @@ const MAX_FDS: usize = 4;
 /// What the VM process is to build. Every file is a descriptor number it inherited.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VmConfig {
+    /// The protocol's version ([`crate::VERSION`]) the service speaks; a VM process of another
+    /// refuses to start (a `sandbox-vm` left from another build beside a new service).
+    #[serde(default)]
+    pub version: u32,
     /// `/dev/kvm`.
     pub kvm_fd: RawFd,
     /// The kernel.
@@ -127,7 +131,7 @@ pub enum Event {
         /// The request's.
         id: u64,
         /// What it cost, or why not.
-        result: Result<crate::backend::SnapshotDone, String>,
+        result: Result<crate::SnapshotDone, String>,
     },
     /// The machine ended.
     Exit {
@@ -159,7 +163,7 @@ pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::
         )));
     }
     // The descriptors travel with the first byte; the rest follows as plain bytes.
-    let n = crate::vm_process::send_with_fds(sock.as_raw_fd(), &line, fds)?;
+    let n = crate::send_with_fds(sock.as_raw_fd(), &line, fds)?;
     (&*sock).write_all(&line[n..])
 }
 

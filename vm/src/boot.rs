@@ -14,8 +14,8 @@ use linux_loader::loader::{Cmdline, KernelLoader, load_cmdline};
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::layout;
-use super::machine::FileRef;
+use crate::layout;
+use crate::machine::FileRef;
 
 /// The PVH start info magic.
 const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use sandbox_devices::virtio::vsock::ConnectError;
 
-use super::control::{self, Event, Request, VmConfig};
-use super::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineExit};
-use super::seal::{self, ThreadKind};
+use crate::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineExit};
+use crate::seal::{self, ThreadKind};
+use sandbox_vm_control::{self as control, Event, Request, VmConfig};
 
 /// The control socket's descriptor.
 pub const CONTROL_FD: RawFd = 3;
@@ -49,14 +49,14 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
         Some(s) => {
             let state = file(s.state_fd, &mut taken)?;
             let memory = file(s.memory_fd, &mut taken)?;
-            let expect = super::snapshot::Expect {
+            let expect = crate::snapshot::Expect {
                 memory_mib: cfg.memory_mib,
                 vcpus: cfg.vcpus,
                 devices: 1 + cfg.disks.len() + usize::from(cfg.net.is_some()),
             };
-            let state = super::snapshot::MachineState::read_from(&state, &expect)
+            let state = crate::snapshot::MachineState::read_from(&state, &expect)
                 .map_err(|e| e.to_string())?;
-            Some(super::machine::Restore {
+            Some(crate::machine::Restore {
                 state: Arc::new(state),
                 memory: FileRef::Open(Arc::new(memory), "the snapshot's memory file".into()),
             })
@@ -84,9 +84,9 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
     let net = match cfg.net {
         Some(n) => {
             let sock = UnixStream::from(std::os::fd::OwnedFd::from(file(n.fd, &mut taken)?));
-            let link = super::stream_link::StreamLink::new(sock)
+            let link = crate::stream_link::StreamLink::new(sock)
                 .map_err(|e| format!("starting the network link: {e}"))?;
-            Some(crate::net::NetAttachment {
+            Some(sandbox_vm_control::link::NetAttachment {
                 mac: n.mac,
                 link: Arc::new(link),
             })
@@ -126,7 +126,7 @@ fn snapshot(
     m: &Machine,
     reader: &mut control::Reader,
     resume: bool,
-) -> Result<crate::backend::SnapshotDone, String> {
+) -> Result<sandbox_vm_control::SnapshotDone, String> {
     let (Some(state), Some(memory)) = (reader.take_fd(), reader.take_fd()) else {
         return Err("the snapshot request came without its two descriptors".into());
     };
@@ -167,7 +167,7 @@ fn connect(machine: &Machine, w: &Writer, port: u32, within: Duration) {
             }
             Ok(Err(e @ ConnectError::Refused(_))) if Instant::now() < deadline => {
                 last = Some(e);
-                std::thread::sleep(super::connect_pause(refusals));
+                std::thread::sleep(crate::connect_pause(refusals));
                 refusals += 1;
             }
             Ok(Err(e)) => {
@@ -214,6 +214,16 @@ pub fn main() -> i32 {
             return 2;
         }
     };
+    if cfg.version != control::VERSION {
+        let e = format!(
+            "this sandbox-vm speaks control protocol {} and the service {}: install the \
+             sandbox-vm built with this sandbox-host (beside it, or SANDBOX_HOST_VM_BINARY)",
+            control::VERSION,
+            cfg.version
+        );
+        say(&writer, &Event::Error(e), None);
+        return 1;
+    }
     // From here on each thread the machine starts applies its kind's filter before it runs
     // (seal.rs): the network link's threads, started by `machine_config`, are the first.
     if let Err(e) = seal::install() {

@@ -8,7 +8,7 @@ use kvm_ioctls::{Kvm, VcpuFd};
 use thiserror::Error;
 use vm_memory::GuestAddress;
 
-use super::layout;
+use crate::layout;
 
 /// A vCPU set-up step KVM refused.
 #[derive(Debug, Error)]

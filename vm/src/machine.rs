@@ -10,7 +10,7 @@
 //! cannot be brought down in time (stuck in a host syscall) is reported and left to end on its
 //! own, never waited for without bound.
 
-use super::seal::ThreadKind;
+use crate::seal::ThreadKind;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -40,7 +40,7 @@ const DEVICE_IRQS: [u32; 8] = [5, 6, 7, 9, 10, 11, 14, 15];
 /// The QueueNotify register's offset in a window.
 const QUEUE_NOTIFY: u64 = 0x50;
 /// The longest [`Machine::stop`] waits for the machine's threads to end.
-pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+pub use sandbox_vm_control::STOP_TIMEOUT;
 /// How often the supervisor re-kicks vCPUs still in KVM_RUN: often at first (a kick that lands
 /// just before KVM_RUN is lost), then rarely, so a thread stuck elsewhere costs no CPU.
 const KICK_FAST: Duration = Duration::from_millis(5);
@@ -126,7 +126,7 @@ pub struct MachineConfig {
     /// The guest's vsock context id (3 or more).
     pub vsock_cid: u64,
     /// A network device and the link behind it, if the guest has a network.
-    pub net: Option<crate::net::NetAttachment>,
+    pub net: Option<sandbox_vm_control::link::NetAttachment>,
     /// Restore this snapshot instead of booting the kernel (which is then not read). The
     /// machine must be the one it was taken of: memory, vCPUs and devices.
     pub restore: Option<Restore>,
@@ -261,7 +261,7 @@ struct Shared {
     pause: Mutex<PauseState>,
     pause_cv: Condvar,
     /// The vCPUs wait here, sealed, for every other thread's filter.
-    gate: super::gate::Gate,
+    gate: crate::gate::Gate,
 }
 
 /// Where a pause stands; under [`Shared::pause`].
@@ -349,7 +349,7 @@ where
         std::thread::Builder::new()
             .name("vm-restore".into())
             .spawn_scoped(s, || -> Result<(), MachineError> {
-                super::seal::enter(ThreadKind::Restore).map_err(|e| MachineError::Io {
+                crate::seal::enter(ThreadKind::Restore).map_err(|e| MachineError::Io {
                     context: "sealing the restore".into(),
                     source: std::io::Error::other(e.to_string()),
                 })?;
@@ -476,7 +476,7 @@ impl Machine {
             add_device(&vm, &mem, blk, &mut devices, &mut cmdline)?;
         }
         if let Some(net) = &cfg.net {
-            let backend = super::net::LinkBackend::new(net.link.clone())
+            let backend = crate::net::LinkBackend::new(net.link.clone())
                 .map_err(io_err("creating the network device's eventfd"))?;
             add_device(
                 &vm,
@@ -570,7 +570,7 @@ impl Machine {
             pause: Mutex::new(PauseState::default()),
             pause_cv: Condvar::new(),
             // The device thread, the supervisor and the caller's release.
-            gate: super::gate::Gate::new(3),
+            gate: crate::gate::Gate::new(3),
         });
         install_kick_handler();
         let vm = Arc::new(vm);
@@ -602,7 +602,7 @@ impl Machine {
                 .name("vm-devices".into())
                 .spawn(move || {
                     guarded(&shared, "the VM's device thread", || {
-                        if let Err(e) = super::seal::enter(ThreadKind::Device) {
+                        if let Err(e) = crate::seal::enter(ThreadKind::Device) {
                             shared.end(e.to_string(), false, false);
                             return;
                         }
@@ -634,7 +634,7 @@ impl Machine {
                     // waits for a thread that is gone.
                     guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
                         // Filtered before its first KVM_RUN: no guest instruction runs unsealed.
-                        match super::seal::enter(ThreadKind::Vcpu) {
+                        match crate::seal::enter(ThreadKind::Vcpu) {
                             Ok(()) if !thread_shared.gate.wait() => {}
                             Ok(()) => vcpu_loop(
                                 vcpu,
@@ -680,7 +680,7 @@ impl Machine {
                     guarded(&shared, "the VM's supervisor", || {
                         // Fail closed: unsealed, it ends the machine (the gate shuts, so no
                         // vCPU runs the guest) and only tears it down.
-                        match super::seal::enter(ThreadKind::Main) {
+                        match crate::seal::enter(ThreadKind::Main) {
                             Ok(()) => shared.gate.pass(),
                             Err(e) => shared.end(e.to_string(), false, false),
                         }
@@ -887,7 +887,7 @@ impl Machine {
         state: &mut dyn std::io::Write,
         memory: &std::fs::File,
         resume: bool,
-    ) -> Result<crate::backend::SnapshotDone, snapshot::SnapshotError> {
+    ) -> Result<sandbox_vm_control::SnapshotDone, snapshot::SnapshotError> {
         let pause = self.pause()?;
         let t = Instant::now();
         let written = self.snapshot(state, memory);
@@ -895,7 +895,7 @@ impl Machine {
         if resume || written.is_err() {
             self.resume();
         }
-        Ok(crate::backend::SnapshotDone {
+        Ok(sandbox_vm_control::SnapshotDone {
             memory_written: written?,
             pause_us: pause.as_micros() as u64,
             write_us: write.as_micros() as u64,
@@ -1314,7 +1314,7 @@ fn park_vcpu(
                 Err("its last exit did not complete".to_string())
             } else {
                 match msr_list {
-                    Some(list) => super::snapshot::save_vcpu(vcpu, list).map_err(|e| e.to_string()),
+                    Some(list) => crate::snapshot::save_vcpu(vcpu, list).map_err(|e| e.to_string()),
                     None => Err("KVM did not list the MSRs to save".to_string()),
                 }
             };
@@ -1461,7 +1461,7 @@ mod tests {
             pausing: AtomicBool::new(false),
             pause: Mutex::new(PauseState::default()),
             pause_cv: Condvar::new(),
-            gate: super::super::gate::Gate::new(3),
+            gate: crate::gate::Gate::new(3),
         })
     }
 

@@ -1,9 +1,9 @@
 //! `sandbox-vm`: one KVM virtual machine, started by the sandbox host in a jail of its own (see
-//! `sandbox_vmm::kvm::child`). Not meant to be run by hand.
+//! `sandbox_vm::child`). Not meant to be run by hand.
 
 #[cfg(target_os = "linux")]
 fn main() {
-    std::process::exit(sandbox_vmm::kvm::child::main());
+    std::process::exit(sandbox_vm::child::main());
 }
 
 /// The KVM backend is Linux's: elsewhere the service runs VMs on QEMU and never starts this.

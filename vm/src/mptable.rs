@@ -8,7 +8,7 @@
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::layout;
+use crate::layout;
 
 /// The IOAPIC's MMIO address and its number of pins (KVM's in-kernel IOAPIC).
 pub const IOAPIC_ADDR: u32 = 0xfec0_0000;

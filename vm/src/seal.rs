@@ -515,8 +515,7 @@ fn install_sigsys_handler() {
     }
 }
 
-/// Exit code of a VM process that made a system call outside its filter.
-pub const SIGSYS_EXIT: i32 = 159;
+pub use sandbox_vm_control::SIGSYS_EXIT;
 
 /// The first three arguments of the call a `SIGSYS` interrupted, from the thread's saved
 /// registers: with argument rules, the number alone does not say which rule a call broke.
@@ -685,7 +684,7 @@ mod tests {
         let out = std::process::Command::new(me)
             .args([
                 "--exact",
-                "kvm::seal::tests::a_thread_that_frees_a_large_heap_stays_inside_its_filter",
+                "seal::tests::a_thread_that_frees_a_large_heap_stays_inside_its_filter",
                 "--nocapture",
             ])
             .env("SEAL_CHILD", "1")
@@ -712,11 +711,11 @@ mod tests {
             mem.write_slice(b"a page of the guest", GuestAddress(0x1000))
                 .unwrap();
             let file = tempfile::tempfile().unwrap();
-            super::super::snapshot::size_memory_file(&file, bytes).unwrap();
+            crate::snapshot::size_memory_file(&file, bytes).unwrap();
             let (_r, mut w) = std::io::pipe().unwrap();
             install().unwrap();
             enter(ThreadKind::Main).unwrap();
-            let written = super::super::snapshot::write_memory(&mem, &file).unwrap();
+            let written = crate::snapshot::write_memory(&mem, &file).unwrap();
             assert_eq!(written, 4096);
             w.write_all(b"{\"state\": true}").unwrap();
             eprintln!("snapshot written under the main filter");
@@ -726,7 +725,7 @@ mod tests {
         let out = std::process::Command::new(me)
             .args([
                 "--exact",
-                "kvm::seal::tests::a_main_thread_writes_a_snapshot_through_its_mapping_and_sizes_no_file",
+                "seal::tests::a_main_thread_writes_a_snapshot_through_its_mapping_and_sizes_no_file",
                 "--nocapture",
             ])
             .env("SEAL_CHILD", "1")
@@ -776,7 +775,7 @@ mod tests {
         let out = std::process::Command::new(me)
             .args([
                 "--exact",
-                "kvm::seal::tests::a_device_thread_may_punch_holes_but_not_allocate_past_a_disks_end",
+                "seal::tests::a_device_thread_may_punch_holes_but_not_allocate_past_a_disks_end",
                 "--nocapture",
             ])
             .env("SEAL_CHILD", "1")
@@ -814,7 +813,7 @@ mod tests {
         let out = std::process::Command::new(me)
             .args([
                 "--exact",
-                "kvm::seal::tests::a_restore_may_only_set_state",
+                "seal::tests::a_restore_may_only_set_state",
                 "--nocapture",
             ])
             .env("SEAL_CHILD", "1")
@@ -855,7 +854,7 @@ mod tests {
         let out = std::process::Command::new(me)
             .args([
                 "--exact",
-                "kvm::seal::tests::a_call_outside_the_list_is_reported_and_ends_the_process",
+                "seal::tests::a_call_outside_the_list_is_reported_and_ends_the_process",
                 "--nocapture",
             ])
             .env("SEAL_CHILD", "1")
@@ -1069,8 +1068,7 @@ mod tests {
     #[test]
     fn every_argument_rule_lets_its_calls_through_and_traps_the_rest() {
         let me = std::env::current_exe().unwrap();
-        let name =
-            "kvm::seal::tests::every_argument_rule_lets_its_calls_through_and_traps_the_rest";
+        let name = "seal::tests::every_argument_rule_lets_its_calls_through_and_traps_the_rest";
         if let Some(i) = std::env::var_os("SEAL_CASE") {
             let case = &CASES[i.to_str().unwrap().parse::<usize>().unwrap()];
             // SAFETY: getppid and PR_SET_NO_NEW_PRIVS take no pointers.

@@ -27,7 +27,7 @@ impl Trigger for IrqTrigger {
 /// Where the guest's console output goes: the bounded log, and a copy to the sink if any.
 pub struct LogWriter(
     pub Arc<Mutex<ConsoleLog>>,
-    pub Option<super::machine::ConsoleSink>,
+    pub Option<crate::machine::ConsoleSink>,
 );
 
 impl io::Write for LogWriter {
@@ -50,17 +50,17 @@ pub type Console = Serial<IrqTrigger, vm_superio::serial::NoEvents, LogWriter>;
 pub fn console(
     irq: EventFd,
     log: Arc<Mutex<ConsoleLog>>,
-    sink: Option<super::machine::ConsoleSink>,
+    sink: Option<crate::machine::ConsoleSink>,
 ) -> Console {
     Serial::new(IrqTrigger(irq), LogWriter(log, sink))
 }
 
 /// A console in the state a snapshot recorded.
 pub fn restored(
-    state: &super::snapshot::SerialSnapshot,
+    state: &crate::snapshot::SerialSnapshot,
     irq: EventFd,
     log: Arc<Mutex<ConsoleLog>>,
-    sink: Option<super::machine::ConsoleSink>,
+    sink: Option<crate::machine::ConsoleSink>,
 ) -> Result<Console, String> {
     Serial::from_state(
         &state.state(),

@@ -10,7 +10,6 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::unix::fs::FileExt;
 
 use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, Msrs, kvm_clock_data,
@@ -26,12 +25,10 @@ use vm_memory::{
     GuestRegionMmap, MemoryRegionAddress, MmapRegion,
 };
 
-use super::layout;
+use crate::layout;
 
 /// The state file's format; another is refused.
 pub const FORMAT: u32 = 1;
-/// The largest state file read back (a machine of 254 vCPUs needs about 8 MiB).
-pub const MAX_STATE_BYTES: u64 = 16 << 20;
 /// Guest pages are looked at in runs of this many bytes when memory is written.
 const CHUNK: usize = 2 << 20;
 const PAGE: usize = 4096;
@@ -242,7 +239,7 @@ impl MachineState {
 
     /// Writes the state file.
     pub fn write_to(&self, file: &File) -> Result<(), SnapshotError> {
-        write_state_file(&self.encode()?, file)
+        Ok(write_state_file(&self.encode()?, file)?)
     }
 
     /// Reads a state file back, bounded, and checks it against `expect` (the machine checks
@@ -259,7 +256,7 @@ impl MachineState {
 
     /// A state file's bytes, parsed and checked: bounded, this build's format, a machine like
     /// `expect`, and every vCPU and in-kernel device in a state the architecture allows
-    /// ([`super::state_check`]), before any of it reaches KVM.
+    /// ([`crate::state_check`]), before any of it reaches KVM.
     pub fn parse(bytes: &[u8], expect: &Expect) -> Result<MachineState, SnapshotError> {
         if bytes.len() as u64 > MAX_STATE_BYTES {
             return Err(SnapshotError::Format(format!(
@@ -275,11 +272,11 @@ impl MachineState {
             )));
         }
         state.check_fits(expect)?;
-        let refused = |e: super::state_check::Refused| SnapshotError::Format(e.to_string());
+        let refused = |e: crate::state_check::Refused| SnapshotError::Format(e.to_string());
         for (id, v) in state.vcpus.iter().enumerate() {
-            super::state_check::vcpu(id, v).map_err(refused)?;
+            crate::state_check::vcpu(id, v).map_err(refused)?;
         }
-        super::state_check::vm(&state.vm).map_err(refused)?;
+        crate::state_check::vm(&state.vm).map_err(refused)?;
         Ok(state)
     }
 
@@ -441,7 +438,7 @@ pub fn restore_vcpu(
     vcpu.set_lapic(&s.lapic)
         .map_err(kvm_err(step("KVM_SET_LAPIC")))?;
     for chunk in s.msrs.chunks(256) {
-        let entries = super::cpu::msr_entries(chunk);
+        let entries = crate::cpu::msr_entries(chunk);
         let msrs = Msrs::from_entries(&entries)
             .map_err(|e| SnapshotError::State(format!("building the MSR list: {e:?}")))?;
         let n = vcpu
@@ -559,26 +556,17 @@ pub fn restore_vm(vm: &VmFd, s: &VmState, clock_ns: u64) -> Result<(), SnapshotE
     Ok(())
 }
 
-/// Replaces `file`'s content with a state's `bytes` and syncs it (the service's side: a VM
-/// process hands its state over a pipe).
-pub fn write_state_file(bytes: &[u8], file: &File) -> Result<(), SnapshotError> {
-    file.set_len(0).map_err(io("truncating the state file"))?;
-    file.write_all_at(bytes, 0)
-        .map_err(io("writing the state file"))?;
-    file.sync_data().map_err(io("syncing the state file"))
-}
+pub use sandbox_vm_control::files::{
+    MAX_STATE_BYTES, memory_file_len, size_memory_file, write_state_file,
+};
 
-/// The memory file's length for a machine of `mem_bytes`: every RAM region back to back.
-pub fn memory_file_len(mem_bytes: u64) -> u64 {
-    layout::ram_regions(mem_bytes).iter().map(|(_, l)| l).sum()
-}
-
-/// Empties `file` and sizes it for a machine of `mem_bytes`, all holes: done by whoever hands
-/// the file over ([`write_memory`] never changes its size).
-pub fn size_memory_file(file: &File, mem_bytes: u64) -> Result<(), SnapshotError> {
-    file.set_len(0).map_err(io("truncating the memory file"))?;
-    file.set_len(memory_file_len(mem_bytes))
-        .map_err(io("sizing the memory file"))
+impl From<sandbox_vm_control::files::FileError> for SnapshotError {
+    fn from(e: sandbox_vm_control::files::FileError) -> Self {
+        SnapshotError::Io {
+            context: e.context.to_string(),
+            source: e.source,
+        }
+    }
 }
 
 /// A shared, writable mapping of part of a file, unmapped on drop.
@@ -738,6 +726,7 @@ pub fn map_memory(file: &File, mem_bytes: u64) -> Result<GuestMemoryMmap, Snapsh
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
     #[test]
     fn a_vcpu_state_with_an_msr_or_run_state_kvm_does_not_list_is_refused() {
@@ -754,7 +743,7 @@ mod tests {
         vm.set_tss_address(layout::KVM_TSS_ADDRESS).unwrap();
         vm.create_irq_chip().unwrap();
         let vcpu = vm.create_vcpu(0).unwrap();
-        super::super::cpu::set_cpuid(&kvm, &vcpu, 0, 1).unwrap();
+        crate::cpu::set_cpuid(&kvm, &vcpu, 0, 1).unwrap();
         let supported = msr_list(&kvm).unwrap();
         let mut state = save_vcpu(&vcpu, &supported).unwrap();
         assert!(!state.msrs.is_empty());

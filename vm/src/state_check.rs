@@ -14,7 +14,7 @@ use kvm_bindings::{
 };
 use thiserror::Error;
 
-use super::snapshot::{VcpuState, VmState};
+use crate::snapshot::{VcpuState, VmState};
 
 /// A field of a saved state that no processor or chipset could be in.
 #[derive(Debug, Error, PartialEq, Eq)]

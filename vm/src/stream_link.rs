@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::net::FrameLink;
+use sandbox_vm_control::link::FrameLink;
 
 /// Longest frame either way (1500 bytes of MTU, the Ethernet header and a VLAN tag).
 const MAX_FRAME: usize = 1518;
@@ -50,7 +50,7 @@ impl StreamLink {
         std::thread::Builder::new()
             .name("vm-net-in".into())
             .spawn(move || {
-                super::seal::enter_or_abort(super::seal::ThreadKind::Device);
+                crate::seal::enter_or_abort(crate::seal::ThreadKind::Device);
                 let _ = sealed_in.send(());
                 drop(sealed_in);
                 let mut len = [0u8; 4];
@@ -86,7 +86,7 @@ impl StreamLink {
         std::thread::Builder::new()
             .name("vm-net-out".into())
             .spawn(move || {
-                super::seal::enter_or_abort(super::seal::ThreadKind::Device);
+                crate::seal::enter_or_abort(crate::seal::ThreadKind::Device);
                 let _ = sealed_tx.send(());
                 drop(sealed_tx);
                 loop {

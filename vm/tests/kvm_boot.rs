@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use sandbox_vmm::kvm::{Machine, MachineConfig, MachineExit};
+use sandbox_vm::{Machine, MachineConfig, MachineExit};
 use sandbox_vmm::{ImageStore, config};
 
 /// Printed by the kernel when init (here busybox's `true`) exits with status 0: userspace ran.

@@ -35,7 +35,7 @@ pub struct VmSpec {
     /// removes it on stop.
     pub state_dir: PathBuf,
     /// The network device, if the guest gets one (egress); without it the guest has no network.
-    pub net: Option<crate::net::NetAttachment>,
+    pub net: Option<sandbox_vm_control::link::NetAttachment>,
     /// The longest `Backend::start` may take to hand back a connected agent channel (`None`:
     /// the backend's own bound). `boot` sets it to its ready timeout, so a guest that never
     /// listens fails within that bound with its console lines.
@@ -65,16 +65,7 @@ pub struct SnapshotFiles {
     pub take_disk: bool,
 }
 
-/// What a snapshot cost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SnapshotDone {
-    /// Guest memory bytes written (the rest of the file is holes).
-    pub memory_written: u64,
-    /// Microseconds until every vCPU and the device thread had stopped.
-    pub pause_us: u64,
-    /// Microseconds to write the state and memory.
-    pub write_us: u64,
-}
+pub use sandbox_vm_control::SnapshotDone;
 
 /// A raw disk image. Never probed for a format: the guest may have written anything into it.
 #[derive(Debug, Clone)]

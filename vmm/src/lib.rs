@@ -12,7 +12,6 @@ pub mod host;
 pub mod image;
 #[cfg(target_os = "linux")]
 pub mod kvm;
-pub mod net;
 pub mod probe;
 pub mod qemu;
 pub mod sandbox;
@@ -24,5 +23,5 @@ pub use backend::{
     Backend, Channel, Disk, SnapshotDone, SnapshotFiles, StartedVm, Vm, VmError, VmExit, VmSpec,
 };
 pub use image::{Image, ImageError, ImageStore};
-pub use net::{FrameLink, NetAttachment};
 pub use sandbox::{BootError, Liveness, Sandbox, boot, boot_watched};
+pub use sandbox_vm_control::link::{FrameLink, NetAttachment};

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Inside the nested test host: runs one sandbox on the KVM backend and lists, per thread of each
-# `sandbox-vm`, the system calls it made once filtered (what vmm/src/kvm/seal.rs must allow).
+# `sandbox-vm`, the system calls it made once filtered (what vm/src/seal.rs must allow).
 # From the repository:
 #   tests/nested/run.sh --with target/debug/sandbox-host --with target/debug/sandbox-vm \
 #     --with /usr/bin/strace --with tests/nested/syscalls/inventory.awk \

@@ -1,35 +1,11 @@
-//! The KVM backend: a VMM on kvm-ioctls and the rust-vmm crates that boots the same kernel and
-//! images as the QEMU backend, with its devices (virtio-mmio: vsock for the agent channel, block,
-//! net). Each VM runs in a process of its own (`sandbox-vm`, [`child`]) that the service starts
-//! in a jail ([`process`]); the machine itself ([`machine`]) can also run in the caller's
-//! process, which the benchmarks compare against.
+//! The KVM backend's service side: each VM a `sandbox-vm` process (the `sandbox-vm` crate), which
+//! the service starts in a jail and drives over its control socket ([`process`]). With the
+//! `in-process` feature the machine can also run in the caller's process ([`in_process`]),
+//! which the benchmarks compare against.
 
 pub mod backend;
-pub mod boot;
-pub mod child;
-pub mod control;
-pub mod cpu;
-mod gate;
-pub mod layout;
-pub mod machine;
-pub mod mptable;
-pub mod net;
+#[cfg(feature = "in-process")]
+mod in_process;
 pub mod process;
-pub mod seal;
-pub mod serial;
-pub mod snapshot;
-pub mod state_check;
-mod stream_link;
 
 pub use backend::KvmBackend;
-
-/// The pause before connection attempt `n` (from 0) to a guest port nothing listens on yet:
-/// 2 ms doubling to 20 ms. The agent listens a few milliseconds after userspace starts on real
-/// KVM, but seconds later on an emulated host, where a fixed 5 ms retry cost each VM 200
-/// wake-ups a second of the guest's own processor time.
-pub(crate) fn connect_pause(n: u32) -> std::time::Duration {
-    std::time::Duration::from_millis((2u64 << n.min(4)).min(20))
-}
-pub use machine::{
-    ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineError, MachineExit, Restore,
-};

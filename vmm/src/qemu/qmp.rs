@@ -106,7 +106,7 @@ impl Qmp {
                 sent = loop {
                     sock.writable().await?;
                     match sock.try_io(tokio::io::Interest::WRITABLE, || {
-                        crate::vm_process::send_with_fds(sock.as_raw_fd(), &bytes, &[fd])
+                        sandbox_vm_control::send_with_fds(sock.as_raw_fd(), &bytes, &[fd])
                     }) {
                         Ok(n) => break n,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
