@@ -1,0 +1,377 @@
+//! The steps that build a machine, in the order [`Machine::start_held`] takes them: open KVM and
+//! create the VM with its in-kernel devices, check a snapshot to restore against this host and
+//! machine, give the guest its memory, attach the virtio devices, load the kernel or hand KVM
+//! the saved state, make the console, create the vCPUs; then start the device thread, the vCPU
+//! threads and the supervisor.
+
+use super::*;
+
+/// The virtio devices of a machine, attached: each on the bus with its subscriber and queue
+/// eventfds, the command line that names them, and the vsock device's handle.
+pub(super) struct Devices {
+    pub(super) list: Vec<(BusDevice, Subscriber, Vec<EventFd>)>,
+    pub(super) cmdline: String,
+    pub(super) vsock: VsockHandle,
+}
+
+/// The device thread, running, and what the others need of it.
+pub(super) struct RunningDevices {
+    pub(super) thread: JoinHandle<()>,
+    pub(super) bus: Arc<Vec<(u64, BusDevice)>>,
+    pub(super) kick: Arc<EventFd>,
+    /// The queues' ioeventfds: registered with the VM, which owns them until it is closed.
+    pub(super) ioevents: Vec<EventFd>,
+}
+
+/// `/dev/kvm`: the descriptor the caller passed (a duplicate of it), or opened here.
+pub(super) fn open_kvm(cfg: &MachineConfig) -> Result<Kvm, MachineError> {
+    match &cfg.kvm {
+        Some(f) => {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            let dup = f
+                .try_clone()
+                .map_err(io_err("duplicating the /dev/kvm descriptor"))?;
+            // SAFETY: a descriptor of /dev/kvm that we own (a fresh duplicate), handed over.
+            Ok(unsafe { Kvm::from_raw_fd(dup.into_raw_fd()) })
+        }
+        None => Kvm::new().map_err(kvm_err("opening /dev/kvm")),
+    }
+}
+
+/// The VM with its TSS, in-kernel irqchip and PIT.
+pub(super) fn create_vm(kvm: &Kvm) -> Result<VmFd, MachineError> {
+    let vm = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    vm.set_tss_address(layout::KVM_TSS_ADDRESS)
+        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+    vm.create_irq_chip()
+        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+    Ok(vm)
+}
+
+/// How many virtio devices `cfg` asks for: vsock, the disks, the network.
+fn device_count(cfg: &MachineConfig) -> usize {
+    1 + cfg.disks.len() + usize::from(cfg.net.is_some())
+}
+
+/// The snapshot to restore, if any, once it was taken on this kind of host for this machine.
+pub(super) fn checked_restore<'c>(
+    cfg: &'c MachineConfig,
+    kvm: &Kvm,
+) -> Result<Option<&'c Restore>, MachineError> {
+    let Some(r) = &cfg.restore else {
+        return Ok(None);
+    };
+    r.state.check_host(&snapshot::HostId::here(kvm))?;
+    r.state.check_fits(&snapshot::Expect {
+        memory_mib: cfg.memory_mib,
+        vcpus: cfg.vcpus,
+        devices: device_count(cfg),
+    })?;
+    Ok(Some(r))
+}
+
+/// Guest memory, registered with the VM: the snapshot's memory file mapped privately, or fresh
+/// anonymous memory.
+pub(super) fn guest_memory(
+    vm: &VmFd,
+    cfg: &MachineConfig,
+    restore: Option<&Restore>,
+) -> Result<GuestMemoryMmap, MachineError> {
+    let mem_bytes = u64::from(cfg.memory_mib) << 20;
+    let mem = match restore {
+        Some(r) => {
+            let file = r.memory.open(false).map_err(io_err(format!(
+                "opening the snapshot's memory file {}",
+                r.memory
+            )))?;
+            snapshot::map_memory(&file, mem_bytes)?
+        }
+        None => anonymous_memory(mem_bytes)?,
+    };
+    register_memory(vm, &mem)?;
+    Ok(mem)
+}
+
+/// The virtio devices: vsock first (the agent channel), then the disks in order, then the
+/// network; each named on the kernel command line.
+pub(super) fn attach_devices(
+    vm: &VmFd,
+    mem: &GuestMemoryMmap,
+    cfg: &MachineConfig,
+) -> Result<Devices, MachineError> {
+    let mut list: Vec<(BusDevice, Subscriber, Vec<EventFd>)> = Vec::new();
+    let mut cmdline = cfg.cmdline.clone();
+    let (vsock, handle) = Vsock::new(cfg.vsock_cid).map_err(io_err("creating the vsock device"))?;
+    let count = device_count(cfg);
+    if count > DEVICE_IRQS.len() {
+        return Err(MachineError::TooManyDevices(count));
+    }
+    add_device(vm, mem, vsock, &mut list, &mut cmdline)?;
+    for (i, d) in cfg.disks.iter().enumerate() {
+        let blk = d
+            .file
+            .open(!d.read_only)
+            .and_then(|f| Block::from_file(f, d.read_only, &format!("disk{i}")))
+            .map_err(io_err(format!("opening disk {}", d.file)))?;
+        add_device(vm, mem, blk, &mut list, &mut cmdline)?;
+    }
+    if let Some(net) = &cfg.net {
+        let backend = crate::net::LinkBackend::new(net.link.clone())
+            .map_err(io_err("creating the network device's eventfd"))?;
+        add_device(vm, mem, Net::new(net.mac, backend), &mut list, &mut cmdline)?;
+    }
+    Ok(Devices {
+        list,
+        cmdline,
+        vsock: handle,
+    })
+}
+
+/// A booted guest's kernel loaded (its entry point), or a restored guest's VM-wide state and
+/// devices handed back: a restored guest is already past its boot, so no kernel is loaded (the
+/// irqchip first: the devices' restore may raise interrupts).
+pub(super) fn load_or_restore(
+    vm: &VmFd,
+    mem: &GuestMemoryMmap,
+    cfg: &MachineConfig,
+    restore: Option<&Restore>,
+    devices: &Devices,
+) -> Result<Option<vm_memory::GuestAddress>, MachineError> {
+    let Some(r) = restore else {
+        let mem_bytes = u64::from(cfg.memory_mib) << 20;
+        let entry = boot::load(
+            mem,
+            mem_bytes,
+            &cfg.kernel,
+            cfg.initrd.as_ref(),
+            &devices.cmdline,
+        )?;
+        mptable::write(mem, cfg.vcpus)?;
+        return Ok(Some(entry));
+    };
+    let clock = snapshot::restored_clock(&r.state, mem);
+    restoring(|| snapshot::restore_vm(vm, &r.state.vm, clock))?;
+    for (index, ((device, _, _), saved)) in devices.list.iter().zip(&r.state.devices).enumerate() {
+        device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .restore(saved)
+            .map_err(|source| MachineError::DeviceState { index, source })?;
+    }
+    Ok(None)
+}
+
+/// The serial console on COM1 (its interrupt through an irqfd), fresh or as the snapshot had it.
+pub(super) fn console(
+    vm: &VmFd,
+    cfg: &MachineConfig,
+    restore: Option<&Restore>,
+    log: Arc<Mutex<ConsoleLog>>,
+) -> Result<Arc<Mutex<serial::Console>>, MachineError> {
+    let irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
+    vm.register_irqfd(&irq, serial::COM1_IRQ)
+        .map_err(kvm_err("KVM_IRQFD (serial)"))?;
+    let console = match restore {
+        None => serial::console(irq, log, cfg.console.clone()),
+        Some(r) => serial::restored(&r.state.serial, irq, log, cfg.console.clone())
+            .map_err(|e| MachineError::Snapshot(snapshot::SnapshotError::Format(e)))?,
+    };
+    Ok(Arc::new(Mutex::new(console)))
+}
+
+/// The vCPUs: set up at the kernel's entry, or given their CPUID and then their saved state; and
+/// the host's MSR list, without which no snapshot can be taken (each says so) and none restored
+/// (a booted machine runs anyway).
+pub(super) fn create_vcpus(
+    kvm: &Kvm,
+    vm: &VmFd,
+    cfg: &MachineConfig,
+    restore: Option<&Restore>,
+    boot_entry: Option<vm_memory::GuestAddress>,
+) -> Result<(Vec<VcpuFd>, Option<Vec<u32>>), MachineError> {
+    let msr_list = snapshot::msr_list(kvm);
+    let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+    for id in 0..cfg.vcpus {
+        let vcpu = vm
+            .create_vcpu(u64::from(id))
+            .map_err(kvm_err("KVM_CREATE_VCPU"))?;
+        if restore.is_some() {
+            cpu::set_cpuid(kvm, &vcpu, id, cfg.vcpus)?;
+        } else if let Some(entry) = boot_entry {
+            cpu::setup(kvm, &vcpu, id, cfg.vcpus, entry)?;
+        }
+        vcpus.push(vcpu);
+    }
+    if let Some(r) = restore {
+        let supported = msr_list
+            .as_ref()
+            .map_err(|e| snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}")))?;
+        restoring(|| {
+            for (id, vcpu) in vcpus.iter().enumerate() {
+                let saved = r.state.vcpus.get(id).ok_or_else(|| {
+                    snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
+                })?;
+                snapshot::restore_vcpu(vcpu, id, saved, supported)?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok((vcpus, msr_list.ok()))
+}
+
+/// The device thread: the virtio devices' event loop (and their parking for a pause), sealed
+/// as a device thread before it runs any of it.
+pub(super) fn start_devices(
+    shared: &Arc<Shared>,
+    devices: Vec<(BusDevice, Subscriber, Vec<EventFd>)>,
+) -> Result<RunningDevices, MachineError> {
+    let kick = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?);
+    let mut em: EventManager<Subscriber> = EventManager::new().map_err(|e| MachineError::Io {
+        context: "creating the device event loop".into(),
+        source: std::io::Error::other(format!("{e:?}")),
+    })?;
+    em.add_subscriber(Arc::new(Mutex::new(Wake(kick.clone()))));
+    let bus: Arc<Vec<(u64, BusDevice)>> = Arc::new(
+        devices
+            .iter()
+            .enumerate()
+            .map(|(i, (dev, sub, _))| {
+                em.add_subscriber(sub.clone());
+                (MMIO_BASE + i as u64 * WINDOW, dev.clone())
+            })
+            .collect(),
+    );
+    let ioevents: Vec<EventFd> = devices.into_iter().flat_map(|(_, _, e)| e).collect();
+    let shared = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("vm-devices".into())
+        .spawn(move || {
+            guarded(&shared, "the VM's device thread", || {
+                if let Err(e) = crate::seal::enter(ThreadKind::Device) {
+                    shared.end(e.to_string(), false, false);
+                    return;
+                }
+                shared.gate.pass();
+                while !shared.stopping.load(Ordering::SeqCst) {
+                    if shared.pausing.load(Ordering::SeqCst) {
+                        park_devices(&shared);
+                        continue;
+                    }
+                    if em.run_with_timeout(1000).is_err() {
+                        shared.end("the device event loop failed".into(), false, false);
+                    }
+                }
+            })
+        })
+        .map_err(io_err("starting the device thread"))?;
+    Ok(RunningDevices {
+        thread,
+        bus,
+        kick,
+        ioevents,
+    })
+}
+
+/// One thread per vCPU, each sealed before its first `KVM_RUN` and held at the gate. A thread
+/// that cannot start ends the machine (its vCPU counted out, so nobody waits for it).
+pub(super) fn start_vcpus(
+    shared: &Arc<Shared>,
+    vcpus: Vec<VcpuFd>,
+    bus: &Arc<Vec<(u64, BusDevice)>>,
+    console: &Arc<Mutex<serial::Console>>,
+    msr_list: Option<Vec<u32>>,
+) -> Vec<JoinHandle<()>> {
+    let mut threads = Vec::new();
+    let msr_list = Arc::new(msr_list);
+    for (id, vcpu) in vcpus.into_iter().enumerate() {
+        let (thread_shared, bus, console) = (shared.clone(), bus.clone(), console.clone());
+        let msr_list = msr_list.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || {
+                // A panic (a bug of a device model on this thread) ends the VM with its
+                // message; the thread is counted out either way, so the supervisor never
+                // waits for a thread that is gone.
+                guarded(&thread_shared, &format!("vCPU {id}'s thread"), || {
+                    // Filtered before its first KVM_RUN: no guest instruction runs unsealed.
+                    match crate::seal::enter(ThreadKind::Vcpu) {
+                        Ok(()) if !thread_shared.gate.wait() => {}
+                        Ok(()) => vcpu_loop(
+                            vcpu,
+                            id,
+                            &thread_shared,
+                            &bus,
+                            &console,
+                            msr_list.as_deref(),
+                        ),
+                        Err(e) => thread_shared.end(e.to_string(), false, false),
+                    }
+                });
+                thread_shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
+                thread_shared.ended.notify_all();
+            });
+        match handle {
+            Ok(h) => threads.push(h),
+            Err(e) => {
+                shared.end(format!("starting vCPU thread {id}: {e}"), false, false);
+                shared.running_vcpus.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+    threads
+}
+
+/// The supervisor: sealed as a main thread (unsealed, it ends the machine and only tears it
+/// down), it waits for the machine's end, brings every thread down, runs `on_exit` and says the
+/// machine finished. If it cannot start, the threads already started end (the vCPUs at the
+/// gate, never in the guest).
+pub(super) fn start_supervisor(
+    shared: &Arc<Shared>,
+    vcpu_threads: Vec<JoinHandle<()>>,
+    devices: RunningDevices,
+    vm: Arc<VmFd>,
+    mem: GuestMemoryMmap,
+    on_exit: SharedOnExit,
+) -> Result<JoinHandle<()>, MachineError> {
+    let outer = shared.clone();
+    let shared = shared.clone();
+    std::thread::Builder::new()
+        .name("vm-supervisor".into())
+        .spawn(move || {
+            guarded(&shared, "the VM's supervisor", || {
+                match crate::seal::enter(ThreadKind::Main) {
+                    Ok(()) => shared.gate.pass(),
+                    Err(e) => shared.end(e.to_string(), false, false),
+                }
+                supervise(
+                    &shared,
+                    vcpu_threads,
+                    devices.thread,
+                    &devices.kick,
+                    vm,
+                    devices.ioevents,
+                    mem,
+                )
+            });
+            let exit = shared
+                .exit
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let (Some(exit), Some(f)) = (
+                exit,
+                on_exit.lock().unwrap_or_else(|e| e.into_inner()).take(),
+            ) {
+                f(&exit);
+            }
+            *shared.finished.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            shared.finished_cv.notify_all();
+        })
+        .map_err(io_err("starting the supervisor thread"))
+        .inspect_err(|_| outer.end("the supervisor could not start".into(), false, false))
+}
