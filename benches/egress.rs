@@ -397,12 +397,61 @@ fn https_download(
     len as f64 * 8.0 / secs / 1e9
 }
 
+/// A stack on `rt` whose config is `cfg` that intercepts `intercepted.test` (its upstream's
+/// certificates signed by `server_ca`) with `secrets`, and its guest; and the sandbox CA's PEM.
+fn intercepting(
+    rt: &tokio::runtime::Runtime,
+    mut cfg: EgressConfig,
+    secrets: Vec<sandbox_egress::secrets::Secret>,
+    server_ca: &str,
+) -> (Egress, GuestSim, String) {
+    use sandbox_egress::intercept::{Interception, upstream_client};
+    use sandbox_egress::policy::HostPattern;
+    let mac = cfg.guest_mac;
+    let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
+    let icp = Interception::new(
+        "bench",
+        &intercepted,
+        secrets,
+        intercepted.clone(),
+        Default::default(),
+        upstream_client(Some(server_ca.as_bytes())).unwrap(),
+    )
+    .unwrap();
+    let sandbox_ca = icp.ca_pem().to_string();
+    cfg.intercept = intercepted;
+    cfg.interception = Some(Arc::new(icp));
+    let (egress, link) = {
+        let _in = rt.enter();
+        Egress::start(cfg)
+    };
+    (egress, GuestSim::new(link, mac), sandbox_ca)
+}
+
+/// The guest's TLS client, trusting the certificates in `pems`.
+fn client_trusting(pems: &[&str]) -> Arc<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for pem in pems {
+        for c in rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+    }
+    Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    )
+}
+
 /// Model output downloaded over intercepted TLS, `len` bytes `n` times, in a sandbox whose
 /// every response is scanned for three secrets, against one with none, interleaved: the
 /// Gbit/s of each (median).
 fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
-    use sandbox_egress::intercept::{Interception, upstream_client};
-    use sandbox_egress::policy::HostPattern;
     use sandbox_egress::secrets::Secret;
     let rt = runtime();
     let (port, server_ca) = https_server(&rt, &["intercepted.test"]);
@@ -422,7 +471,6 @@ fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
         cfg.overrides = Arc::new(
             ResolveOverrides::parse(&format!("intercepted.test:{port}:127.0.0.1")).unwrap(),
         );
-        let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
         // The secrets are for other hosts: their keys never go to this one, but every response
         // of the sandbox is scanned for them.
         let secrets: Vec<Secret> = if scanned {
@@ -435,40 +483,11 @@ fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
         } else {
             vec![]
         };
-        let icp = Interception::new(
-            "bench",
-            &intercepted,
-            secrets,
-            intercepted.clone(),
-            Default::default(),
-            upstream_client(Some(server_ca.as_bytes())).unwrap(),
-        )
-        .unwrap();
-        let sandbox_ca = icp.ca_pem().to_string();
-        cfg.intercept = intercepted;
-        cfg.interception = Some(Arc::new(icp));
-        let (egress, link) = {
-            let _in = rt.enter();
-            Egress::start(cfg)
-        };
-        let mut g = GuestSim::new(link, mac);
+        let (egress, mut g, sandbox_ca) = intercepting(&rt, cfg, secrets, &server_ca);
         let addr = g
             .resolve("intercepted.test", Duration::from_secs(5))
             .unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        use rustls::pki_types::pem::PemObject;
-        for c in rustls::pki_types::CertificateDer::pem_slice_iter(sandbox_ca.as_bytes()) {
-            roots.add(c.unwrap()).unwrap();
-        }
-        let client = Arc::new(
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-        );
+        let client = client_trusting(&[&sandbox_ca]);
         sides.push((egress, g, addr, client));
     }
     let (mut open, mut scanned) = (Vec::new(), Vec::new());
@@ -518,8 +537,6 @@ fn https_first_byte(
 /// First byte of an HTTPS request: spliced (the guest talks TLS to the server) against
 /// intercepted (TLS ends in the stack with the sandbox CA; a second TLS session upstream).
 fn interception(n: usize) -> (Vec<Duration>, Vec<Duration>) {
-    use sandbox_egress::intercept::{Interception, upstream_client};
-    use sandbox_egress::policy::HostPattern;
     let rt = runtime();
     let (port, server_ca) = https_server(&rt, &["spliced.test", "intercepted.test"]);
     let mac = guest_mac("bench-tls");
@@ -539,44 +556,12 @@ fn interception(n: usize) -> (Vec<Duration>, Vec<Duration>) {
         connect_burst: 1_000_000,
         ..Limits::default()
     };
-    let intercepted = vec![HostPattern::parse("intercepted.test").unwrap()];
-    let icp = Interception::new(
-        "bench",
-        &intercepted,
-        vec![],
-        intercepted.clone(),
-        Default::default(),
-        upstream_client(Some(server_ca.as_bytes())).unwrap(),
-    )
-    .unwrap();
-    let sandbox_ca = icp.ca_pem().to_string();
-    cfg.intercept = intercepted;
-    cfg.interception = Some(Arc::new(icp));
-    let (_egress, link) = {
-        let _in = rt.enter();
-        Egress::start(cfg)
-    };
-    let mut g = GuestSim::new(link, mac);
+    let (_egress, mut g, sandbox_ca) = intercepting(&rt, cfg, vec![], &server_ca);
     let spliced_addr = g.resolve("spliced.test", Duration::from_secs(5)).unwrap();
     let intercepted_addr = g
         .resolve("intercepted.test", Duration::from_secs(5))
         .unwrap();
-    let mut roots = rustls::RootCertStore::empty();
-    for pem in [&server_ca, &sandbox_ca] {
-        use rustls::pki_types::pem::PemObject;
-        for c in rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            roots.add(c.unwrap()).unwrap();
-        }
-    }
-    let client = Arc::new(
-        rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth(),
-    );
+    let client = client_trusting(&[&server_ca, &sandbox_ca]);
     let (mut spliced, mut through) = (Vec::new(), Vec::new());
     // Interleaved, after one warm-up each (the first interception makes the leaf certificate).
     https_first_byte(&mut g, spliced_addr, port, "spliced.test", &client);
