@@ -448,10 +448,25 @@ fn client_trusting(pems: &[&str]) -> Arc<rustls::ClientConfig> {
     )
 }
 
+/// The processor time this process has used, user and system, in seconds.
+fn cpu_seconds() -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid rusage for the call to fill.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
+/// One side of [`intercepted_downloads`]: the median Gbit/s and the median processor time per
+/// download (every thread of the bench: the guest's TLS, the egress stack and the upstream).
+struct Side {
+    gbit: f64,
+    cpu: f64,
+}
+
 /// Model output downloaded over intercepted TLS, `len` bytes `n` times, in a sandbox whose
-/// every response is scanned for three secrets, against one with none, interleaved: the
-/// Gbit/s of each (median).
-fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
+/// every response is scanned for three secrets, against one with none, interleaved.
+fn intercepted_downloads(len: usize, n: usize) -> (Side, Side) {
     use sandbox_egress::secrets::Secret;
     let rt = runtime();
     let (port, server_ca) = https_server(&rt, &["intercepted.test"]);
@@ -490,17 +505,16 @@ fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
         let client = client_trusting(&[&sandbox_ca]);
         sides.push((egress, g, addr, client));
     }
-    let (mut open, mut scanned) = (Vec::new(), Vec::new());
+    let mut runs: [(Vec<f64>, Vec<f64>); 2] = Default::default();
     for i in 0..=n {
         for (k, (_, g, addr, client)) in sides.iter_mut().enumerate() {
+            let cpu = cpu_seconds();
             let gbit = https_download(g, (*addr, port), "intercepted.test", client, len);
+            let cpu = cpu_seconds() - cpu;
             // The first of each is a warm-up (the leaf certificate, the upstream connection).
             if i > 0 {
-                if k == 0 {
-                    open.push(gbit)
-                } else {
-                    scanned.push(gbit)
-                }
+                runs[k].0.push(gbit);
+                runs[k].1.push(cpu);
             }
         }
     }
@@ -508,7 +522,17 @@ fn intercepted_downloads(len: usize, n: usize) -> (f64, f64) {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    (median(&mut open), median(&mut scanned))
+    let [mut open, mut scanned] = runs;
+    (
+        Side {
+            gbit: median(&mut open.0),
+            cpu: median(&mut open.1),
+        },
+        Side {
+            gbit: median(&mut scanned.0),
+            cpu: median(&mut scanned.1),
+        },
+    )
 }
 
 /// From connect to the first byte of the answer to one HTTPS request to `name`, with the guest's
@@ -591,12 +615,19 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(256);
     let total = mib << 20;
-    println!("egress stack, one flow guest -> upstream, {mib} MiB, MTU 1500 (median of 3)");
     let med = |f: &dyn Fn() -> f64| {
         let mut v: Vec<f64> = (0..3).map(|_| f()).collect();
         v.sort_by(|a, b| a.total_cmp(b));
         v[1]
     };
+    // `SANDBOX_HOST_BENCH_ONLY=scan`: the response scan's rows alone (`SANDBOX_HOST_BENCH_PAIRS`
+    // downloads of each kind), for issue 29's budget without the minutes the other rows take.
+    if std::env::var("SANDBOX_HOST_BENCH_ONLY").as_deref() == Ok("scan") {
+        let stack = med(&|| through_stack(total, 64 * 1024));
+        scan_rows(mib, stack);
+        return;
+    }
+    println!("egress stack, one flow guest -> upstream, {mib} MiB, MTU 1500 (median of 3)");
     let kernel = med(&|| loopback(total));
     let stack = med(&|| through_stack(total, 64 * 1024));
     let stack_256 = med(&|| through_stack(total, 256 * 1024));
@@ -657,6 +688,18 @@ fn main() {
     println!();
     hostile_connections();
     println!();
+    scan_rows(mib, stack);
+}
+
+/// The response scan's rows: the scan alone against a copy, and its share of an intercepted
+/// flow; `stack` is the stack's one-flow Gbit/s the scan's cost is set against.
+fn scan_rows(mib: usize, stack: f64) {
+    let total = mib << 20;
+    let med = |f: &dyn Fn() -> f64| {
+        let mut v: Vec<f64> = (0..3).map(|_| f()).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[1]
+    };
     // SSE-like text: what model responses are; then the same events with escaped quotes in
     // their text (code in an answer), each a window of its line for the regex to read.
     let plain = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
@@ -684,19 +727,36 @@ fn main() {
         );
     }
     println!("\n(the cost per flow: at the stack's measured {stack:.2} Gbit/s)");
-    // The flow the scan runs in: an intercepted HTTPS response, end to end.
+    println!();
+    scan_share(mib);
+}
+
+/// The flow the scan runs in: an intercepted HTTPS response, end to end, with and without
+/// secrets to scan for.
+fn scan_share(mib: usize) {
     let len = (mib.min(64)) << 20;
-    let (open, scanned) = intercepted_downloads(len, 5);
+    let n: usize = std::env::var("SANDBOX_HOST_BENCH_PAIRS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let (open, scanned) = intercepted_downloads(len, n);
     println!(
-        "\nmodel output over intercepted TLS, {} MiB per download (median of 5, interleaved)",
+        "model output over intercepted TLS, {} MiB per download (median of {n}, interleaved)",
         len >> 20
     );
-    println!("| sandbox | Gbit/s | the scan's cost per flow |");
-    println!("|---|---|---|");
-    println!("| no secrets, nothing scanned (reference) | {open:.2} | |");
+    println!("| sandbox | Gbit/s | time added | processor ms per download | processor time added |");
+    println!("|---|---|---|---|---|");
     println!(
-        "| three secrets, every response scanned | {scanned:.2} | {:.1} % |",
-        100.0 * (open / scanned - 1.0)
+        "| no secrets, nothing scanned (reference) | {:.2} | | {:.1} | |",
+        open.gbit,
+        open.cpu * 1e3
+    );
+    println!(
+        "| three secrets, every response scanned | {:.2} | {:.1} % | {:.1} | {:.1} % |",
+        scanned.gbit,
+        100.0 * (open.gbit / scanned.gbit - 1.0),
+        scanned.cpu * 1e3,
+        100.0 * (scanned.cpu / open.cpu - 1.0)
     );
 }
 
