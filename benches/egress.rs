@@ -450,6 +450,7 @@ fn client_trusting(pems: &[&str]) -> Arc<rustls::ClientConfig> {
 
 /// The processor time this process has used, user and system, in seconds.
 fn cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain integers, for which zero is a value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `u` is a valid rusage for the call to fill.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
@@ -744,7 +745,9 @@ fn scan_share(mib: usize) {
         "model output over intercepted TLS, {} MiB per download (median of {n}, interleaved)",
         len >> 20
     );
-    println!("| sandbox | Gbit/s | time added | processor ms per download | processor time added |");
+    println!(
+        "| sandbox | Gbit/s | time added | processor ms per download | processor time added |"
+    );
     println!("|---|---|---|---|---|");
     println!(
         "| no secrets, nothing scanned (reference) | {:.2} | | {:.1} | |",

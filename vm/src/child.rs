@@ -15,7 +15,7 @@ use sandbox_devices::virtio::vsock::ConnectError;
 
 use crate::machine::{ConsoleSink, DiskConfig, FileRef, Machine, MachineConfig, MachineExit};
 use crate::seal::{self, ThreadKind};
-use sandbox_vm_control::{self as control, Event, Request, VmConfig};
+use sandbox_control::vm::{self as control, Event, Request, VmConfig};
 
 /// The control socket's descriptor.
 pub const CONTROL_FD: RawFd = 3;
@@ -86,7 +86,7 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
             let sock = UnixStream::from(std::os::fd::OwnedFd::from(file(n.fd, &mut taken)?));
             let link = crate::stream_link::StreamLink::new(sock)
                 .map_err(|e| format!("starting the network link: {e}"))?;
-            Some(sandbox_vm_control::link::NetAttachment {
+            Some(sandbox_control::link::NetAttachment {
                 mac: n.mac,
                 link: Arc::new(link),
             })
@@ -126,7 +126,7 @@ fn snapshot(
     m: &Machine,
     reader: &mut control::Reader,
     resume: bool,
-) -> Result<sandbox_vm_control::SnapshotDone, String> {
+) -> Result<sandbox_control::vm::SnapshotDone, String> {
     let (Some(state), Some(memory)) = (reader.take_fd(), reader.take_fd()) else {
         return Err("the snapshot request came without its two descriptors".into());
     };

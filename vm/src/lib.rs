@@ -3,7 +3,7 @@
 //! that boots the same kernel and images as the QEMU backend, with its devices (virtio-mmio:
 //! vsock for the agent channel, block, net). Each VM runs in a process of its own, which the
 //! service starts in a jail and drives over its control socket ([`child`];
-//! `sandbox_vm_control` holds the messages). This crate is all the code that touches guest
+//! `sandbox_control` holds the messages). This crate is all the code that touches guest
 //! memory; the service links it only for the benchmarks' in-process machine.
 
 pub mod boot;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use sandbox_devices::virtio::net::NetBackend;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use sandbox_vm_control::link::FrameLink;
+use sandbox_control::link::FrameLink;
 
 /// A [`NetBackend`] over a [`FrameLink`].
 pub struct LinkBackend {

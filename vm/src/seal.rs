@@ -515,7 +515,7 @@ fn install_sigsys_handler() {
     }
 }
 
-pub use sandbox_vm_control::SIGSYS_EXIT;
+pub use sandbox_control::vm::SIGSYS_EXIT;
 
 /// The first three arguments of the call a `SIGSYS` interrupted, from the thread's saved
 /// registers: with argument rules, the number alone does not say which rule a call broke.

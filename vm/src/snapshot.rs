@@ -556,12 +556,12 @@ pub fn restore_vm(vm: &VmFd, s: &VmState, clock_ns: u64) -> Result<(), SnapshotE
     Ok(())
 }
 
-pub use sandbox_vm_control::files::{
+pub use sandbox_control::files::{
     MAX_STATE_BYTES, memory_file_len, size_memory_file, write_state_file,
 };
 
-impl From<sandbox_vm_control::files::FileError> for SnapshotError {
-    fn from(e: sandbox_vm_control::files::FileError) -> Self {
+impl From<sandbox_control::files::FileError> for SnapshotError {
+    fn from(e: sandbox_control::files::FileError) -> Self {
         SnapshotError::Io {
             context: e.context.to_string(),
             source: e.source,

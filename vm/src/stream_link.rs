@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 
-use sandbox_vm_control::link::FrameLink;
+use sandbox_control::link::FrameLink;
 
 /// Longest frame either way (1500 bytes of MTU, the Ethernet header and a VLAN tag).
 const MAX_FRAME: usize = 1518;

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
-use sandbox_vm_control::{self as control, Event, Request, VmConfig};
+use sandbox_control::vm::{self as control, Event, Request, VmConfig};
 
 /// Starts the real `sandbox-vm` with its control socket as descriptor 3, sends it a start of
 /// protocol `version`, and returns its answer and its exit code.

@@ -14,7 +14,7 @@ mod stand_in {
     use std::os::fd::{AsRawFd, FromRawFd, RawFd};
     use std::os::unix::net::UnixStream;
 
-    use sandbox_vm_control::{self as control, Event, Request, VmConfig};
+    use sandbox_control::vm::{self as control, Event, Request, VmConfig};
 
     fn say(ctl: &UnixStream, e: &Event) {
         let _ = control::send(ctl, e, None);

@@ -35,7 +35,7 @@ pub struct VmSpec {
     /// removes it on stop.
     pub state_dir: PathBuf,
     /// The network device, if the guest gets one (egress); without it the guest has no network.
-    pub net: Option<sandbox_vm_control::link::NetAttachment>,
+    pub net: Option<sandbox_control::link::NetAttachment>,
     /// The longest `Backend::start` may take to hand back a connected agent channel (`None`:
     /// the backend's own bound). `boot` sets it to its ready timeout, so a guest that never
     /// listens fails within that bound with its console lines.
@@ -65,7 +65,7 @@ pub struct SnapshotFiles {
     pub take_disk: bool,
 }
 
-pub use sandbox_vm_control::SnapshotDone;
+pub use sandbox_control::vm::SnapshotDone;
 
 /// A raw disk image. Never probed for a format: the guest may have written anything into it.
 #[derive(Debug, Clone)]

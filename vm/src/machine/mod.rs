@@ -48,7 +48,7 @@ const DEVICE_IRQS: [u32; 8] = [5, 6, 7, 9, 10, 11, 14, 15];
 /// The QueueNotify register's offset in a window.
 const QUEUE_NOTIFY: u64 = 0x50;
 /// The longest [`Machine::stop`] waits for the machine's threads to end.
-pub use sandbox_vm_control::STOP_TIMEOUT;
+pub use sandbox_control::vm::STOP_TIMEOUT;
 /// How often the supervisor re-kicks vCPUs still in KVM_RUN: often at first (a kick that lands
 /// just before KVM_RUN is lost), then rarely, so a thread stuck elsewhere costs no CPU.
 const KICK_FAST: Duration = Duration::from_millis(5);
@@ -134,7 +134,7 @@ pub struct MachineConfig {
     /// The guest's vsock context id (3 or more).
     pub vsock_cid: u64,
     /// A network device and the link behind it, if the guest has a network.
-    pub net: Option<sandbox_vm_control::link::NetAttachment>,
+    pub net: Option<sandbox_control::link::NetAttachment>,
     /// Restore this snapshot instead of booting the kernel (which is then not read). The
     /// machine must be the one it was taken of: memory, vCPUs and devices.
     pub restore: Option<Restore>,

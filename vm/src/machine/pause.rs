@@ -159,7 +159,7 @@ impl Machine {
         state: &mut dyn std::io::Write,
         memory: &std::fs::File,
         resume: bool,
-    ) -> Result<sandbox_vm_control::SnapshotDone, snapshot::SnapshotError> {
+    ) -> Result<sandbox_control::vm::SnapshotDone, snapshot::SnapshotError> {
         let pause = self.pause()?;
         let t = Instant::now();
         let written = self.snapshot(state, memory);
@@ -167,7 +167,7 @@ impl Machine {
         if resume || written.is_err() {
             self.resume();
         }
-        Ok(sandbox_vm_control::SnapshotDone {
+        Ok(sandbox_control::vm::SnapshotDone {
             memory_written: written?,
             pause_us: pause.as_micros() as u64,
             write_us: write.as_micros() as u64,

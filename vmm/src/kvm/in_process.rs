@@ -246,7 +246,7 @@ impl Vm for KvmVm {
         let memory_mib = self.memory_mib;
         tokio::task::spawn_blocking(move || -> Result<_, String> {
             let (state, memory) = (&files.0, &files.1);
-            sandbox_vm_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)
+            sandbox_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)
                 .map_err(|e| e.to_string())?;
             state
                 .set_len(0)

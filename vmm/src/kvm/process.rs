@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::vm_process::{pipe, pump_console, remove_state_dir, unknown_exit};
-use sandbox_vm_control::{self as control, DiskFd, Event, NetFd, Request, SnapshotFds, VmConfig};
+use sandbox_control::vm::{self as control, DiskFd, Event, NetFd, Request, SnapshotFds, VmConfig};
 
 /// Memory the VM process itself may use beyond the guest's, in its cgroup: its threads'
 /// stacks, the device queues' buffers (a few MiB), the binary's pages.
@@ -22,7 +22,7 @@ pub const VMM_ALLOWANCE_MIB: u64 = 64;
 /// How long the VM process gets to build its machine.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest a stop waits for the process to end before SIGKILL, and then to be reaped.
-const STOP_TIMEOUT: Duration = sandbox_vm_control::STOP_TIMEOUT;
+const STOP_TIMEOUT: Duration = sandbox_control::vm::STOP_TIMEOUT;
 /// Console lines kept in a `VmExit`.
 const EXIT_CONSOLE_LINES: usize = 20;
 /// The longest a snapshot may take: the vCPUs stop within the machine's own bound, and writing
@@ -194,7 +194,7 @@ async fn start_program(
         })
         .transpose()?;
     let config = VmConfig {
-        version: sandbox_vm_control::VERSION,
+        version: sandbox_control::vm::VERSION,
         restore,
         kvm_fd: 4,
         kernel_fd,
@@ -381,10 +381,10 @@ async fn start_program(
 }
 
 /// A snapshot's state as the VM process wrote it into its pipe: at most
-/// [`sandbox_vm_control::files::MAX_STATE_BYTES`], as a restore reads; more is refused.
+/// [`sandbox_control::files::MAX_STATE_BYTES`], as a restore reads; more is refused.
 async fn read_state(pipe: OwnedFd) -> Result<Vec<u8>, String> {
     use tokio::io::AsyncReadExt;
-    let max = sandbox_vm_control::files::MAX_STATE_BYTES;
+    let max = sandbox_control::files::MAX_STATE_BYTES;
     let pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe)
         .map_err(|e| format!("reading the state from the VM process: {e}"))?;
     let mut bytes = Vec::new();
@@ -556,7 +556,7 @@ fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
             e.memory_mib
         ));
     }
-    let trapped = e.status.code() == Some(sandbox_vm_control::SIGSYS_EXIT)
+    let trapped = e.status.code() == Some(sandbox_control::vm::SIGSYS_EXIT)
         || e.status.signal() == Some(libc::SIGSYS);
     if trapped {
         return from_kernel(
@@ -663,7 +663,7 @@ impl ProcessVm {
         ) else {
             return;
         };
-        let want = sandbox_vm_control::files::memory_file_len(u64::from(self.memory_mib) << 20);
+        let want = sandbox_control::files::memory_file_len(u64::from(self.memory_mib) << 20);
         let Ok(f) = std::fs::OpenOptions::new().write(true).open(&files.memory) else {
             return;
         };
@@ -779,8 +779,7 @@ impl Vm for ProcessVm {
                 .truncate(true)
                 .open(&path)
                 .map_err(|e| format!("opening {}: {e}", path.display()))?;
-            sandbox_vm_control::files::size_memory_file(&f, mem_bytes)
-                .map_err(|e| e.to_string())?;
+            sandbox_control::files::size_memory_file(&f, mem_bytes).map_err(|e| e.to_string())?;
             Ok::<_, String>(f)
         })
         .await
@@ -844,7 +843,7 @@ impl Vm for ProcessVm {
                         .truncate(true)
                         .open(&path)
                         .map_err(|e| format!("opening {}: {e}", path.display()))?;
-                    sandbox_vm_control::files::write_state_file(&bytes, &file)
+                    sandbox_control::files::write_state_file(&bytes, &file)
                         .map_err(|e| e.to_string())
                 })
                 .await
@@ -947,7 +946,7 @@ mod tests {
         // The seccomp trap's status, its signal, the OOM killer and a signal all beat a report.
         for (status, says) in [
             (
-                exit(Some(sandbox_vm_control::SIGSYS_EXIT), None, 0),
+                exit(Some(sandbox_control::vm::SIGSYS_EXIT), None, 0),
                 "seccomp filter",
             ),
             (exit(None, Some(libc::SIGSYS), 0), "seccomp filter"),
@@ -960,7 +959,7 @@ mod tests {
         }
         // Even when the service had asked for a stop: a trap is a trap.
         let e = judge(
-            ending(exit(Some(sandbox_vm_control::SIGSYS_EXIT), None, 0), true),
+            ending(exit(Some(sandbox_control::vm::SIGSYS_EXIT), None, 0), true),
             vec![],
             1,
         );
@@ -990,7 +989,7 @@ mod tests {
         let e = judge(
             Ending {
                 killed: Some("the guest stopped answering".into()),
-                ..ending(exit(Some(sandbox_vm_control::SIGSYS_EXIT), None, 0), false)
+                ..ending(exit(Some(sandbox_control::vm::SIGSYS_EXIT), None, 0), false)
             },
             vec![],
             1,

@@ -236,7 +236,7 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
         a.push(
             format!(
                 "virtio-net-device,netdev=net0,mac={}",
-                sandbox_vm_control::link::format_mac(net.mac)
+                sandbox_control::link::format_mac(net.mac)
             )
             .into(),
         );
@@ -381,7 +381,7 @@ mod tests {
     #[test]
     fn network_is_a_stream_netdev_to_the_hosts_socket() {
         struct NoLink;
-        impl sandbox_vm_control::link::FrameLink for NoLink {
+        impl sandbox_control::link::FrameLink for NoLink {
             fn send(&self, _: &[u8]) -> bool {
                 false
             }
@@ -392,7 +392,7 @@ mod tests {
         }
         let mut spec = spec();
         assert!(!joined(Arch::X86_64, Accel::Tcg).contains("netdev"));
-        spec.net = Some(sandbox_vm_control::link::NetAttachment {
+        spec.net = Some(sandbox_control::link::NetAttachment {
             mac: [0x02, 0x53, 0x42, 0xab, 0x0c, 0x01],
             link: std::sync::Arc::new(NoLink),
         });

@@ -12,7 +12,7 @@ use tokio::net::UnixStream;
 use tokio::sync::{Notify, watch};
 
 use crate::backend::VmExit;
-use sandbox_vm_control::link::FrameLink;
+use sandbox_control::link::FrameLink;
 
 /// Longest frame QEMU may hand over (a 64 KiB IP packet with its Ethernet header and tag).
 const MAX_STREAM_FRAME: usize = 65_535 + 18;

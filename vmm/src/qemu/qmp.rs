@@ -106,7 +106,7 @@ impl Qmp {
                 sent = loop {
                     sock.writable().await?;
                     match sock.try_io(tokio::io::Interest::WRITABLE, || {
-                        sandbox_vm_control::send_with_fds(sock.as_raw_fd(), &bytes, &[fd])
+                        sandbox_control::fds::send_with_fds(sock.as_raw_fd(), &bytes, &[fd])
                     }) {
                         Ok(n) => break n,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,

@@ -1,8 +1,8 @@
-//! The control channel between the service and a VM process: one JSON object per line over a
-//! Unix stream socket pair, and the agent channel's descriptor passed back with `SCM_RIGHTS`.
+//! How messages travel between the service and its jailed processes: one JSON object per line
+//! over a Unix stream socket pair, with descriptors passed alongside (`SCM_RIGHTS`).
 //!
-//! Lines are bounded ([`MAX_LINE`]) on both sides: the VM process is as hostile as its guest
-//! once the guest may have taken it over, so the service reads it like guest data.
+//! Lines are bounded ([`MAX_LINE`]) on both sides: a VM or network process is as hostile as its
+//! guest once the guest may have taken it over, so the service reads it like guest data.
 
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -14,135 +14,6 @@ use serde::{Deserialize, Serialize};
 pub const MAX_LINE: usize = 64 * 1024;
 /// The most descriptors one message carries.
 const MAX_FDS: usize = 4;
-
-/// What the VM process is to build. Every file is a descriptor number it inherited.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct VmConfig {
-    /// The protocol's version ([`crate::VERSION`]) the service speaks; a VM process of another
-    /// refuses to start (a `sandbox-vm` left from another build beside a new service).
-    #[serde(default)]
-    pub version: u32,
-    /// `/dev/kvm`.
-    pub kvm_fd: RawFd,
-    /// The kernel.
-    pub kernel_fd: RawFd,
-    /// The initramfs.
-    pub initrd_fd: Option<RawFd>,
-    /// The kernel command line (complete).
-    pub cmdline: String,
-    /// Guest memory.
-    pub memory_mib: u32,
-    /// vCPUs.
-    pub vcpus: u8,
-    /// Disks in order.
-    pub disks: Vec<DiskFd>,
-    /// The guest's vsock context id.
-    pub vsock_cid: u64,
-    /// The network: frames on a stream socket as a 4-byte big-endian length and the frame.
-    pub net: Option<NetFd>,
-    /// Start from this snapshot instead of booting the kernel. (Where a snapshot is written
-    /// comes only with each [`Request::Snapshot`]: until then the process holds no file it
-    /// could write one to.)
-    pub restore: Option<SnapshotFds>,
-}
-
-/// A snapshot's two files, to restore from (the state read, the memory mapped privately).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub struct SnapshotFds {
-    /// The state file.
-    pub state_fd: RawFd,
-    /// The memory file.
-    pub memory_fd: RawFd,
-}
-
-/// One disk.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DiskFd {
-    /// Its descriptor (read-write unless `read_only`).
-    pub fd: RawFd,
-    /// Whether the guest may write it.
-    pub read_only: bool,
-}
-
-/// The network device.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct NetFd {
-    /// The frames' socket.
-    pub fd: RawFd,
-    /// The guest's MAC address.
-    pub mac: [u8; 6],
-}
-
-/// From the service to the VM process.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Request {
-    /// Build and start the machine (the first message, once).
-    Start(VmConfig),
-    /// Connect to a vsock port of the guest, retrying while nothing listens, for at most
-    /// `timeout_ms`; the answer is [`Event::Connected`] with the descriptor, or
-    /// [`Event::ConnectFailed`].
-    Connect {
-        /// The port.
-        port: u32,
-        /// The bound.
-        timeout_ms: u64,
-    },
-    /// Stop the machine; the process ends after [`Event::Exit`].
-    Stop,
-    /// End the machine as failed for `reason`.
-    Fail {
-        /// Why the host gave up on it.
-        reason: String,
-    },
-    /// Answer with [`Event::Diagnostics`].
-    Diagnostics,
-    /// Pause the guest and write its snapshot; run on after if `resume`. Two descriptors come
-    /// with it: a pipe the state goes into (the service bounds it and writes the file), and the
-    /// memory file, which the service created at the guest's size (it is written through a
-    /// mapping, so the process's file size limit stays at its disks'). The answer is
-    /// [`Event::Snapshot`].
-    Snapshot {
-        /// Named in the answer, so a late answer to an earlier request is never taken for it.
-        id: u64,
-        /// Let the guest run again once written.
-        resume: bool,
-    },
-}
-
-/// From the VM process to the service.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Event {
-    /// The machine is built and its vCPUs run.
-    Started,
-    /// The machine could not be built.
-    Error(String),
-    /// The guest wrote its boot marker.
-    Marker,
-    /// Connected; the agent channel's descriptor came with this message.
-    Connected,
-    /// Not connected, with why.
-    ConnectFailed(String),
-    /// vCPU activity, for an error message.
-    Diagnostics(String),
-    /// A snapshot was written, or why not.
-    Snapshot {
-        /// The request's.
-        id: u64,
-        /// What it cost, or why not.
-        result: Result<crate::SnapshotDone, String>,
-    },
-    /// The machine ended.
-    Exit {
-        /// For a person.
-        reason: String,
-        /// The host asked for it.
-        requested: bool,
-        /// The last console lines.
-        console: Vec<String>,
-    },
-}
 
 /// Writes one message as a line, with `fd` attached when given.
 pub fn send<T: Serialize>(sock: &UnixStream, msg: &T, fd: Option<RawFd>) -> io::Result<()> {
@@ -163,7 +34,7 @@ pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::
         )));
     }
     // The descriptors travel with the first byte; the rest follows as plain bytes.
-    let n = crate::send_with_fds(sock.as_raw_fd(), &line, fds)?;
+    let n = crate::fds::send_with_fds(sock.as_raw_fd(), &line, fds)?;
     (&*sock).write_all(&line[n..])
 }
 
@@ -171,36 +42,50 @@ pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::
 pub struct Reader {
     sock: RawFd,
     buf: Vec<u8>,
+    /// How much of `buf` is known to hold no line feed.
+    searched: usize,
+    limit: usize,
     fds: std::collections::VecDeque<OwnedFd>,
 }
 
 impl Reader {
-    /// Reads from `sock` (which the caller keeps open).
+    /// Reads from `sock` (which the caller keeps open), lines of at most [`MAX_LINE`] bytes.
     pub fn new(sock: &UnixStream) -> Reader {
+        Reader::with_limit(sock, MAX_LINE)
+    }
+
+    /// Reads from `sock`, lines of at most `limit` bytes (a network process's report is larger
+    /// than a VM process's messages).
+    pub fn with_limit(sock: &UnixStream, limit: usize) -> Reader {
         Reader {
             sock: sock.as_raw_fd(),
             buf: Vec::new(),
+            searched: 0,
+            limit,
             fds: Default::default(),
         }
     }
 
-    /// The next line, parsed; `None` at end of file. A line longer than [`MAX_LINE`] or one
-    /// that does not parse is an error.
+    /// The next line, parsed; `None` at end of file. A line longer than the limit or one that
+    /// does not parse is an error. Each byte is searched for the line's end once.
     pub fn read<T: for<'de> Deserialize<'de>>(&mut self) -> io::Result<Option<T>> {
         loop {
-            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+            if let Some(i) = self.buf[self.searched..].iter().position(|&b| b == b'\n') {
+                let i = self.searched + i;
                 let line: Vec<u8> = self.buf.drain(..=i).collect();
+                self.searched = 0;
                 return serde_json::from_slice(&line[..i])
                     .map(Some)
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
             }
-            if self.buf.len() > MAX_LINE {
+            self.searched = self.buf.len();
+            if self.buf.len() > self.limit {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    format!("a control line longer than {MAX_LINE} bytes"),
+                    format!("a control line longer than {} bytes", self.limit),
                 ));
             }
-            let mut chunk = [0u8; 4096];
+            let mut chunk = [0u8; 64 * 1024];
             let n = self.recv(&mut chunk)?;
             if n == 0 {
                 return Ok(None);
@@ -263,6 +148,7 @@ impl Reader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vm::{Event, Request};
 
     #[test]
     fn lines_and_a_descriptor_round_trip() {
@@ -334,5 +220,30 @@ mod tests {
         });
         let mut r = Reader::new(&b);
         assert!(r.read::<Event>().is_err());
+    }
+
+    /// A line of megabytes (a network process's report) arrives whole through many reads, each
+    /// byte searched once, and the next line after it; a reader's own limit holds.
+    #[test]
+    fn a_long_line_within_its_limit_is_read_and_one_past_it_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let big = "y".repeat(8 << 20);
+        let writer = {
+            let big = big.clone();
+            std::thread::spawn(move || {
+                send(&a, &big, None).unwrap();
+                send(&a, &"after", None).unwrap();
+                let _ = send(&a, &"z".repeat(1 << 20), None);
+            })
+        };
+        let mut r = Reader::with_limit(&b, 9 << 20);
+        let t = std::time::Instant::now();
+        assert_eq!(r.read::<String>().unwrap().as_deref(), Some(big.as_str()));
+        assert_eq!(r.read::<String>().unwrap().as_deref(), Some("after"));
+        eprintln!("8 MiB line read in {:?}", t.elapsed());
+        let mut small = Reader::with_limit(&b, 64 << 10);
+        assert!(small.read::<String>().is_err(), "over the limit");
+        drop(b); // the writer's last line, unread, fails
+        writer.join().unwrap();
     }
 }

@@ -1,0 +1,374 @@
+//! The network process's channel (issue 32): the service starts `sandbox-net` with one sandbox's
+//! egress settings, its secrets among them, and from then on only asks it for a [`Report`] (its
+//! counters, refusals and metered calls) and tells it to stop. The frames of the guest never come
+//! this way: the VM process and the network process share a socket the service only hands over.
+//!
+//! The network process parses guest traffic, so once the guest may have taken it over it is as
+//! hostile as the guest: the service reads this channel with a bound on each line
+//! ([`MAX_REPORT`]) into the typed messages below, and a report that does not parse is an error
+//! of that sandbox, never of the service. Everything a report holds is bounded by the process's
+//! own bounds (events, calls) and checked again by [`Report::check`].
+
+use serde::{Deserialize, Serialize};
+
+/// The channel's version: a `sandbox-net` built from another tree is not spoken to.
+pub const VERSION: u32 = 1;
+
+/// The longest line the service reads from a network process: a report with every metered call
+/// it keeps ([`MAX_CALLS`] of them, each under 2 KiB as JSON).
+pub const MAX_REPORT: usize = 24 << 20;
+/// The most metered calls a report lists (the totals count every call).
+pub const MAX_CALLS: usize = 10_000;
+/// The most refusal events a report lists.
+pub const MAX_EVENTS: usize = 256;
+/// The longest string a report holds (a target, a host, a model name).
+pub const MAX_STRING: usize = 512;
+
+/// A sandbox's egress, as the create request set it (the service validated it) and as the host
+/// configures it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// The channel's version ([`VERSION`]) the service speaks.
+    pub version: u32,
+    /// The sandbox's id: it names the sandbox's CA.
+    pub sandbox: String,
+    /// The guest's MAC address.
+    pub mac: [u8; 6],
+    /// Host patterns the guest may reach.
+    pub allow: Vec<String>,
+    /// Host patterns whose model calls are metered.
+    pub meter: Vec<String>,
+    /// Whether every allowed TLS name is intercepted (`intercept: "all"`).
+    pub intercept_all: bool,
+    /// Whether a metered call whose usage cannot be read is refused.
+    pub meter_strict: bool,
+    /// The largest request body the meter reads.
+    pub meter_body_max: u64,
+    /// The secrets, each with where its value may go.
+    pub secrets: Vec<SecretConfig>,
+    /// The memory the stack's buffers may hold.
+    pub memory_bytes: u64,
+    /// `SANDBOX_HOST_EGRESS_RESOLVE`, as the operator wrote it (empty: none).
+    pub resolve: String,
+    /// The CA bundle upstream certificates are checked against (`SANDBOX_HOST_EGRESS_CA_FILE`,
+    /// read by the service: the network process opens no file); `None`: the system's roots.
+    pub upstream_ca_pem: Option<String>,
+}
+
+/// One secret of [`NetConfig`].
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretConfig {
+    /// The variable the guest sees its placeholder in.
+    pub env: String,
+    /// The real value.
+    pub value: String,
+    /// The hosts it may go to.
+    pub hosts: Vec<String>,
+    /// The headers it may go in (`None`: the provider's usual ones).
+    pub headers: Option<Vec<String>>,
+    /// The paths it may go to.
+    pub paths: Option<Vec<String>>,
+    /// Whether it may go anywhere in a request to its hosts.
+    pub wildcard: bool,
+}
+
+impl std::fmt::Debug for SecretConfig {
+    /// Never the value: a debug print of a config lands in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretConfig")
+            .field("env", &self.env)
+            .field("hosts", &self.hosts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// From the service to the network process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Request {
+    /// Start the sandbox's egress (the first message, once); the answer is
+    /// [`Event::Started`] or [`Event::Refused`].
+    Start(NetConfig),
+    /// Answer with [`Event::Report`].
+    Report,
+    /// Stop: the process ends.
+    Stop,
+}
+
+/// From the network process to the service.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    /// The egress runs.
+    Started {
+        /// The sandbox CA's certificate, when it intercepts anything (the guest must trust it).
+        ca_pem: Option<String>,
+        /// Variables every command of the sandbox gets (each secret's placeholder, where the CA
+        /// is).
+        env: Vec<(String, String)>,
+    },
+    /// The egress could not start.
+    Refused {
+        /// Whether the request's settings were at fault (a 400), not the host (a 500).
+        bad_request: bool,
+        /// Why, for a person.
+        message: String,
+    },
+    /// What the egress has done so far.
+    Report(Box<Report>),
+}
+
+/// What one sandbox's egress has done: `GET /v1/sandboxes/{id}/egress` and `…/usage`, and the
+/// sandbox's lines of `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    /// Refusals by reason label, every reason the process knows (zeros included).
+    pub refusals: Vec<(String, u64)>,
+    /// The most recent refusals, oldest first.
+    pub events: Vec<Refusal>,
+    /// Refusals let go from `events`.
+    pub events_dropped: u64,
+    /// Connections open now.
+    pub open: u64,
+    /// Connections, ever.
+    pub connections: u64,
+    /// Of which spliced (TLS passed through unread).
+    pub spliced: u64,
+    /// Of which intercepted.
+    pub intercepted: u64,
+    /// Of which plain HTTP.
+    pub http: u64,
+    /// Upstreams that could not be reached.
+    pub upstream_failures: u64,
+    /// Bytes to upstreams.
+    pub to_upstream: u64,
+    /// Bytes to the guest.
+    pub to_guest: u64,
+    /// Frames dropped from the guest (a full stack).
+    pub frames_dropped_from_guest: u64,
+    /// Frames dropped to the guest (a full link).
+    pub frames_dropped_to_guest: u64,
+    /// Bytes the stack's buffers hold now, and may hold.
+    pub memory_held: u64,
+    /// The bound of `memory_held`.
+    pub memory_limit: u64,
+    /// The metered calls.
+    pub usage: Usage,
+}
+
+/// One refused request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Refusal {
+    /// When, in milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    /// Why (a reason label).
+    pub reason: String,
+    /// What the guest asked for.
+    pub target: String,
+}
+
+/// The metered calls of a sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Usage {
+    /// The most recent calls, oldest first.
+    pub calls: Vec<Call>,
+    /// Calls let go from `calls`.
+    pub calls_dropped: u64,
+    /// Calls, ever.
+    pub total_calls: u64,
+    /// Sums over every call.
+    pub input_tokens: u64,
+    /// Output tokens, over every call.
+    pub output_tokens: u64,
+    /// Cache reads, over every call.
+    pub cache_read_tokens: u64,
+    /// Cache writes, over every call.
+    pub cache_write_tokens: u64,
+    /// Billed cost in USD, when any call reported one.
+    pub billed_cost_usd: Option<f64>,
+    /// Calls whose usage could not be read, by reason label (every reason, zeros included).
+    pub unmetered: Vec<(String, u64)>,
+}
+
+/// One metered response.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Call {
+    /// When its body ended, in milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    /// The host that answered.
+    pub host: String,
+    /// Its HTTP status.
+    pub status: u16,
+    /// Whether the body ended normally.
+    pub complete: bool,
+    /// Why a successful call's usage could not be read (a label).
+    pub unmetered: Option<String>,
+    /// The usage it reported, if it did.
+    pub usage: Option<CallUsage>,
+}
+
+/// What a metered response reported.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallUsage {
+    /// `anthropic`, `openai`, `openrouter` or `google`.
+    pub provider: String,
+    /// Whether the output tokens are the host's own lower bound.
+    pub estimated: bool,
+    /// The provider's response id.
+    pub response_id: Option<String>,
+    /// The model that answered.
+    pub model: Option<String>,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Cache reads.
+    pub cache_read_tokens: u64,
+    /// Cache writes.
+    pub cache_write_tokens: u64,
+    /// The billed cost, when reported.
+    pub cost: Option<f64>,
+    /// The service tier.
+    pub service_tier: Option<String>,
+    /// Server-side tools run, each with its count.
+    pub server_tool_use: Vec<(String, u64)>,
+    /// Cache writes of five minutes.
+    pub cache_write_5m_tokens: Option<u64>,
+    /// Cache writes of an hour.
+    pub cache_write_1h_tokens: Option<u64>,
+    /// Audio tokens of the input.
+    pub input_audio_tokens: Option<u64>,
+    /// Audio tokens of the output.
+    pub output_audio_tokens: Option<u64>,
+    /// Image tokens of the input.
+    pub input_image_tokens: Option<u64>,
+    /// Image tokens of the output.
+    pub output_image_tokens: Option<u64>,
+    /// Reasoning tokens.
+    pub reasoning_tokens: Option<u64>,
+}
+
+/// Why a report was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("the network process's report {0}")]
+pub struct ReportError(String);
+
+impl Report {
+    /// Checks what parsing cannot: the bounds on lists and strings, and that each label is one of
+    /// `reasons` or `unmetered` (the service's own lists), so a report from a network process
+    /// taken over by its guest can say wrong numbers about its own sandbox, but nothing the
+    /// service or its readers could take for something else.
+    pub fn check(&self, reasons: &[&str], unmetered: &[&str]) -> Result<(), ReportError> {
+        let fail = |what: String| Err(ReportError(what));
+        if self.events.len() > MAX_EVENTS {
+            return fail(format!("lists {} refusals", self.events.len()));
+        }
+        if self.usage.calls.len() > MAX_CALLS {
+            return fail(format!("lists {} calls", self.usage.calls.len()));
+        }
+        let labels = |list: &[(String, u64)], known: &[&str], what: &str| {
+            if list.len() > known.len() || list.iter().any(|(l, _)| !known.contains(&l.as_str())) {
+                return Err(ReportError(format!("has an unknown {what}")));
+            }
+            Ok(())
+        };
+        labels(&self.refusals, reasons, "refusal reason")?;
+        labels(&self.usage.unmetered, unmetered, "unmetered reason")?;
+        let mut strings = self
+            .events
+            .iter()
+            .flat_map(|e| [&e.reason, &e.target])
+            .chain(self.usage.calls.iter().flat_map(|c| {
+                [Some(&c.host), c.unmetered.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .chain(c.usage.iter().flat_map(|u| {
+                        [Some(&u.provider), u.response_id.as_ref(), u.model.as_ref()]
+                            .into_iter()
+                            .flatten()
+                            .chain(u.service_tier.as_ref())
+                            .chain(u.server_tool_use.iter().map(|(k, _)| k))
+                    }))
+            }));
+        if strings.any(|s| s.len() > MAX_STRING) {
+            return fail(format!("has a string longer than {MAX_STRING} bytes"));
+        }
+        if self
+            .events
+            .iter()
+            .any(|e| !reasons.contains(&e.reason.as_str()))
+            || self.usage.calls.iter().any(|c| {
+                c.unmetered
+                    .as_deref()
+                    .is_some_and(|u| !unmetered.contains(&u))
+                    || c.usage
+                        .as_ref()
+                        .is_some_and(|u| u.server_tool_use.len() > 16)
+            })
+        {
+            return fail("has an unknown label".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_outside_its_bounds_is_refused() {
+        let reasons = ["udp", "not_allowed"];
+        let unmetered = ["no_usage"];
+        let mut r = Report {
+            refusals: vec![("udp".into(), 3)],
+            events: vec![Refusal {
+                at_ms: 1,
+                reason: "udp".into(),
+                target: "10.0.0.1:53".into(),
+            }],
+            ..Default::default()
+        };
+        r.check(&reasons, &unmetered).expect("a good report");
+        let line = serde_json::to_string(&r).unwrap();
+        let back: Report = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, r);
+        // An unknown field is no report.
+        let extra = line.replacen('{', "{\"admin\":true,", 1);
+        assert!(serde_json::from_str::<Report>(&extra).is_err());
+        let mut bad = r.clone();
+        bad.refusals.push(("root".into(), 1));
+        assert!(bad.check(&reasons, &unmetered).is_err(), "unknown reason");
+        let mut bad = r.clone();
+        bad.events[0].target = "x".repeat(MAX_STRING + 1);
+        assert!(bad.check(&reasons, &unmetered).is_err(), "long string");
+        let mut bad = r.clone();
+        bad.events = vec![bad.events[0].clone(); MAX_EVENTS + 1];
+        assert!(bad.check(&reasons, &unmetered).is_err(), "too many events");
+        r.usage.calls.push(Call {
+            unmetered: Some("made_up".into()),
+            ..Default::default()
+        });
+        assert!(r.check(&reasons, &unmetered).is_err(), "unknown unmetered");
+    }
+
+    #[test]
+    fn a_secret_is_never_in_a_debug_print() {
+        let s = SecretConfig {
+            env: "KEY".into(),
+            value: "sk-real".into(),
+            hosts: vec!["api.test".into()],
+            headers: None,
+            paths: None,
+            wildcard: false,
+        };
+        assert!(!format!("{s:?}").contains("sk-real"));
+    }
+}
