@@ -100,6 +100,9 @@ pub struct Config {
     pub egress_resolve: std::sync::Arc<sandbox_egress::resolve::ResolveOverrides>,
     /// `SANDBOX_HOST_EGRESS_CA_FILE`: extra PEM roots for upstream TLS of intercepted hosts.
     pub egress_ca_file: Option<PathBuf>,
+    /// That bundle as read at start: each sandbox's network is given the text, never the path
+    /// (a network process opens no file).
+    pub egress_ca_pem: Option<String>,
     /// `SANDBOX_HOST_METER_BODY_MAX_MIB` in bytes: the largest model request body the meter
     /// holds to ask for usage (what a sandbox holds at once counts against its egress memory).
     pub meter_body_max: usize,
@@ -127,6 +130,10 @@ impl std::fmt::Debug for Config {
             .field("state_dir", &self.state_dir)
             .field("egress_resolve", &self.egress_resolve)
             .field("egress_ca_file", &self.egress_ca_file)
+            .field(
+                "egress_ca_pem",
+                &self.egress_ca_pem.as_ref().map(String::len),
+            )
             .field("meter_body_max", &self.meter_body_max)
             .field("egress_memory_mib", &self.egress_memory_mib)
             .field("templates", &self.templates)
@@ -318,21 +325,19 @@ impl Config {
                 }
             })?,
         };
-        let egress_ca_file = match get("SANDBOX_HOST_EGRESS_CA_FILE") {
-            None => None,
+        let (egress_ca_file, egress_ca_pem) = match get("SANDBOX_HOST_EGRESS_CA_FILE") {
+            None => (None, None),
             Some(v) => {
                 let path = PathBuf::from(v.trim());
-                let pem = std::fs::read(&path).map_err(|e| ConfigError::EgressCaFile {
+                let why = |why: String| ConfigError::EgressCaFile {
                     path: path.clone(),
-                    why: e.to_string(),
-                })?;
-                sandbox_egress::intercept::upstream_client(Some(&pem)).map_err(|e| {
-                    ConfigError::EgressCaFile {
-                        path: path.clone(),
-                        why: e.to_string(),
-                    }
-                })?;
-                Some(path)
+                    why,
+                };
+                let pem = std::fs::read(&path).map_err(|e| why(e.to_string()))?;
+                let pem = String::from_utf8(pem)
+                    .map_err(|_| why("it is not PEM text (not UTF-8)".into()))?;
+                sandbox_net::upstream_client(Some(&pem)).map_err(|e| why(e.to_string()))?;
+                (Some(path), Some(pem))
             }
         };
         Ok(Config {
@@ -354,6 +359,7 @@ impl Config {
             egress_resolve: std::sync::Arc::new(egress_resolve),
             templates,
             egress_ca_file,
+            egress_ca_pem,
             meter_body_max: meter_body_max_mib << 20,
             egress_memory_mib,
         })

@@ -3,23 +3,18 @@
 
 use std::sync::Arc;
 
-use sandbox_egress::intercept::{Interception, MeterPolicy};
-use sandbox_egress::meter::Unmetered;
-
-use crate::registry::InterceptMode;
+use sandbox_control::net::{NetConfig, Report, SecretConfig};
+use sandbox_egress::Egress;
 use sandbox_egress::link::GuestEnd;
-use sandbox_egress::policy::{Allowlist, HostPattern};
+use sandbox_egress::meter::Unmetered;
 use sandbox_egress::refusal::Reason;
-use sandbox_egress::secrets::Secret;
-use sandbox_egress::stats::Stats;
-use sandbox_egress::{Egress, EgressConfig};
 use sandbox_protocol::client::{Client, ExecEvent};
 use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::{FrameLink, NetAttachment};
 use serde_json::{Value, json};
 
 use crate::config::Config;
-use crate::registry::EgressSpec;
+use crate::registry::{EgressSpec, InterceptMode};
 use crate::time::rfc3339;
 
 /// The VM's end of the egress link.
@@ -52,23 +47,44 @@ pub struct Started {
 
 /// The upstream TLS client, made once: loading the system's roots takes tens of milliseconds.
 fn upstream_client(
-    ca_file: Option<&std::path::Path>,
+    ca_pem: Option<&str>,
 ) -> Result<Arc<sandbox_egress::intercept::ClientConfig>, String> {
     static CLIENT: std::sync::OnceLock<
         Result<Arc<sandbox_egress::intercept::ClientConfig>, String>,
     > = std::sync::OnceLock::new();
     CLIENT
-        .get_or_init(|| {
-            let pem = match ca_file {
-                Some(p) => Some(
-                    std::fs::read(p)
-                        .map_err(|e| format!("SANDBOX_HOST_EGRESS_CA_FILE {}: {e}", p.display()))?,
-                ),
-                None => None,
-            };
-            sandbox_egress::intercept::upstream_client(pem.as_deref()).map_err(|e| e.to_string())
-        })
+        .get_or_init(|| sandbox_net::upstream_client(ca_pem).map_err(|e| e.to_string()))
         .clone()
+}
+
+/// The network settings of sandbox `id`: the run's egress as the create request gave it, and the
+/// host's configuration, for a guest whose network device has `mac`.
+pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) -> NetConfig {
+    NetConfig {
+        version: sandbox_control::net::VERSION,
+        sandbox: id.to_string(),
+        mac,
+        allow: spec.allow.clone(),
+        meter: spec.meter.clone(),
+        intercept_all: spec.intercept == Some(InterceptMode::All),
+        meter_strict: spec.meter_strict,
+        meter_body_max: config.meter_body_max as u64,
+        secrets: spec
+            .secrets
+            .iter()
+            .map(|s| SecretConfig {
+                env: s.env.clone(),
+                value: s.value.clone(),
+                hosts: s.hosts.clone(),
+                headers: s.headers.clone(),
+                paths: s.paths.clone(),
+                wildcard: s.wildcard,
+            })
+            .collect(),
+        memory_bytes: config.egress_memory_mib << 20,
+        resolve: config.egress_resolve.to_value(),
+        upstream_ca_pem: config.egress_ca_pem.clone(),
+    }
 }
 
 /// Starts the egress stack of sandbox `id` with the run's settings, for a guest whose network
@@ -80,72 +96,19 @@ pub fn start(
     config: &Config,
     mac: Option<[u8; 6]>,
 ) -> Result<Started, StartError> {
-    let secret_hosts = spec.secrets.iter().flat_map(|s| &s.hosts);
-    let allow = Allowlist::parse(
-        spec.allow
-            .iter()
-            .chain(&spec.meter)
-            .chain(secret_hosts.clone())
-            .map(String::as_str),
-    )
-    .map_err(|e| StartError::Bad(e.to_string()))?;
-    let parse = |hs: &mut dyn Iterator<Item = &String>| {
-        hs.map(|h| HostPattern::parse(h))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StartError::Bad(e.to_string()))
-    };
-    let meter = parse(&mut spec.meter.iter())?;
-    let mut intercept = parse(&mut spec.meter.iter().chain(secret_hosts))?;
-    if spec.intercept == Some(InterceptMode::All) {
-        // Every allowed TLS name is read, so each request's Host is checked against it.
-        intercept.extend(parse(&mut spec.allow.iter())?);
-    }
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
-    let mut cfg = EgressConfig::new(mac, allow);
-    cfg.overrides = config.egress_resolve.clone();
-    cfg.limits.memory = (config.egress_memory_mib as usize) << 20;
-    let (mut ca_pem, mut env) = (None, Vec::new());
-    if !intercept.is_empty() {
-        let secrets = spec
-            .secrets
-            .iter()
-            .map(|s| {
-                Secret::scoped(
-                    &s.env,
-                    &s.value,
-                    &s.hosts,
-                    s.headers.as_deref(),
-                    s.paths.as_deref(),
-                    s.wildcard,
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StartError::Bad(e.to_string()))?;
-        let client =
-            upstream_client(config.egress_ca_file.as_deref()).map_err(StartError::Internal)?;
-        let policy = MeterPolicy {
-            strict: spec.meter_strict,
-            body_max: config.meter_body_max,
-        };
-        let icp = Interception::new(id, &intercept, secrets, meter, policy, client)
-            .map_err(|e| StartError::Internal(e.to_string()))?;
-        ca_pem = Some(icp.ca_pem().to_string());
-        env = icp.placeholders();
-        env.extend(
-            sandbox_egress::net::guest_ca_env()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v.to_string())),
-        );
-        cfg.interception = Some(Arc::new(icp));
-    }
-    cfg.intercept = intercept;
-    let (egress, guest) = Egress::start(cfg);
-    let link = Arc::new(EgressLink(guest));
+    let cfg = net_config(id, spec, config, mac);
+    let client = upstream_client(cfg.upstream_ca_pem.as_deref()).map_err(StartError::Internal)?;
+    let running = sandbox_net::start(&cfg, client).map_err(|e| match e {
+        sandbox_net::StartError::Bad(m) => StartError::Bad(m),
+        e => StartError::Internal(e.to_string()),
+    })?;
+    let link = Arc::new(EgressLink(running.guest));
     Ok(Started {
-        egress,
+        egress: running.egress,
         attachment: NetAttachment { mac, link },
-        ca_pem,
-        env,
+        ca_pem: running.ca_pem,
+        env: running.env,
     })
 }
 
@@ -196,75 +159,90 @@ pub async fn configure_guest(
     Err("setting up the guest's network: the agent ended the command without a status".into())
 }
 
+/// The report of a sandbox's egress now.
+pub fn report(egress: &Egress) -> Report {
+    sandbox_net::report(egress)
+}
+
+/// A report's count of `label` (0 when it lists none).
+fn count(list: &[(String, u64)], label: &str) -> u64 {
+    list.iter().find(|(l, _)| l == label).map_or(0, |(_, n)| *n)
+}
+
+/// A time of a report, as the API writes times.
+fn at(ms: u64) -> String {
+    rfc3339(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+}
+
 /// `GET /v1/sandboxes/{id}/egress`: the refusals by reason, the most recent refused requests,
 /// and what the stack carried.
-pub fn egress_json(egress: &Egress) -> Value {
-    let s = egress.stats();
-    let r = s.refusals();
+pub fn egress_json(r: &Report) -> Value {
     let by_reason: serde_json::Map<String, Value> = Reason::ALL
         .iter()
-        .filter(|x| r.count(**x) > 0)
-        .map(|x| (x.as_str().to_string(), json!(r.count(*x))))
+        .map(|x| (x.as_str(), count(&r.refusals, x.as_str())))
+        .filter(|(_, n)| *n > 0)
+        .map(|(l, n)| (l.to_string(), json!(n)))
         .collect();
-    let (events, dropped) = r.events();
-    let events: Vec<Value> = events
-        .map(|e| json!({ "at": rfc3339(e.at), "reason": e.reason.as_str(), "target": e.target }))
+    let events: Vec<Value> = r
+        .events
+        .iter()
+        .map(|e| json!({ "at": at(e.at_ms), "reason": e.reason, "target": e.target }))
         .collect();
-    let (from_guest, to_guest) = egress.frames_dropped();
     json!({
-        "refused": r.total(),
+        "refused": r.refusals.iter().map(|(_, n)| n).fold(0u64, |a, n| a.saturating_add(*n)),
         "by_reason": by_reason,
         "events": events,
-        "events_dropped": dropped,
+        "events_dropped": r.events_dropped,
         "connections": {
-            "open": Stats::get(&s.open),
-            "total": Stats::get(&s.connections),
-            "spliced": Stats::get(&s.spliced),
-            "intercepted": Stats::get(&s.intercepted),
-            "http": Stats::get(&s.http),
-            "upstream_failures": Stats::get(&s.upstream_failures),
+            "open": r.open,
+            "total": r.connections,
+            "spliced": r.spliced,
+            "intercepted": r.intercepted,
+            "http": r.http,
+            "upstream_failures": r.upstream_failures,
         },
-        "bytes": { "to_upstream": Stats::get(&s.to_upstream), "to_guest": Stats::get(&s.to_guest) },
-        "frames_dropped": { "from_guest": from_guest, "to_guest": to_guest },
-        "memory": { "held_bytes": egress.memory().0, "limit_bytes": egress.memory().1 },
+        "bytes": { "to_upstream": r.to_upstream, "to_guest": r.to_guest },
+        "frames_dropped": {
+            "from_guest": r.frames_dropped_from_guest,
+            "to_guest": r.frames_dropped_to_guest,
+        },
+        "memory": { "held_bytes": r.memory_held, "limit_bytes": r.memory_limit },
     })
 }
 
 /// Refusal counts of one sandbox by reason label, for `/metrics`.
-pub fn refusal_counts(egress: &Egress) -> Vec<(&'static str, u64)> {
-    let r = egress.stats().refusals();
+pub fn refusal_counts(r: &Report) -> Vec<(&'static str, u64)> {
     Reason::ALL
         .iter()
-        .map(|x| (x.as_str(), r.count(*x)))
+        .map(|x| (x.as_str(), count(&r.refusals, x.as_str())))
         .collect()
 }
 
 /// Unmetered model calls of one sandbox by reason label, for `/metrics`.
-pub fn unmetered_counts(egress: &Egress) -> Vec<(&'static str, u64)> {
-    let t = egress.stats().usage().totals;
+pub fn unmetered_counts(r: &Report) -> Vec<(&'static str, u64)> {
     Unmetered::ALL
         .iter()
-        .map(|x| (x.as_str(), t.unmetered(*x)))
+        .map(|x| (x.as_str(), count(&r.usage.unmetered, x.as_str())))
         .collect()
 }
 
 /// `GET /v1/sandboxes/{id}/usage`: the metered calls and their totals.
-pub fn usage_json(egress: &Egress) -> Value {
-    let u = egress.stats().usage();
+pub fn usage_json(r: &Report) -> Value {
+    let u = &r.usage;
     let calls: Vec<Value> = u
         .calls
         .iter()
         .map(|c| {
             let r = c.usage.as_ref();
             json!({
-                "at": rfc3339(c.at),
+                "at": at(c.at_ms),
                 "host": c.host,
                 "status": c.status,
                 "complete": c.complete,
                 "usage_missing": r.is_none_or(|r| r.estimated),
                 "output_tokens_estimated": r.is_some_and(|r| r.estimated),
-                "unmetered": c.unmetered.map(Unmetered::as_str),
-                "provider": r.map(|r| r.provider),
+                "unmetered": c.unmetered,
+                "provider": r.map(|r| &r.provider),
                 "response_id": r.and_then(|r| r.response_id.clone()),
                 "model": r.and_then(|r| r.model.clone()),
                 "input_tokens": r.map_or(0, |r| r.input_tokens),
@@ -272,40 +250,43 @@ pub fn usage_json(egress: &Egress) -> Value {
                 "cache_read_tokens": r.map_or(0, |r| r.cache_read_tokens),
                 "cache_write_tokens": r.map_or(0, |r| r.cache_write_tokens),
                 "billed_cost_usd": r.and_then(|r| r.cost),
-                "service_tier": r.and_then(|r| r.details.service_tier.clone()),
+                "service_tier": r.and_then(|r| r.service_tier.clone()),
                 "server_tool_use": r.map_or_else(serde_json::Map::new, |r| {
-                    r.details
-                        .server_tool_use
+                    r.server_tool_use
                         .iter()
                         .map(|(k, n)| (k.clone(), json!(n)))
                         .collect()
                 }),
-                "cache_write_5m_tokens": r.and_then(|r| r.details.cache_write_5m_tokens),
-                "cache_write_1h_tokens": r.and_then(|r| r.details.cache_write_1h_tokens),
-                "input_audio_tokens": r.and_then(|r| r.details.input_audio_tokens),
-                "output_audio_tokens": r.and_then(|r| r.details.output_audio_tokens),
-                "input_image_tokens": r.and_then(|r| r.details.input_image_tokens),
-                "output_image_tokens": r.and_then(|r| r.details.output_image_tokens),
-                "reasoning_tokens": r.and_then(|r| r.details.reasoning_tokens),
+                "cache_write_5m_tokens": r.and_then(|r| r.cache_write_5m_tokens),
+                "cache_write_1h_tokens": r.and_then(|r| r.cache_write_1h_tokens),
+                "input_audio_tokens": r.and_then(|r| r.input_audio_tokens),
+                "output_audio_tokens": r.and_then(|r| r.output_audio_tokens),
+                "input_image_tokens": r.and_then(|r| r.input_image_tokens),
+                "output_image_tokens": r.and_then(|r| r.output_image_tokens),
+                "reasoning_tokens": r.and_then(|r| r.reasoning_tokens),
             })
         })
         .collect();
-    let t = u.totals;
+    let unmetered_calls = u
+        .unmetered
+        .iter()
+        .fold(0u64, |a, (_, n)| a.saturating_add(*n));
     json!({
         "calls": calls,
-        "calls_dropped": u.dropped,
+        "calls_dropped": u.calls_dropped,
         "totals": {
-            "calls": t.calls,
-            "input_tokens": t.input_tokens,
-            "output_tokens": t.output_tokens,
-            "cache_read_tokens": t.cache_read_tokens,
-            "cache_write_tokens": t.cache_write_tokens,
-            "billed_cost_usd": t.billed_cost_usd,
-            "unmetered_calls": t.unmetered_calls(),
+            "calls": u.total_calls,
+            "input_tokens": u.input_tokens,
+            "output_tokens": u.output_tokens,
+            "cache_read_tokens": u.cache_read_tokens,
+            "cache_write_tokens": u.cache_write_tokens,
+            "billed_cost_usd": u.billed_cost_usd,
+            "unmetered_calls": unmetered_calls,
             "unmetered_by_reason": Unmetered::ALL
                 .iter()
-                .filter(|x| t.unmetered(**x) > 0)
-                .map(|x| (x.as_str().to_string(), json!(t.unmetered(*x))))
+                .map(|x| (x.as_str(), count(&u.unmetered, x.as_str())))
+                .filter(|(_, n)| *n > 0)
+                .map(|(l, n)| (l.to_string(), json!(n)))
                 .collect::<serde_json::Map<_, _>>(),
         }
     })

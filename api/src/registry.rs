@@ -383,9 +383,10 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
     }
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
+        let report = crate::egress::report(net);
         state.metrics().retire_egress(
-            &crate::egress::refusal_counts(net),
-            &crate::egress::unmetered_counts(net),
+            &crate::egress::refusal_counts(&report),
+            &crate::egress::unmetered_counts(&report),
         );
     }
     tracing::info!(

@@ -7,7 +7,8 @@
 //!   sandbox's egress settings and reads its counters, refusals and usage);
 //! - [`line`]: how both travel, one bounded JSON line at a time with descriptors alongside;
 //! - [`files`]: the layout of a snapshot's files, which one side writes and the other sizes and
-//!   checks; [`link`]: the Ethernet frames between a VM's network device and the egress stack.
+//!   checks; [`link`]: the Ethernet frames between a VM's network device and the egress stack,
+//!   and `pump` (feature `pump`): those frames over the socket between two processes.
 //!
 //! So the service never links the code that touches guest memory or parses guest traffic, and
 //! neither process links the service. Each protocol is versioned: a process of another version is
@@ -19,4 +20,6 @@ pub mod files;
 pub mod line;
 pub mod link;
 pub mod net;
+#[cfg(feature = "pump")]
+pub mod pump;
 pub mod vm;

@@ -21,8 +21,9 @@ pub const MAX_REPORT: usize = 24 << 20;
 pub const MAX_CALLS: usize = 10_000;
 /// The most refusal events a report lists.
 pub const MAX_EVENTS: usize = 256;
-/// The longest string a report holds (a target, a host, a model name).
-pub const MAX_STRING: usize = 512;
+/// The longest string a report holds in bytes (a target, a host, a model name: the egress keeps
+/// at most 256 characters of what a provider says, up to four bytes each).
+pub const MAX_STRING: usize = 1024;
 
 /// A sandbox's egress, as the create request set it (the service validated it) and as the host
 /// configures it.

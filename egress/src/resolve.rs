@@ -70,6 +70,21 @@ impl ResolveOverrides {
         self.map.keys().map(|(n, p)| (n.as_str(), *p))
     }
 
+    /// The overrides as the variable spells them (what [`ResolveOverrides::parse`] reads back),
+    /// for a process that is given them as text.
+    pub fn to_value(&self) -> String {
+        let mut out = Vec::new();
+        for ((name, port), ips) in &self.map {
+            for ip in ips {
+                out.push(match ip {
+                    IpAddr::V4(a) => format!("{name}:{port}:{a}"),
+                    IpAddr::V6(a) => format!("{name}:{port}:[{a}]"),
+                });
+            }
+        }
+        out.join(",")
+    }
+
     /// Whether there is no override.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
@@ -115,6 +130,9 @@ mod tests {
         assert_eq!(o.lookup("api.example.com", 80), None);
         assert_eq!(o.lookup("other.test", 8080).unwrap().len(), 1);
         assert!(ResolveOverrides::parse("").unwrap().is_empty());
+        // Given to a network process as text, it reads back the same.
+        assert_eq!(ResolveOverrides::parse(&o.to_value()).unwrap(), o);
+        assert_eq!(ResolveOverrides::default().to_value(), "");
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub fn router() -> Router<AppState> {
 /// Refusal counters of a sandbox and what its egress carried.
 pub fn egress_json(e: &SandboxEntry) -> Value {
     match &e.net {
-        Some(net) => crate::egress::egress_json(net),
+        Some(net) => crate::egress::egress_json(&crate::egress::report(net)),
         None => json!({ "refused": 0, "by_reason": {}, "events": [] }),
     }
 }
@@ -31,7 +31,7 @@ pub fn egress_json(e: &SandboxEntry) -> Value {
 /// Metered model calls of a sandbox.
 pub fn usage_json(e: &SandboxEntry) -> Value {
     if let Some(net) = &e.net {
-        return crate::egress::usage_json(net);
+        return crate::egress::usage_json(&crate::egress::report(net));
     }
     json!({
         "calls": [],
@@ -65,8 +65,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (mut live, mut live_unmetered): (Vec<(&'static str, u64)>, Vec<_>) = Default::default();
     for e in all.iter() {
         if let Some(net) = &e.net {
-            live.extend(crate::egress::refusal_counts(net));
-            live_unmetered.extend(crate::egress::unmetered_counts(net));
+            let report = crate::egress::report(net);
+            live.extend(crate::egress::refusal_counts(&report));
+            live_unmetered.extend(crate::egress::unmetered_counts(&report));
         }
     }
     let refusals = state.metrics().refusal_totals(&live);

@@ -1,23 +1,14 @@
 //! The QEMU side of the guest's network: QEMU's `-netdev stream` inherits one end of a socket
-//! pair and carries each Ethernet frame as a 4-byte big-endian length and the frame.
-//! This pump moves frames between that socket and the VM's [`FrameLink`].
-//!
-//! Frame lengths come from the guest (through QEMU): a frame longer than the link carries is
-//! read into a fixed buffer and dropped; a length beyond any Ethernet frame ends the pump.
+//! pair; [`sandbox_control::pump`] moves its frames to and from the VM's [`FrameLink`] until the
+//! VM ends.
 
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::UnixStream;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 
 use crate::backend::VmExit;
 use sandbox_control::link::FrameLink;
-
-/// Longest frame QEMU may hand over (a 64 KiB IP packet with its Ethernet header and tag).
-const MAX_STREAM_FRAME: usize = 65_535 + 18;
-/// Longest frame the link carries (1500 bytes of MTU, header, VLAN tag).
-const MAX_FRAME: usize = 1518;
 
 /// Moves frames between QEMU's socket and the link until the VM or the socket ends.
 pub(crate) async fn run(
@@ -26,57 +17,8 @@ pub(crate) async fn run(
     mut exit: watch::Receiver<Option<VmExit>>,
 ) {
     let work = async {
-        let (mut r, w) = stream.into_split();
-        let ready = Arc::new(Notify::new());
-        let waker = ready.clone();
-        link.set_waker(Box::new(move || waker.notify_one()));
-
-        let from_guest = async {
-            let mut buf = vec![0u8; MAX_STREAM_FRAME];
-            loop {
-                let len = r.read_u32().await? as usize;
-                if len > MAX_STREAM_FRAME {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("QEMU sent a {len}-byte frame"),
-                    ));
-                }
-                r.read_exact(&mut buf[..len]).await?;
-                if len <= MAX_FRAME {
-                    link.send(&buf[..len]); // a full link drops it (counted there)
-                }
-            }
-            #[allow(unreachable_code)]
-            Ok::<(), std::io::Error>(())
-        };
-        let to_guest = async {
-            let mut w = BufWriter::with_capacity(64 * 1024, w);
-            let mut buf = vec![0u8; MAX_FRAME];
-            loop {
-                let notified = ready.notified();
-                let mut wrote = false;
-                while let Some(n) = link.recv(&mut buf) {
-                    let n = n.min(MAX_FRAME);
-                    w.write_u32(n as u32).await?;
-                    w.write_all(&buf[..n]).await?;
-                    wrote = true;
-                }
-                if wrote {
-                    w.flush().await?;
-                }
-                notified.await;
-            }
-            #[allow(unreachable_code)]
-            Ok::<(), std::io::Error>(())
-        };
-        let r = tokio::select! {
-            r = from_guest => r,
-            r = to_guest => r,
-        };
-        if let Err(e) = r
-            && e.kind() != std::io::ErrorKind::UnexpectedEof
-        {
-            tracing::warn!("the guest's network link to QEMU ended: {e}");
+        if let Err(e) = sandbox_control::pump::run(stream, link).await {
+            tracing::warn!("the guest's network link to its VM process ended: {e}");
         }
     };
     tokio::select! {

@@ -1,0 +1,113 @@
+//! `sandbox-net`: one sandbox's network process (issue 32). It is started with two sockets: the
+//! channel to the service on descriptor 0 and the guest's frames (shared with the sandbox's VM
+//! process) on descriptor 1; its messages go to descriptor 2. It reads the sandbox's settings
+//! from the channel, starts the egress stack, answers with the CA and the guest's variables, and
+//! then moves frames and answers reports until the service says stop or goes away.
+
+#![forbid(unsafe_code)]
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use sandbox_control::line::{Reader, send};
+use sandbox_control::link::FrameLink;
+use sandbox_control::net::{Event, Request};
+use sandbox_egress::link::GuestEnd;
+
+/// The longest message the service sends: the settings with every secret (each value at most a
+/// few KiB, a few dozen of them).
+const MAX_REQUEST: usize = 1 << 20;
+
+/// The stack's end of the guest's link, for the pump.
+struct Link(GuestEnd);
+
+impl FrameLink for Link {
+    fn send(&self, frame: &[u8]) -> bool {
+        self.0.send(frame)
+    }
+    fn recv(&self, buf: &mut [u8]) -> Option<usize> {
+        self.0.recv(buf)
+    }
+    fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        self.0.set_waker(wake);
+    }
+}
+
+/// Descriptor `fd` of this process (0 or 1), as a socket of its own.
+fn socket(fd: impl AsFd) -> std::io::Result<UnixStream> {
+    Ok(UnixStream::from(fd.as_fd().try_clone_to_owned()?))
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sandbox-net: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), String> {
+    let channel = socket(std::io::stdin()).map_err(|e| format!("the channel (fd 0): {e}"))?;
+    let frames = socket(std::io::stdout()).map_err(|e| format!("the frames (fd 1): {e}"))?;
+    let mut reader = Reader::with_limit(&channel, MAX_REQUEST);
+    let cfg = match reader.read::<Request>() {
+        Ok(Some(Request::Start(cfg))) => cfg,
+        Ok(Some(other)) => return Err(format!("the first message is not a start: {other:?}")),
+        Ok(None) => return Ok(()), // the service went before it said anything
+        Err(e) => return Err(format!("reading the settings: {e}")),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("net")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    let _in = rt.enter();
+    let started = sandbox_net::upstream_client(cfg.upstream_ca_pem.as_deref())
+        .and_then(|client| sandbox_net::start(&cfg, client));
+    drop(cfg); // the secrets now live in the stack alone
+    let running = match started {
+        Ok(r) => r,
+        Err(e) => {
+            let bad_request = matches!(e, sandbox_net::StartError::Bad(_));
+            let refused = Event::Refused {
+                bad_request,
+                message: e.to_string(),
+            };
+            send(&channel, &refused, None).map_err(|e| format!("answering: {e}"))?;
+            return Err(e.to_string());
+        }
+    };
+    let started = Event::Started {
+        ca_pem: running.ca_pem.clone(),
+        env: running.env.clone(),
+    };
+    send(&channel, &started, None).map_err(|e| format!("answering: {e}"))?;
+    frames
+        .set_nonblocking(true)
+        .map_err(|e| format!("the frames' socket: {e}"))?;
+    let frames =
+        tokio::net::UnixStream::from_std(frames).map_err(|e| format!("the frames' socket: {e}"))?;
+    let link: Arc<dyn FrameLink> = Arc::new(Link(running.guest));
+    rt.spawn(async move {
+        if let Err(e) = sandbox_control::pump::run(frames, link).await {
+            eprintln!("sandbox-net: the guest's frames ended: {e}");
+        }
+    });
+    // The channel is read on this thread; the stack and the pump run on the runtime's.
+    loop {
+        match reader.read::<Request>() {
+            Ok(Some(Request::Report)) => {
+                let report = Event::Report(Box::new(sandbox_net::report(&running.egress)));
+                send(&channel, &report, None).map_err(|e| format!("answering: {e}"))?;
+            }
+            Ok(Some(Request::Stop)) | Ok(None) => return Ok(()),
+            Ok(Some(Request::Start(_))) => return Err("a second start".into()),
+            Err(e) => return Err(format!("reading the channel: {e}")),
+        }
+    }
+}

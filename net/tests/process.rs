@@ -1,0 +1,206 @@
+//! The real `sandbox-net` program, started as the service starts it (the channel on its
+//! descriptor 0, the guest's frames on 1): a simulated guest behind the frames' socket resolves an
+//! allowed name, fetches a page from a loopback server through the process's stack, is refused a
+//! name outside its allowlist, and the report over the channel says so. Then the settings of
+//! another version, and bad settings, are refused with the error the service shows.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbox_control::line::{Reader, send};
+use sandbox_control::net::{Event, MAX_REPORT, NetConfig, Request};
+use sandbox_egress::link::{StackEnd, link};
+use sandbox_egress::sim::GuestSim;
+use smoltcp::socket::tcp::State;
+
+const MAC: [u8; 6] = [0x02, 0x5a, 0, 0, 0, 9];
+
+/// A loopback server that answers every request with `hello`.
+fn hello_server() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in l.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello",
+            );
+        }
+    });
+    port
+}
+
+fn config(port: u16) -> NetConfig {
+    NetConfig {
+        version: sandbox_control::net::VERSION,
+        sandbox: "net-test".into(),
+        mac: MAC,
+        allow: vec!["local.test".into()],
+        meter: vec![],
+        intercept_all: false,
+        meter_strict: false,
+        meter_body_max: 1 << 20,
+        secrets: vec![],
+        memory_bytes: 64 << 20,
+        resolve: format!("local.test:{port}:127.0.0.1"),
+        upstream_ca_pem: None,
+    }
+}
+
+/// `sandbox-net` with its two sockets; the service's ends.
+fn spawn() -> (Child, UnixStream, UnixStream) {
+    let (channel, theirs) = UnixStream::pair().unwrap();
+    let (frames, their_frames) = UnixStream::pair().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_sandbox-net"))
+        .stdin(Stdio::from(OwnedFd::from(theirs)))
+        .stdout(Stdio::from(OwnedFd::from(their_frames)))
+        .spawn()
+        .expect("sandbox-net starts");
+    (child, channel, frames)
+}
+
+/// Moves frames between the guest's link and the frames' socket, as the VM process would.
+fn pump(rt: &tokio::runtime::Runtime, stack: StackEnd, frames: UnixStream) {
+    frames.set_nonblocking(true).unwrap();
+    let _in = rt.enter();
+    let frames = tokio::net::UnixStream::from_std(frames).unwrap();
+    let (mut r, mut w) = frames.into_split();
+    let stack = Arc::new(stack);
+    let from_guest = stack.clone();
+    rt.spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        loop {
+            let f = from_guest.recv().await;
+            if w.write_u32(f.len() as u32).await.is_err() || w.write_all(&f).await.is_err() {
+                return;
+            }
+        }
+    });
+    rt.spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 65_600];
+        while let Ok(n) = r.read_u32().await {
+            let n = n as usize;
+            if n > buf.len() || r.read_exact(&mut buf[..n]).await.is_err() {
+                return;
+            }
+            stack.send(&buf[..n]);
+        }
+    });
+}
+
+fn report(channel: &UnixStream, reader: &mut Reader) -> sandbox_control::net::Report {
+    send(channel, &Request::Report, None).unwrap();
+    match reader.read::<Event>().unwrap() {
+        Some(Event::Report(r)) => *r,
+        other => panic!("not a report: {other:?}"),
+    }
+}
+
+#[test]
+fn the_network_process_carries_a_guest_and_reports_it() {
+    let port = hello_server();
+    let (mut child, channel, frames) = spawn();
+    send(&channel, &Request::Start(config(port)), None).unwrap();
+    let mut reader = Reader::with_limit(&channel, MAX_REPORT);
+    match reader.read::<Event>().unwrap() {
+        Some(Event::Started { ca_pem, env }) => {
+            assert!(ca_pem.is_none(), "nothing to intercept, no CA");
+            assert!(env.is_empty());
+        }
+        other => panic!("not started: {other:?}"),
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (guest, stack) = link();
+    pump(&rt, stack, frames);
+    let mut g = GuestSim::new(guest, MAC);
+    let within = Duration::from_secs(20);
+    let addr = g
+        .resolve("local.test", within)
+        .expect("the allowed name resolves");
+    assert_eq!(g.resolve("blocked.test", Duration::from_secs(5)), None);
+    let h = g.connect(addr, port, 16 * 1024);
+    assert!(g.run_until(within, |g| g.tcp(h).may_send()), "connected");
+    g.tcp(h)
+        .send_slice(b"GET / HTTP/1.1\r\nhost: local.test\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    let done = g.run_until(within, |g| {
+        let s = g.tcp(h);
+        while s.can_recv() {
+            let _ = s.recv(|b| {
+                got.extend_from_slice(b);
+                (b.len(), ())
+            });
+        }
+        matches!(s.state(), State::CloseWait | State::Closed) || got.ends_with(b"hello")
+    });
+    assert!(done, "the answer came: {:?}", String::from_utf8_lossy(&got));
+    assert!(
+        got.starts_with(b"HTTP/1.1 200 OK"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+
+    let r = report(&channel, &mut reader);
+    let (reasons, unmetered) = sandbox_net::report::labels();
+    r.check(&reasons, &unmetered)
+        .expect("a report within its bounds");
+    assert!(r.connections >= 1 && r.http >= 1, "{r:?}");
+    assert!(r.to_guest >= 5, "the body's bytes are counted: {r:?}");
+    assert!(
+        r.refusals.iter().any(|(_, n)| *n > 0)
+            && r.events.iter().any(|e| e.target.contains("blocked.test")),
+        "the refused name is in the report: {r:?}"
+    );
+    send(&channel, &Request::Stop, None).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn settings_of_another_version_or_bad_ones_are_refused() {
+    for (cfg, bad_request, says) in [
+        (
+            NetConfig {
+                version: sandbox_control::net::VERSION + 1,
+                ..config(1)
+            },
+            false,
+            "SANDBOX_HOST_NET_BINARY",
+        ),
+        (
+            NetConfig {
+                allow: vec!["*.*.nope..".into()],
+                ..config(1)
+            },
+            true,
+            "",
+        ),
+    ] {
+        let (mut child, channel, _frames) = spawn();
+        send(&channel, &Request::Start(cfg), None).unwrap();
+        let mut reader = Reader::new(&channel);
+        match reader.read::<Event>().unwrap() {
+            Some(Event::Refused {
+                bad_request: b,
+                message,
+            }) => {
+                assert_eq!(b, bad_request, "{message}");
+                assert!(message.contains(says), "{message}");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+        assert!(!child.wait().unwrap().success());
+    }
+}
