@@ -69,6 +69,7 @@ fn main() {
                 fsize: Some(1 << 20),
                 keep_groups: vec![],
                 seccomp: true,
+                host_network: false,
             })
             .expect("jailed spawn");
         let exit = rt.block_on(j.wait());

@@ -49,11 +49,11 @@ fi
 # build) and sets SANDBOX_HOST_BUILD_PROFILE=dev so it does not pay for a second one.
 profile=${SANDBOX_HOST_BUILD_PROFILE:-release}
 case "$profile" in
-  release) log "building sandbox-host and its VM program sandbox-vm (release; the first time takes a few minutes)"
-           phase "cargo build (release)" bash -c 'cd "$1" && cargo build --quiet --release -p sandbox-host -p sandbox-vm --bins' _ "$root" >&2
+  release) log "building sandbox-host and its VM and network programs sandbox-vm and sandbox-net (release; the first time takes a few minutes)"
+           phase "cargo build (release)" bash -c 'cd "$1" && cargo build --quiet --release -p sandbox-host -p sandbox-vm -p sandbox-net --bins' _ "$root" >&2
            echo "$CARGO_TARGET_DIR/release/sandbox-host" ;;
-  dev)     log "building sandbox-host and sandbox-vm (dev profile)"
-           phase "cargo build (dev)" bash -c 'cd "$1" && cargo build --quiet -p sandbox-host -p sandbox-vm --bins' _ "$root" >&2
+  dev)     log "building sandbox-host, sandbox-vm and sandbox-net (dev profile)"
+           phase "cargo build (dev)" bash -c 'cd "$1" && cargo build --quiet -p sandbox-host -p sandbox-vm -p sandbox-net --bins' _ "$root" >&2
            echo "$CARGO_TARGET_DIR/debug/sandbox-host" ;;
   *)       log "SANDBOX_HOST_BUILD_PROFILE must be release or dev, not $profile"; exit 2 ;;
 esac

@@ -6,8 +6,8 @@
 #   scripts/service-user.sh [--cgroup NAME] RUNTIME_DIR SANDBOX_HOST_BINARY
 #
 # RUNTIME_DIR (bin/up: /var/lib/sandbox-host) ends up as:
-#   bin/       root's, 0755: hard links (copies across file systems) of sandbox-host and sandbox-vm,
-#              and service-cgroup.sh
+#   bin/       root's, 0755: hard links (copies across file systems) of sandbox-host, sandbox-vm and
+#              sandbox-net, and service-cgroup.sh
 #   images/    root's, 0755: the image store, hard-linked; the service reads it and cannot change it
 #   cache/     the user's, 0700: start-up probe records
 #   state/     the user's, 0700: the sandboxes' files (SANDBOX_HOST_STATE_DIR)
@@ -28,6 +28,8 @@ id "$user" >/dev/null 2>&1 || { say "no user $user: run scripts/install-deps.sh 
 [ -x "$binary" ] || { say "no sandbox-host binary at $binary: build it first (scripts/prepare.sh)"; exit 1; }
 vm=$(dirname "$binary")/sandbox-vm
 [ -x "$vm" ] || { say "no sandbox-vm beside $binary: cargo build -p sandbox-vm --bins"; exit 1; }
+net=$(dirname "$binary")/sandbox-net
+[ -x "$net" ] || { say "no sandbox-net beside $binary: cargo build -p sandbox-net --bins"; exit 1; }
 . "$(dirname "$0")/cache-dir.sh"
 store=$(sandbox_image_dir)
 
@@ -51,6 +53,7 @@ link() {
 }
 link "$binary" "$rt/bin/sandbox-host"
 link "$vm" "$rt/bin/sandbox-vm"
+link "$net" "$rt/bin/sandbox-net"
 # The cgroup step, for a service manager that runs it as root before each start (the systemd
 # unit's ExecStartPre): a copy of root's, never a link to a file of the checkout's owner.
 install -m 0755 -o root -g root "$(dirname "$0")/service-cgroup.sh" "$rt/bin/service-cgroup.sh.new.$$"
@@ -98,5 +101,6 @@ echo "SANDBOX_HOST_IMAGE_DIR=$rt/images"
 echo "SANDBOX_HOST_STATE_DIR=$rt/state"
 echo "SANDBOX_HOST_CGROUP=$cgroup"
 echo "SANDBOX_HOST_VM_BINARY=$rt/bin/sandbox-vm"
+echo "SANDBOX_HOST_NET_BINARY=$rt/bin/sandbox-net"
 echo "SERVICE_BINARY=$rt/bin/sandbox-host"
 [ -z "$procs" ] || echo "SERVICE_CGROUP_PROCS=$procs"

@@ -3,58 +3,32 @@
 
 use std::sync::Arc;
 
+use sandbox_control::link::NetLink;
 use sandbox_control::net::{NetConfig, Report, SecretConfig};
-use sandbox_egress::Egress;
-use sandbox_egress::link::GuestEnd;
 use sandbox_egress::meter::Unmetered;
 use sandbox_egress::refusal::Reason;
 use sandbox_protocol::client::{Client, ExecEvent};
 use sandbox_protocol::message::ExecRequest;
-use sandbox_vmm::{FrameLink, NetAttachment};
+use sandbox_vmm::NetAttachment;
+
+use crate::netproc::{NetProcess, NetProcessError};
 use serde_json::{Value, json};
 
 use crate::config::Config;
 use crate::registry::{EgressSpec, InterceptMode};
 use crate::time::rfc3339;
 
-/// The VM's end of the egress link.
-struct EgressLink(GuestEnd);
-
-impl FrameLink for EgressLink {
-    fn send(&self, frame: &[u8]) -> bool {
-        self.0.send(frame)
-    }
-    fn recv(&self, buf: &mut [u8]) -> Option<usize> {
-        self.0.recv(buf)
-    }
-    fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
-        self.0.set_waker(wake);
-    }
-}
-
-/// A started egress stack and what the guest needs to use it.
+/// A started network process and what the guest needs to use it.
 pub struct Started {
-    /// The stack.
-    pub egress: Egress,
-    /// The VM's network device.
+    /// The sandbox's network process.
+    pub net: Arc<NetProcess>,
+    /// The VM's network device: its end of the process's frames.
     pub attachment: NetAttachment,
     /// The sandbox CA's certificate, when it intercepts anything (the guest must trust it).
     pub ca_pem: Option<String>,
     /// Variables every command of the sandbox gets: each secret's placeholder, and where the CA
     /// is for tools that keep their own trust stores.
     pub env: Vec<(String, String)>,
-}
-
-/// The upstream TLS client, made once: loading the system's roots takes tens of milliseconds.
-fn upstream_client(
-    ca_pem: Option<&str>,
-) -> Result<Arc<sandbox_egress::intercept::ClientConfig>, String> {
-    static CLIENT: std::sync::OnceLock<
-        Result<Arc<sandbox_egress::intercept::ClientConfig>, String>,
-    > = std::sync::OnceLock::new();
-    CLIENT
-        .get_or_init(|| sandbox_net::upstream_client(ca_pem).map_err(|e| e.to_string()))
-        .clone()
 }
 
 /// The network settings of sandbox `id`: the run's egress as the create request gave it, and the
@@ -87,10 +61,10 @@ pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) ->
     }
 }
 
-/// Starts the egress stack of sandbox `id` with the run's settings, for a guest whose network
+/// Starts the network process of sandbox `id` with the run's settings, for a guest whose network
 /// device has `mac` (the id's own when `None`). The patterns were validated with the create
 /// request; a secret value that cannot go into a header is refused here.
-pub fn start(
+pub async fn start(
     id: &str,
     spec: &EgressSpec,
     config: &Config,
@@ -98,17 +72,20 @@ pub fn start(
 ) -> Result<Started, StartError> {
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
     let cfg = net_config(id, spec, config, mac);
-    let client = upstream_client(cfg.upstream_ca_pem.as_deref()).map_err(StartError::Internal)?;
-    let running = sandbox_net::start(&cfg, client).map_err(|e| match e {
-        sandbox_net::StartError::Bad(m) => StartError::Bad(m),
-        e => StartError::Internal(e.to_string()),
-    })?;
-    let link = Arc::new(EgressLink(running.guest));
+    let started = NetProcess::start(id, &cfg, &config.state_dir)
+        .await
+        .map_err(|e| match e {
+            NetProcessError::Bad(m) => StartError::Bad(m),
+            NetProcessError::Internal(m) => StartError::Internal(m),
+        })?;
     Ok(Started {
-        egress: running.egress,
-        attachment: NetAttachment { mac, link },
-        ca_pem: running.ca_pem,
-        env: running.env,
+        net: started.process,
+        attachment: NetAttachment {
+            mac,
+            link: NetLink::Socket(Arc::new(started.vm_socket)),
+        },
+        ca_pem: started.ca_pem,
+        env: started.env,
     })
 }
 
@@ -159,9 +136,9 @@ pub async fn configure_guest(
     Err("setting up the guest's network: the agent ended the command without a status".into())
 }
 
-/// The report of a sandbox's egress now.
-pub fn report(egress: &Egress) -> Report {
-    sandbox_net::report(egress)
+/// The report of a sandbox's network process now.
+pub async fn report(net: &Arc<NetProcess>) -> Report {
+    net.report_async().await
 }
 
 /// A report's count of `label` (0 when it lists none).

@@ -13,6 +13,7 @@ mod error;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod metrics;
+mod netproc;
 mod registry;
 mod routes;
 pub mod run;

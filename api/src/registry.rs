@@ -113,8 +113,8 @@ pub struct SandboxEntry {
     pub env: BTreeMap<String, String>,
     /// Egress settings of the run.
     pub egress: EgressSpec,
-    /// The sandbox's egress stack: its only way out, and its refusal counters.
-    pub net: Option<sandbox_egress::Egress>,
+    /// The sandbox's network process: its only way out, and its refusal counters.
+    pub net: Option<Arc<crate::netproc::NetProcess>>,
     /// Creation time.
     pub created_at: SystemTime,
     /// End of the run's time limit.
@@ -383,7 +383,7 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
     }
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
-        let report = crate::egress::report(net);
+        let report = crate::egress::report(net).await;
         state.metrics().retire_egress(
             &crate::egress::refusal_counts(&report),
             &crate::egress::unmetered_counts(&report),
@@ -491,7 +491,7 @@ pub fn new_entry(
     vcpus: u8,
     env: BTreeMap<String, String>,
     egress: EgressSpec,
-    net: Option<sandbox_egress::Egress>,
+    net: Option<Arc<crate::netproc::NetProcess>>,
     time_limit: Duration,
     sandbox: Sandbox,
     reservation: crate::capacity::Reservation,

@@ -273,6 +273,7 @@ async fn build(
     // A network device as every sandbox has, on an egress that allows nothing: the template's
     // guest never reaches anything, and a clone's device gets its run's egress.
     let egress = crate::egress::start(&name, &Default::default(), state.config(), None)
+        .await
         .map_err(|e| fail(format!("the template's egress: {e:?}")))?;
     let mac = egress.attachment.mac;
     spec.net = Some(egress.attachment);
@@ -294,7 +295,7 @@ async fn build(
         _ => Ok(0),
     };
     sandbox.stop().await;
-    drop(egress.egress);
+    drop(egress.net);
     drop(reservation);
     let done = snapshot.map_err(|e| fail(format!("the template's snapshot: {e}")))?;
     disk.map_err(|e| fail(format!("keeping the template's disk: {e}")))?;

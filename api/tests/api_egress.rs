@@ -2013,3 +2013,97 @@ node /tmp/sdk.mjs"
         assert!(metrics.contains(line), "missing {line}:\n{metrics}");
     }
 }
+
+/// The processes of sandbox `id` named `comm` (found by their cgroup, which is named after the
+/// sandbox), with their `/proc` directories.
+fn processes_of(id: &str, comm: &str) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == comm)
+                && std::fs::read_to_string(p.join("cgroup")).is_ok_and(|c| c.contains(id))
+        })
+        .collect()
+}
+
+/// A line of `/proc/<pid>/status`.
+fn status(p: &std::path::Path, key: &str) -> String {
+    std::fs::read_to_string(p.join("status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(&format!("{key}:"))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_default()
+}
+
+/// A namespace of a process, as the link names it.
+fn ns(p: &std::path::Path, which: &str) -> String {
+    std::fs::read_link(p.join("ns").join(which))
+        .map(|l| l.display().to_string())
+        .unwrap_or_default()
+}
+
+/// Issue 32: each sandbox's network runs in a process of its own, jailed: a uid of its own (not
+/// the service's, not its VM's), no capabilities, its seccomp filter, new namespaces but the
+/// host's network (it connects upstream), a cgroup of its own named after the sandbox; it carries
+/// the guest's traffic, and it ends with its sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_sandbox_has_a_jailed_network_process_of_its_own() {
+    if stock_image_missing() {
+        return;
+    }
+    let (port, _seen) = http_server("hello from allowed.test\n").await;
+    let resolve = format!("allowed.test:{port}:127.0.0.1");
+    let h = start(&[("SANDBOX_HOST_EGRESS_RESOLVE", &resolve)]);
+    let id = h
+        .create(json!({"egress": {"allow": ["allowed.test"]}}))
+        .await;
+    let (out, err, last) = h
+        .exec(&id, &nc_get("allowed.test", port, "allowed.test"))
+        .await;
+    assert_eq!(last["exit_code"], 0, "{} {}", text(&out), text(&err));
+    assert!(
+        text(&out).contains("hello from allowed.test"),
+        "{}",
+        text(&out)
+    );
+
+    let nets = processes_of(&id, "sandbox-net");
+    assert_eq!(nets.len(), 1, "one network process for the sandbox");
+    let net = &nets[0];
+    let service = std::path::PathBuf::from(format!("/proc/{}", h.child.id()));
+    let uid = |p: &std::path::Path| status(p, "Uid");
+    assert_ne!(uid(net), uid(&service), "not the service's uid");
+    assert_ne!(uid(net).split_whitespace().next(), Some("0"), "not root");
+    for vm in processes_of(&id, "sandbox-vm")
+        .iter()
+        .chain(&processes_of(&id, "qemu-system-x86"))
+    {
+        assert_ne!(uid(net), uid(vm), "not its VM's uid");
+    }
+    assert_eq!(status(net, "Seccomp"), "2", "a seccomp filter");
+    assert_eq!(status(net, "NoNewPrivs"), "1");
+    assert_eq!(status(net, "CapEff"), "0000000000000000", "no capabilities");
+    assert_eq!(ns(net, "net"), ns(&service, "net"), "the host's network");
+    for which in ["mnt", "pid", "user", "ipc", "uts"] {
+        assert_ne!(
+            ns(net, which),
+            ns(&service, which),
+            "a {which} namespace of its own"
+        );
+    }
+    let cgroup = std::fs::read_to_string(net.join("cgroup")).unwrap();
+    assert!(cgroup.contains(&format!("{id}-net")), "{cgroup}");
+
+    let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(s, 204);
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        !net.exists()
+    });
+    assert!(gone, "the network process ends with its sandbox");
+}

@@ -210,13 +210,14 @@ fn on_kvm<F: std::future::Future<Output = ()>>(name: &str, guest_image: bool, pa
         rt.block_on(part());
         return;
     }
-    // One level down: this binary, the service and its VM program, at the paths the service's
+    // One level down: this binary, the service and its VM and network programs, at the paths the service's
     // tests expect them (the binary's own path is compiled into this test). The nested host has
     // no user sandbox-host: the service runs as root there, so CI's demand for that user
     // (SANDBOX_HOST_REQUIRE_E2E, passed down with the other settings) is dropped for this run.
     let me = std::env::current_exe().unwrap();
     let service = std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"));
     let vm = service.with_file_name("sandbox-vm");
+    let net = service.with_file_name("sandbox-net");
     let dir = service.parent().unwrap().display().to_string();
     // The fake provider's CA and certificate, made here (the nested host has no openssl).
     let certs = tempfile::tempdir().unwrap();
@@ -228,7 +229,7 @@ fn on_kvm<F: std::future::Future<Output = ()>>(name: &str, guest_image: bool, pa
         extra.extend(["--mem", "8192", "--image", "vantik-guest:latest"]);
     }
     let cmd = format!(
-        "mkdir -p {dir} && ln -sf /work/sandbox-host {dir}/sandbox-host && ln -sf /work/sandbox-vm {dir}/sandbox-vm && \
+        "mkdir -p {dir} && ln -sf /work/sandbox-host {dir}/sandbox-host && ln -sf /work/sandbox-vm {dir}/sandbox-vm && ln -sf /work/sandbox-net {dir}/sandbox-net && \
          unset SANDBOX_HOST_REQUIRE_E2E; export SANDBOX_HOST_IN_NESTED=1 SANDBOX_HOST_TEST_GUEST_IMAGE={}; \
          timeout 1500 ./{} --test-threads 1 --nocapture --exact {name} 2>&1",
         u8::from(guest_image),
@@ -253,6 +254,8 @@ fn on_kvm<F: std::future::Future<Output = ()>>(name: &str, guest_image: bool, pa
         .arg(service)
         .arg("--with")
         .arg(&vm)
+        .arg("--with")
+        .arg(&net)
         .arg("--")
         .arg(cmd)
         .output()

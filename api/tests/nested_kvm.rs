@@ -81,11 +81,16 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
     let out = Command::new("bash")
         .arg(root.join("tests/nested/run.sh"))
         .args(["--with", env!("CARGO_BIN_EXE_sandbox-host")])
-        // The KVM backend's VM process, built beside the service by `cargo test --workspace`.
+        // The KVM backend's VM process and the sandbox's network process, built beside the
+        // service by `cargo build --workspace`.
         .args([
             "--with".as_ref(),
             std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"))
                 .with_file_name("sandbox-vm")
+                .as_os_str(),
+            "--with".as_ref(),
+            std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"))
+                .with_file_name("sandbox-net")
                 .as_os_str(),
             "--".as_ref(),
         ])

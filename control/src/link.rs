@@ -22,7 +22,18 @@ pub struct NetAttachment {
     /// The guest's MAC address (the stack drops frames from any other).
     pub mac: [u8; 6],
     /// Where the frames go.
-    pub link: Arc<dyn FrameLink>,
+    pub link: NetLink,
+}
+
+/// Where a VM's frames go.
+#[derive(Clone)]
+pub enum NetLink {
+    /// A queue in this process, to a stack in this process (the benchmarks' in-process VMM, the
+    /// tests of the stack with a VM, a VM process's own device side).
+    Frames(Arc<dyn FrameLink>),
+    /// The VM's end of a socket pair whose other end the sandbox's network process holds: the
+    /// service hands it over and never reads it (issue 32).
+    Socket(Arc<std::os::fd::OwnedFd>),
 }
 
 impl fmt::Debug for NetAttachment {

@@ -37,7 +37,7 @@ else
   cache=$(sandbox_cache_dir)
   target=${CARGO_TARGET_DIR:-$cache/target}
   store=${SANDBOX_HOST_IMAGE_DIR:-$cache/images}
-  for f in "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm"; do
+  for f in "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm" "$target/$dir/sandbox-net"; do
     [ -x "$f" ] || { log "no $f: build it first (scripts/prepare.sh builds the release binaries, bin/test the dev ones)"; exit 1; }
   done
   [ -L "$store/stock" ] || { log "no stock image in $store: bash rootfs/build-stock.sh"; exit 1; }
@@ -51,8 +51,8 @@ else
   cp "$root/scripts/service-cgroup.sh" "$ctx/scripts/"
   cp "$root/deploy/container/entrypoint.sh" "$ctx/deploy/container/"
   # Hard links where the file system allows: the guest image is large.
-  cp -al "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm" "$ctx/prebuilt/bin/" 2>/dev/null \
-    || cp -a "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm" "$ctx/prebuilt/bin/"
+  cp -al "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm" "$target/$dir/sandbox-net" "$ctx/prebuilt/bin/" 2>/dev/null \
+    || cp -a "$target/$dir/sandbox-host" "$target/$dir/sandbox-vm" "$target/$dir/sandbox-net" "$ctx/prebuilt/bin/"
   copy_tag() {  # TAG-LINK (relative to the store)
     local link=$1 content
     content=$(readlink "$store/$link"); content=${content#../}

@@ -204,6 +204,7 @@ impl Jailer {
                 fsize: Some(0),
                 keep_groups: vec![],
                 seccomp: true,
+                host_network: false,
             })
             .map_err(|e| e.to_string())
             .and_then(|j| {

@@ -492,7 +492,11 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
 
     let mut pidfd: RawFd = -1;
     let args = CloneArgs {
-        flags: if host.namespaces { NAMESPACES } else { 0 } | libc::CLONE_PIDFD as u64,
+        flags: match (host.namespaces, cmd.host_network) {
+            (false, _) => 0,
+            (true, false) => NAMESPACES,
+            (true, true) => NAMESPACES & !(libc::CLONE_NEWNET as u64),
+        } | libc::CLONE_PIDFD as u64,
         pidfd: (&raw mut pidfd) as u64,
         exit_signal: libc::SIGCHLD as u64,
         ..Default::default()

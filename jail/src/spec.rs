@@ -74,6 +74,9 @@ pub struct Command {
     pub keep_groups: Vec<u32>,
     /// Whether to install the filter of [`crate::filter`].
     pub seccomp: bool,
+    /// Whether the process stays in the host's network namespace (the network process, which
+    /// connects to upstreams); every other jailed process gets an empty one of its own.
+    pub host_network: bool,
 }
 
 /// How a jailed process ended.

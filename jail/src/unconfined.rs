@@ -411,6 +411,7 @@ mod tests {
             fsize: None,
             keep_groups: vec![],
             seccomp: true,
+            host_network: false,
         }
     }
 

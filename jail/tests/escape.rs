@@ -148,6 +148,7 @@ fn run_case(j: &Jailer, case: &str, seccomp: bool, scratch: &Path) -> Outcome {
             fsize: Some(FSIZE),
             keep_groups: vec![],
             seccomp,
+            host_network: false,
         })
         .unwrap_or_else(|e| panic!("spawning the payload for {case}: {e}"));
     let uid = status_uid(jailed.pid());

@@ -88,7 +88,7 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
                 .map_err(|e| format!("starting the network link: {e}"))?;
             Some(sandbox_control::link::NetAttachment {
                 mac: n.mac,
-                link: Arc::new(link),
+                link: sandbox_control::link::NetLink::Frames(Arc::new(link)),
             })
         }
         None => None,

@@ -21,17 +21,17 @@ pub fn router() -> Router<AppState> {
 }
 
 /// Refusal counters of a sandbox and what its egress carried.
-pub fn egress_json(e: &SandboxEntry) -> Value {
+pub async fn egress_json(e: &SandboxEntry) -> Value {
     match &e.net {
-        Some(net) => crate::egress::egress_json(&crate::egress::report(net)),
+        Some(net) => crate::egress::egress_json(&crate::egress::report(net).await),
         None => json!({ "refused": 0, "by_reason": {}, "events": [] }),
     }
 }
 
 /// Metered model calls of a sandbox.
-pub fn usage_json(e: &SandboxEntry) -> Value {
+pub async fn usage_json(e: &SandboxEntry) -> Value {
     if let Some(net) = &e.net {
-        return crate::egress::usage_json(&crate::egress::report(net));
+        return crate::egress::usage_json(&crate::egress::report(net).await);
     }
     json!({
         "calls": [],
@@ -47,7 +47,7 @@ async fn egress(
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
-    Ok(Json(egress_json(&e)))
+    Ok(Json(egress_json(&e).await))
 }
 
 async fn usage(
@@ -55,7 +55,7 @@ async fn usage(
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
-    Ok(Json(usage_json(&e)))
+    Ok(Json(usage_json(&e).await))
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
@@ -65,7 +65,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (mut live, mut live_unmetered): (Vec<(&'static str, u64)>, Vec<_>) = Default::default();
     for e in all.iter() {
         if let Some(net) = &e.net {
-            let report = crate::egress::report(net);
+            let report = crate::egress::report(net).await;
             live.extend(crate::egress::refusal_counts(&report));
             live_unmetered.extend(crate::egress::unmetered_counts(&report));
         }

@@ -327,7 +327,7 @@ async fn create(
 
 /// The egress stack and what the create's boot needs of it, once the guest is configured.
 struct Started {
-    egress: sandbox_egress::Egress,
+    egress: std::sync::Arc<crate::netproc::NetProcess>,
     env: Vec<(String, String)>,
     /// The VM's end of it, kept for a resume.
     net: sandbox_vmm::NetAttachment,
@@ -361,6 +361,7 @@ async fn start_vm(
     // The egress stack starts first: the VM's network device is its other end. A clone keeps
     // the template's MAC address, which its guest's driver read at the template's boot.
     let started = crate::egress::start(id, &req.egress, state.config(), template.map(|t| t.mac))
+        .await
         .map_err(|e| match e {
             crate::egress::StartError::Bad(m) => bad(m),
             crate::egress::StartError::Internal(m) => {
@@ -415,7 +416,7 @@ async fn start_vm(
     Ok((
         sandbox,
         Started {
-            egress: started.egress,
+            egress: started.net,
             env: started.env,
             net,
         },
@@ -473,8 +474,8 @@ async fn show(
 ) -> Result<Json<Value>, ApiError> {
     let e = state.registry().get(&id)?;
     let mut v = summary(&e);
-    v["egress"] = super::observe::egress_json(&e);
-    v["usage"] = super::observe::usage_json(&e)["totals"].clone();
+    v["egress"] = super::observe::egress_json(&e).await;
+    v["usage"] = super::observe::usage_json(&e).await["totals"].clone();
     Ok(Json(v))
 }
 

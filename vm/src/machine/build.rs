@@ -121,7 +121,17 @@ pub(super) fn attach_devices(
         add_device(vm, mem, blk, &mut list, &mut cmdline)?;
     }
     if let Some(net) = &cfg.net {
-        let backend = crate::net::LinkBackend::new(net.link.clone())
+        let link: Arc<dyn sandbox_control::link::FrameLink> = match &net.link {
+            sandbox_control::link::NetLink::Frames(l) => l.clone(),
+            // A socket to a network process: framed as the VM process frames it.
+            sandbox_control::link::NetLink::Socket(fd) => Arc::new(
+                fd.try_clone()
+                    .map(std::os::unix::net::UnixStream::from)
+                    .and_then(crate::stream_link::StreamLink::new)
+                    .map_err(io_err("starting the network link"))?,
+            ),
+        };
+        let backend = crate::net::LinkBackend::new(link)
             .map_err(io_err("creating the network device's eventfd"))?;
         add_device(vm, mem, Net::new(net.mac, backend), &mut list, &mut cmdline)?;
     }

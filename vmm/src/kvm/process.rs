@@ -14,6 +14,7 @@ use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::vm_process::{pipe, pump_console, remove_state_dir, unknown_exit};
+use sandbox_control::link::NetLink;
 use sandbox_control::vm::{self as control, DiskFd, Event, NetFd, Request, SnapshotFds, VmConfig};
 
 /// Memory the VM process itself may use beyond the guest's, in its cgroup: its threads'
@@ -170,12 +171,24 @@ async fn start_program(
             read_only: d.read_only,
         });
     }
+    // The network: a socket whose other end the sandbox's network process holds, handed over
+    // as it is; or a link in this process, which a pump here serves.
     let net = match &spec.net {
         Some(n) => {
-            let (host, vm) =
-                UnixStream::pair().map_err(|e| VmError::io("making the network socket", e))?;
-            let fd = push(vm.into());
-            Some((host, n.link.clone(), NetFd { fd, mac: n.mac }))
+            let (pumped, vm) = match &n.link {
+                NetLink::Socket(fd) => (
+                    None,
+                    fd.try_clone()
+                        .map_err(|e| VmError::io("the network socket", e))?,
+                ),
+                NetLink::Frames(link) => {
+                    let (host, vm) = UnixStream::pair()
+                        .map_err(|e| VmError::io("making the network socket", e))?;
+                    (Some((host, link.clone())), vm.into())
+                }
+            };
+            let fd = push(vm);
+            Some((pumped, NetFd { fd, mac: n.mac }))
         }
         None => None,
     };
@@ -204,7 +217,7 @@ async fn start_program(
         vcpus: spec.vcpus,
         disks,
         vsock_cid,
-        net: net.as_ref().map(|(_, _, n)| n.clone()),
+        net: net.as_ref().map(|(_, n)| n.clone()),
     };
 
     let staging = spec.state_dir.join("root");
@@ -238,6 +251,7 @@ async fn start_program(
         fsize: Some(fsize.max(1 << 20)),
         keep_groups: vec![],
         seccomp: true,
+        host_network: false,
     };
     let spawned = Instant::now();
     let jailer = sandbox_jail::global();
@@ -291,7 +305,7 @@ async fn start_program(
         stop_requested.clone(),
         reader_done_rx,
     ));
-    if let Some((host, link, _)) = net {
+    if let Some((Some((host, link)), _)) = net {
         host.set_nonblocking(true)
             .map_err(|e| VmError::io("the network socket", e))?;
         let s = tokio::net::UnixStream::from_std(host)

@@ -394,7 +394,7 @@ mod tests {
         assert!(!joined(Arch::X86_64, Accel::Tcg).contains("netdev"));
         spec.net = Some(sandbox_control::link::NetAttachment {
             mac: [0x02, 0x53, 0x42, 0xab, 0x0c, 0x01],
-            link: std::sync::Arc::new(NoLink),
+            link: sandbox_control::link::NetLink::Frames(std::sync::Arc::new(NoLink)),
         });
         let s = qemu_args(Arch::X86_64, Accel::Tcg, &spec, &wiring())
             .iter()

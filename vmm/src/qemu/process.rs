@@ -74,8 +74,20 @@ pub async fn spawn(
     let (agent_host, agent_vm) = socket_pair("agent")?;
     // The boot marker: an I/O port on x86_64, a virtio-serial port on aarch64 (see args).
     let marker = Some(socket_pair("boot marker")?);
+    // The network: a socket whose other end the sandbox's network process holds, handed over
+    // as it is; or a link in this process, which a pump here serves.
     let net = match &spec.net {
-        Some(n) => Some((socket_pair("network")?, n.link.clone())),
+        Some(n) => Some(match &n.link {
+            sandbox_control::link::NetLink::Socket(fd) => (
+                None,
+                fd.try_clone()
+                    .map_err(|e| VmError::io("the network socket", e))?,
+            ),
+            sandbox_control::link::NetLink::Frames(link) => {
+                let (host, vm) = socket_pair("network")?;
+                (Some((host, link.clone())), vm)
+            }
+        }),
         None => None,
     };
     let (out_r, out_w) = crate::vm_process::pipe("QEMU output")?;
@@ -93,10 +105,10 @@ pub async fn spawn(
         host
     });
     let mut net_fd = None;
-    let net = net.map(|((host, vm), link)| {
+    let net = net.and_then(|(pumped, vm)| {
         fds.push(vm);
         net_fd = Some(fds.len() as i32 - 1);
-        (host, link)
+        pumped
     });
     // A VM that may be snapshotted gets its monitor (its snapshot's memory file comes over it
     // with the snapshot, by `add-fd`: until then QEMU holds no file it could write one to); a
@@ -236,6 +248,7 @@ pub async fn spawn(
         fsize: Some(fsize.max(1 << 20)),
         keep_groups,
         seccomp: true,
+        host_network: false,
     };
     let started = std::time::Instant::now();
     let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))

@@ -1,0 +1,270 @@
+//! A sandbox's network process (issue 32): `sandbox-net`, jailed with a uid of its own, in the
+//! host's network namespace (it connects to upstreams) but nothing else of the host's, in a cgroup
+//! of its own bounded by the sandbox's egress memory. The service starts it with the sandbox's
+//! settings, hands the VM process the other end of its frames' socket, and from then on only asks
+//! it for reports over a bounded channel it reads as hostile (`sandbox_control::net`): the
+//! service never parses a guest's frames, and a guest that takes its network process over holds
+//! that sandbox's secrets alone.
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sandbox_control::line::{Reader, send};
+use sandbox_control::net::{Event, MAX_REPORT, NetConfig, Report, Request};
+
+/// How long the process may take to start its stack and answer.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a report may take.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// What the process may hold besides its stack's buffers: its runtime, TLS sessions, the
+/// system's roots, the C library's resolver.
+const ALLOWANCE: u64 = 64 << 20;
+/// The most of its messages kept for the log.
+const MAX_LOG: usize = 16 * 1024;
+
+/// Why a sandbox's network process did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NetProcessError {
+    /// The settings are the request's fault.
+    #[error("{0}")]
+    Bad(String),
+    /// The host's side failed.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// A running network process.
+pub struct NetProcess {
+    jailed: sandbox_jail::Jailed,
+    channel: Mutex<Channel>,
+    /// The last report it gave: what the API shows once it has gone (its sandbox's VM died, or
+    /// it did).
+    last: Mutex<Report>,
+    staging: PathBuf,
+}
+
+struct Channel {
+    sock: UnixStream,
+    reader: Reader,
+    /// Set once a request failed: the process is not asked again.
+    broken: bool,
+}
+
+/// What a started network process gives the sandbox.
+pub struct Started {
+    /// The process.
+    pub process: Arc<NetProcess>,
+    /// The VM's end of the frames' socket.
+    pub vm_socket: OwnedFd,
+    /// The sandbox CA's certificate, when it intercepts anything.
+    pub ca_pem: Option<String>,
+    /// The guest's variables.
+    pub env: Vec<(String, String)>,
+}
+
+/// Where `sandbox-net` is: `SANDBOX_HOST_NET_BINARY`, else beside this program (or one directory
+/// up, for cargo's test binaries in `deps/`).
+pub fn net_binary() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("SANDBOX_HOST_NET_BINARY").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    [dir.join("sandbox-net"), dir.join("../sandbox-net")]
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            format!(
+                "the network program sandbox-net is not beside {} (build it with `cargo build \
+                 -p sandbox-net --bins`, or set SANDBOX_HOST_NET_BINARY)",
+                exe.display()
+            )
+        })
+}
+
+/// The host's files the C library's resolver and the TLS roots are read from, where they exist:
+/// bound read-only into the process's otherwise empty root.
+fn host_files() -> Vec<sandbox_jail::Bind> {
+    [
+        "/etc/resolv.conf",
+        "/etc/hosts",
+        "/etc/nsswitch.conf",
+        "/etc/gai.conf",
+        "/etc/host.conf",
+        "/etc/ssl",
+        "/etc/pki",
+        "/etc/ca-certificates",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .filter(|p| p.exists())
+    .map(|p| sandbox_jail::Bind {
+        src: p.clone(),
+        dst: p,
+        writable: false,
+    })
+    .collect()
+}
+
+impl NetProcess {
+    /// Starts the network process of sandbox `id` with `cfg`, its root staged under
+    /// `state_dir`.
+    pub async fn start(
+        id: &str,
+        cfg: &NetConfig,
+        state_dir: &Path,
+    ) -> Result<Started, NetProcessError> {
+        let internal = |what: &str, e: &dyn std::fmt::Display| {
+            NetProcessError::Internal(format!("the sandbox's network process: {what}: {e}"))
+        };
+        let program = net_binary().map_err(NetProcessError::Internal)?;
+        let staging = state_dir.join(format!("net-{id}"));
+        std::fs::create_dir_all(&staging).map_err(|e| internal("its root", &e))?;
+        let (sock, theirs) = UnixStream::pair().map_err(|e| internal("its channel", &e))?;
+        let (vm_socket, frames) = UnixStream::pair().map_err(|e| internal("its frames", &e))?;
+        let (log_r, log_w) = std::io::pipe().map_err(|e| internal("its log", &e))?;
+        let cmd = sandbox_jail::Command {
+            name: format!("{id}-net"),
+            program: Some(program.clone()),
+            args: vec![],
+            fds: vec![theirs.into(), frames.into(), log_w.into()],
+            root: Some(sandbox_jail::Root {
+                staging: staging.join("root"),
+                system: true,
+                binds: host_files(),
+                ..Default::default()
+            }),
+            limits: sandbox_jail::Limits {
+                memory_bytes: cfg.memory_bytes.saturating_add(ALLOWANCE),
+                // The runtime's two workers, its resolver threads, the channel's.
+                pids: 16,
+                cpu_weight: 100,
+                cpus: 2,
+            },
+            nofile: 1024,
+            fsize: Some(0),
+            keep_groups: vec![],
+            seccomp: true,
+            host_network: true,
+        };
+        std::fs::create_dir_all(staging.join("root")).map_err(|e| internal("its root", &e))?;
+        let jailer = sandbox_jail::global();
+        let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
+            .await
+            .map_err(|e| internal("the jail's spawner", &e))?
+            .map_err(|e| internal(&format!("cannot run {} in its jail", program.display()), &e))?;
+        let log_id = id.to_string();
+        std::thread::spawn(move || log_lines(&log_id, log_r));
+        let cfg = cfg.clone();
+        let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            sock.set_read_timeout(Some(START_TIMEOUT))
+                .map_err(|e| e.to_string())?;
+            send(&sock, &Request::Start(cfg), None).map_err(|e| e.to_string())?;
+            let mut reader = Reader::with_limit(&sock, MAX_REPORT);
+            let event = reader.read::<Event>().map_err(|e| e.to_string())?;
+            Ok((sock, reader, event))
+        })
+        .await
+        .map_err(|e| internal("its start", &e))?;
+        let (sock, reader, event) = answer.map_err(|e| internal("its start", &e))?;
+        let (ca_pem, env) = match event {
+            Some(Event::Started { ca_pem, env }) => (ca_pem, env),
+            Some(Event::Refused {
+                bad_request: true,
+                message,
+            }) => return Err(NetProcessError::Bad(message)),
+            Some(Event::Refused { message, .. }) => {
+                return Err(NetProcessError::Internal(message));
+            }
+            Some(Event::Report(_)) => {
+                return Err(internal("its start", &"a report before it started"));
+            }
+            None => return Err(internal("its start", &"it ended without an answer")),
+        };
+        let _ = sock.set_read_timeout(Some(REPORT_TIMEOUT));
+        Ok(Started {
+            process: Arc::new(NetProcess {
+                jailed,
+                channel: Mutex::new(Channel {
+                    sock,
+                    reader,
+                    broken: false,
+                }),
+                last: Mutex::new(Report::default()),
+                staging,
+            }),
+            vm_socket: vm_socket.into(),
+            ca_pem,
+            env,
+        })
+    }
+
+    /// Its report now (blocking, bounded by [`REPORT_TIMEOUT`]); the last good one when it does
+    /// not answer, or answers with what is not a report within its bounds.
+    pub fn report(&self) -> Report {
+        let mut ch = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        if !ch.broken {
+            match ask(&mut ch) {
+                Ok(r) => {
+                    *self.last.lock().unwrap_or_else(|e| e.into_inner()) = r.clone();
+                    return r;
+                }
+                Err(e) => {
+                    ch.broken = true;
+                    tracing::warn!(pid = self.jailed.pid(), "a sandbox's network process: {e}");
+                }
+            }
+        }
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Its report, from an async context.
+    pub async fn report_async(self: &Arc<Self>) -> Report {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.report())
+            .await
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for NetProcess {
+    fn drop(&mut self) {
+        // Dropping the jailed process kills it; its root's staging directory goes too.
+        let _ = std::fs::remove_dir_all(&self.staging);
+    }
+}
+
+/// One report over the channel, checked.
+fn ask(ch: &mut Channel) -> Result<Report, String> {
+    send(&ch.sock, &Request::Report, None).map_err(|e| format!("asking for a report: {e}"))?;
+    match ch.reader.read::<Event>() {
+        Ok(Some(Event::Report(r))) => {
+            let (reasons, unmetered) = sandbox_net::report::labels();
+            r.check(&reasons, &unmetered).map_err(|e| e.to_string())?;
+            Ok(*r)
+        }
+        Ok(Some(_)) => Err("it answered a report with something else".into()),
+        Ok(None) => Err("it has ended".into()),
+        Err(e) => Err(format!("its report: {e}")),
+    }
+}
+
+/// The process's own messages, a bounded amount of them, into the service's log.
+fn log_lines(id: &str, r: std::io::PipeReader) {
+    use std::io::BufRead;
+    let mut logged = 0;
+    for line in std::io::BufReader::new(r)
+        .split(b'\n')
+        .map_while(Result::ok)
+    {
+        if logged >= MAX_LOG {
+            continue;
+        }
+        logged += line.len();
+        let line = String::from_utf8_lossy(&line[..line.len().min(1024)]).into_owned();
+        tracing::warn!(id, "{line}");
+    }
+}
