@@ -29,5 +29,5 @@ chmod +x "$stub/cc"
 cd "$root"
 # Warnings fail the check: code that only Linux uses must say so (cfg), or macOS carries it dead.
 CC_aarch64_apple_darwin="$stub/cc" AR_aarch64_apple_darwin=ar \
-  cargo clippy --quiet --target "$target" -p sandbox-host -p sandbox-vmm -p sandbox-control -p sandbox-jail --bins --lib "$@" -- -D warnings
-echo "check-macos: sandbox-host, sandbox-vmm, sandbox-control and sandbox-jail build for $target with no warning"
+  cargo clippy --quiet --target "$target" -p sandbox-host -p sandbox-vmm -p sandbox-control -p sandbox-net -p sandbox-jail --bins --lib "$@" -- -D warnings
+echo "check-macos: sandbox-host, sandbox-vmm, sandbox-control, sandbox-net and sandbox-jail build for $target with no warning"

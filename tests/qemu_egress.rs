@@ -70,7 +70,7 @@ async fn the_guest_reaches_an_allowed_name_and_nothing_else() {
     let (egress, guest) = Egress::start(config);
     let net = NetAttachment {
         mac,
-        link: Arc::new(Link(guest)),
+        link: sandbox_vmm::NetLink::Frames(Arc::new(Link(guest))),
     };
     let Some(vm) = boot_stock_with_net(256, 1, net).await else {
         return;

@@ -16,7 +16,6 @@
 
 pub mod fds;
 pub mod files;
-#[cfg(target_os = "linux")]
 pub mod line;
 pub mod link;
 pub mod net;

@@ -12,6 +12,11 @@ use serde::{Deserialize, Serialize};
 
 /// The longest line either side accepts.
 pub const MAX_LINE: usize = 64 * 1024;
+/// `recvmsg`'s flags: descriptors that arrive close-on-exec (where the system can do it at once).
+#[cfg(target_os = "linux")]
+const RECV_FLAGS: libc::c_int = libc::MSG_CMSG_CLOEXEC;
+#[cfg(not(target_os = "linux"))]
+const RECV_FLAGS: libc::c_int = 0;
 /// The most descriptors one message carries.
 const MAX_FDS: usize = 4;
 
@@ -115,7 +120,7 @@ impl Reader {
             msg.msg_control = control.as_mut_ptr().cast();
             msg.msg_controllen = space as _;
             let n = loop {
-                let n = libc::recvmsg(self.sock, &raw mut msg, libc::MSG_CMSG_CLOEXEC);
+                let n = libc::recvmsg(self.sock, &raw mut msg, RECV_FLAGS);
                 if n >= 0 {
                     break n as usize;
                 }
@@ -132,6 +137,9 @@ impl Reader {
                     for i in 0..len / std::mem::size_of::<RawFd>() {
                         let fd = std::ptr::read_unaligned(data.add(i));
                         let owned = OwnedFd::from_raw_fd(fd);
+                        // macOS has no MSG_CMSG_CLOEXEC: the flag is set right after.
+                        #[cfg(not(target_os = "linux"))]
+                        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
                         // More than a message may carry: closed, never kept.
                         if self.fds.len() < MAX_FDS {
                             self.fds.push_back(owned);

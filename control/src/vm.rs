@@ -7,7 +7,6 @@ use std::os::fd::RawFd;
 
 use serde::{Deserialize, Serialize};
 
-#[cfg(target_os = "linux")]
 pub use crate::line::{MAX_LINE, Reader, send, send_fds};
 
 /// The control protocol's version: a `sandbox-vm` built from another tree is not spoken to.

@@ -24,4 +24,4 @@ pub use backend::{
 };
 pub use image::{Image, ImageError, ImageStore};
 pub use sandbox::{BootError, Liveness, Sandbox, boot, boot_watched};
-pub use sandbox_control::link::{FrameLink, NetAttachment};
+pub use sandbox_control::link::{FrameLink, NetAttachment, NetLink};
