@@ -71,13 +71,15 @@ pub async fn start(
     mac: Option<[u8; 6]>,
 ) -> Result<Started, StartError> {
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
-    let cfg = net_config(id, spec, config, mac);
-    let started = NetProcess::start(id, &cfg, &config.state_dir)
-        .await
-        .map_err(|e| match e {
-            NetProcessError::Bad(m) => StartError::Bad(m),
-            NetProcessError::Internal(m) => StartError::Internal(m),
-        })?;
+    let mut cfg = net_config(id, spec, config, mac);
+    let started = NetProcess::start(id, &cfg, &config.state_dir).await;
+    for s in &mut cfg.secrets {
+        zeroize::Zeroize::zeroize(&mut s.value);
+    }
+    let started = started.map_err(|e| match e {
+        NetProcessError::Bad(m) => StartError::Bad(m),
+        NetProcessError::Internal(m) => StartError::Internal(m),
+    })?;
     Ok(Started {
         net: started.process,
         attachment: NetAttachment {

@@ -158,11 +158,17 @@ impl NetProcess {
             .map_err(|e| internal(&format!("cannot run {} in its jail", program.display()), &e))?;
         let log_id = id.to_string();
         std::thread::spawn(move || log_lines(&log_id, log_r));
-        let cfg = cfg.clone();
+        let mut start = Request::Start(cfg.clone());
         let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
             sock.set_read_timeout(Some(START_TIMEOUT))
                 .map_err(|e| e.to_string())?;
-            send(&sock, &Request::Start(cfg), None).map_err(|e| e.to_string())?;
+            let sent = send(&sock, &start, None);
+            if let Request::Start(cfg) = &mut start {
+                for s in &mut cfg.secrets {
+                    zeroize::Zeroize::zeroize(&mut s.value);
+                }
+            }
+            sent.map_err(|e| e.to_string())?;
             let mut reader = Reader::with_limit(&sock, MAX_REPORT);
             let event = reader.read::<Event>().map_err(|e| e.to_string())?;
             Ok((sock, reader, event))

@@ -25,9 +25,10 @@ pub fn send<T: Serialize>(sock: &UnixStream, msg: &T, fd: Option<RawFd>) -> io::
     send_fds(sock, msg, fd.as_slice())
 }
 
-/// Writes one message as a line, with `fds` (at most four) attached.
+/// Writes one message as a line, with `fds` (at most four) attached. The line is overwritten once
+/// sent: the network process's settings carry secrets.
 pub fn send_fds<T: Serialize>(sock: &UnixStream, msg: &T, fds: &[RawFd]) -> io::Result<()> {
-    let mut line = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    let mut line = zeroize::Zeroizing::new(serde_json::to_vec(msg).map_err(io::Error::other)?);
     line.push(b'\n');
     if fds.is_empty() {
         return (&*sock).write_all(&line);

@@ -293,7 +293,7 @@ async fn create(
         req.vcpus,
         // The secrets' placeholders (and the CA's paths) for every command.
         req.env.into_iter().chain(started.env).collect(),
-        req.egress,
+        without_values(req.egress),
         Some(started.egress),
         Duration::from_millis(req.time_limit_ms),
         sandbox,
@@ -494,6 +494,16 @@ async fn keepalive(
     let e = state.registry().get(&id)?;
     e.ensure_alive()?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The run's egress as the registry keeps it: the secrets' values go (issue 32: the network
+/// process holds them; the service keeps what it shows, each secret's variable and hosts, and
+/// never needs a value again).
+fn without_values(mut spec: crate::registry::EgressSpec) -> crate::registry::EgressSpec {
+    for s in &mut spec.secrets {
+        zeroize::Zeroize::zeroize(&mut s.value);
+    }
+    spec
 }
 
 #[cfg(test)]
