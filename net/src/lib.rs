@@ -8,6 +8,8 @@
 #![forbid(unsafe_code)]
 
 pub mod report;
+#[cfg(target_os = "linux")]
+pub mod seal;
 pub mod start;
 
 pub use report::report;

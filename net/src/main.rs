@@ -82,6 +82,10 @@ fn run() -> Result<(), String> {
             return Err(e.to_string());
         }
     };
+    // The stack runs: from here on the process only moves frames, connects upstream and answers
+    // the channel.
+    #[cfg(target_os = "linux")]
+    sandbox_net::seal::seal().map_err(|e| e.to_string())?;
     let started = Event::Started {
         ca_pem: running.ca_pem.clone(),
         env: running.env.clone(),

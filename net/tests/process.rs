@@ -116,6 +116,11 @@ fn the_network_process_carries_a_guest_and_reports_it() {
         }
         other => panic!("not started: {other:?}"),
     }
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    assert!(
+        status.lines().any(|l| l == "Seccomp:\t2"),
+        "its own filter is on once it started: {status}"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

@@ -1,0 +1,156 @@
+//! The network process's own seccomp filter, on top of the jail's floor (which already kills
+//! mounts, namespaces, ptrace, BPF, module and key calls, and identity changes), installed on
+//! every thread once the stack runs: what a guest that took the process over would reach for
+//! next. It may not start a program or another process (a thread only), write or create a file, or open a socket
+//! of a family it does not use; it may still read the few files of its root (the resolver's, which
+//! the C library reads for each upstream name).
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+#[cfg(target_arch = "x86_64")]
+const ARCH: TargetArch = TargetArch::x86_64;
+#[cfg(target_arch = "aarch64")]
+const ARCH: TargetArch = TargetArch::aarch64;
+
+/// Why the filter could not be installed (the process then ends: fail closed).
+#[derive(Debug, thiserror::Error)]
+pub enum SealError {
+    /// Building it.
+    #[error("building the network process's seccomp filter: {0}")]
+    Build(String),
+    /// Installing it.
+    #[error("installing the network process's seccomp filter: {0}")]
+    Apply(String),
+}
+
+/// A rule that holds when argument `arg` has every bit of `bits` set.
+fn has_bits(arg: u8, bits: u64) -> Result<SeccompRule, seccompiler::BackendError> {
+    SeccompRule::new(vec![SeccompCondition::new(
+        arg,
+        SeccompCmpArgLen::Qword,
+        SeccompCmpOp::MaskedEq(bits),
+        bits,
+    )?])
+}
+
+/// A rule that holds when argument `arg` is not `value`, compared as a 32-bit value.
+fn not(arg: u8, value: u64) -> Result<SeccompCondition, seccompiler::BackendError> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, value)
+}
+
+/// The filter's programs: what kills the process, and what fails with an error.
+fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
+    let mut kill: BTreeMap<i64, Vec<SeccompRule>> = [
+        libc::SYS_execve,
+        libc::SYS_execveat,
+        libc::SYS_unlinkat,
+        libc::SYS_renameat2,
+        libc::SYS_linkat,
+        libc::SYS_symlinkat,
+        libc::SYS_mkdirat,
+        libc::SYS_mknodat,
+        libc::SYS_fchmodat,
+        libc::SYS_fchownat,
+        libc::SYS_fchmod,
+        libc::SYS_fchown,
+        libc::SYS_truncate,
+        libc::SYS_memfd_create,
+    ]
+    .into_iter()
+    .map(|nr| (nr, vec![]))
+    .collect();
+    #[cfg(target_arch = "x86_64")]
+    kill.extend(
+        [
+            libc::SYS_fork,
+            libc::SYS_vfork,
+            libc::SYS_unlink,
+            libc::SYS_rename,
+            libc::SYS_renameat,
+            libc::SYS_link,
+            libc::SYS_symlink,
+            libc::SYS_mkdir,
+            libc::SYS_rmdir,
+            libc::SYS_mknod,
+            libc::SYS_chmod,
+            libc::SYS_chown,
+            libc::SYS_lchown,
+            libc::SYS_creat,
+        ]
+        .into_iter()
+        .map(|nr| (nr, vec![])),
+    );
+    // A thread, never a process.
+    kill.insert(
+        libc::SYS_clone,
+        vec![SeccompRule::new(vec![SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
+            0,
+        )?])?],
+    );
+    let kill = SeccompFilter::new(kill, SeccompAction::Allow, SeccompAction::KillProcess, ARCH)?;
+
+    // Files are read, never written or made: a write flag fails with EACCES.
+    let write_flags = [
+        libc::O_WRONLY,
+        libc::O_RDWR,
+        libc::O_CREAT,
+        libc::O_TRUNC,
+        libc::O_APPEND,
+    ];
+    let writes = |arg: u8| -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
+        write_flags
+            .iter()
+            .map(|&f| has_bits(arg, f as u64))
+            .collect()
+    };
+    let mut refuse: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    refuse.insert(libc::SYS_openat, writes(2)?);
+    #[cfg(target_arch = "x86_64")]
+    refuse.insert(libc::SYS_open, writes(1)?);
+    // Sockets of the families it uses: IPv4 and IPv6 upstreams, Unix (its descriptors), netlink
+    // (the C library's resolver asks for the host's addresses).
+    refuse.insert(
+        libc::SYS_socket,
+        vec![SeccompRule::new(vec![
+            not(0, libc::AF_INET as u64)?,
+            not(0, libc::AF_INET6 as u64)?,
+            not(0, libc::AF_UNIX as u64)?,
+            not(0, libc::AF_NETLINK as u64)?,
+        ])?],
+    );
+    let refuse = SeccompFilter::new(
+        refuse,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EACCES as u32),
+        ARCH,
+    )?;
+    // `clone3`'s flags sit in memory a filter cannot read: it answers ENOSYS, and the C library
+    // falls back to `clone`, whose flags the rule above reads (the jail's floor does the same).
+    let clone3 = SeccompFilter::new(
+        [(libc::SYS_clone3, vec![])].into_iter().collect(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        ARCH,
+    )?;
+    Ok(vec![
+        kill.try_into()?,
+        refuse.try_into()?,
+        clone3.try_into()?,
+    ])
+}
+
+/// Installs the filter on every thread of the process.
+pub fn seal() -> Result<(), SealError> {
+    for p in programs().map_err(|e| SealError::Build(e.to_string()))? {
+        seccompiler::apply_filter_all_threads(&p).map_err(|e| SealError::Apply(e.to_string()))?;
+    }
+    Ok(())
+}
