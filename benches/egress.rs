@@ -10,6 +10,8 @@
 //! - What hostile connections cost: 128 connections whose upstream answers without end and whose
 //!   guest never reads, spliced and served as HTTP: the process's resident memory they add,
 //!   against what the sandbox's egress memory counts for them and its limit (issue 29, item 8).
+//! - The network process (issue 32): one flow through `sandbox-net` against the same stack in
+//!   this process, its start and its resident memory (`SANDBOX_HOST_BENCH_ONLY=process`).
 //! - Response scanning: a body streamed through the echo scan (every secret's forms looked for and
 //!   masked) against the same body copied, as a share of the stack's measured throughput; and the
 //!   flow the scan runs in, end to end: a large model-output response downloaded over
@@ -115,6 +117,20 @@ fn through_stack(total: usize, socket_buffer: usize) -> f64 {
     let got = Arc::new(AtomicU64::new(0));
     let port = sink(&rt, got.clone());
     let (_egress, mut g, addr) = start(&rt, port, socket_buffer);
+    one_flow(&mut g, addr, port, socket_buffer, total, &got)
+}
+
+/// Sends `total` bytes from `g` to the sink at `port` (which counts into `got`), through its
+/// stack wherever it runs; Gbit/s.
+fn one_flow(
+    g: &mut GuestSim,
+    addr: Ipv4Addr,
+    port: u16,
+    socket_buffer: usize,
+    total: usize,
+    got: &AtomicU64,
+) -> f64 {
+    got.store(0, Ordering::Relaxed);
     let h = g.connect(addr, port, socket_buffer);
     let head = head(port);
     let chunk = vec![0x5au8; 64 * 1024];
@@ -153,7 +169,195 @@ fn through_stack(total: usize, socket_buffer: usize) -> f64 {
         "the flow did not finish: {} of {want}",
         got.load(Ordering::Relaxed)
     );
+    g.remove(h);
     want as f64 * 8.0 / secs / 1e9
+}
+
+/// `sandbox-net` as the service starts it (unjailed here: the jail's cost is its start, measured
+/// by `benches/jail.rs`), with a guest simulated behind its frames' socket.
+struct NetChild {
+    child: std::process::Child,
+    _channel: std::os::unix::net::UnixStream,
+}
+
+impl Drop for NetChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl NetChild {
+    /// Its resident memory, KiB.
+    fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+}
+
+/// The release `sandbox-net` beside this bench (`target/release/deps/..`), if it was built.
+fn net_program() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("SANDBOX_HOST_NET_BINARY") {
+        return Some(p.into());
+    }
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("sandbox-net");
+    p.is_file().then_some(p)
+}
+
+/// Starts `sandbox-net` for a guest that may reach the sink at `port`, and the guest; the time
+/// from the spawn to its answer.
+fn process_guest(
+    rt: &tokio::runtime::Runtime,
+    program: &std::path::Path,
+    port: u16,
+) -> (NetChild, GuestSim, Ipv4Addr, Duration) {
+    use sandbox_control::line::{Reader, send};
+    use sandbox_control::net::{Event, NetConfig, Request};
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    let mac = guest_mac("bench-process");
+    let (channel, theirs) = UnixStream::pair().unwrap();
+    let (frames, their_frames) = UnixStream::pair().unwrap();
+    let t = Instant::now();
+    let child = std::process::Command::new(program)
+        .stdin(std::process::Stdio::from(OwnedFd::from(theirs)))
+        .stdout(std::process::Stdio::from(OwnedFd::from(their_frames)))
+        .spawn()
+        .expect("sandbox-net starts");
+    let cfg = NetConfig {
+        version: sandbox_control::net::VERSION,
+        sandbox: "bench".into(),
+        mac,
+        allow: vec!["sink.test".into()],
+        meter: vec![],
+        intercept_all: false,
+        meter_strict: false,
+        meter_body_max: 32 << 20,
+        secrets: vec![],
+        memory_bytes: 96 << 20,
+        resolve: format!("sink.test:{port}:127.0.0.1"),
+        upstream_ca_pem: None,
+    };
+    send(&channel, &Request::Start(cfg), None).unwrap();
+    let mut reader = Reader::new(&channel);
+    assert!(
+        matches!(reader.read::<Event>(), Ok(Some(Event::Started { .. }))),
+        "sandbox-net started"
+    );
+    let started = t.elapsed();
+    let (guest, stack) = sandbox_egress::link::link();
+    // The VM process's side of the socket: each frame as a 4-byte length and the frame.
+    frames.set_nonblocking(true).unwrap();
+    let frames = {
+        let _in = rt.enter();
+        tokio::net::UnixStream::from_std(frames).unwrap()
+    };
+    let (mut r, mut w) = frames.into_split();
+    let stack = Arc::new(stack);
+    let from_guest = stack.clone();
+    rt.spawn(async move {
+        let mut out = Vec::with_capacity(64 * 1024);
+        loop {
+            out.clear();
+            let f = from_guest.recv().await;
+            out.extend_from_slice(&(f.len() as u32).to_be_bytes());
+            out.extend_from_slice(&f);
+            while let Some(f) = from_guest.try_recv() {
+                out.extend_from_slice(&(f.len() as u32).to_be_bytes());
+                out.extend_from_slice(&f);
+                if out.len() > 60 * 1024 {
+                    break;
+                }
+            }
+            if w.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+    });
+    rt.spawn(async move {
+        let mut buf = vec![0u8; 65_600];
+        while let Ok(n) = r.read_u32().await {
+            let n = n as usize;
+            if n > buf.len() || r.read_exact(&mut buf[..n]).await.is_err() {
+                return;
+            }
+            stack.send(&buf[..n]);
+        }
+    });
+    let mut g = GuestSim::new(guest, mac);
+    let addr = g
+        .resolve("sink.test", Duration::from_secs(5))
+        .expect("the process answers DNS");
+    (
+        NetChild {
+            child,
+            _channel: channel,
+        },
+        g,
+        addr,
+        started,
+    )
+}
+
+/// Issue 32's "nothing lost": one flow through the stack in this process (as the service ran it)
+/// and through `sandbox-net` (as it runs now), interleaved; the process's start and memory.
+fn network_process(mib: usize, pairs: usize) {
+    let Some(program) = net_program() else {
+        println!(
+            "network process: skipped, no release sandbox-net beside this bench \
+             (cargo build --release -p sandbox-net --bins, or SANDBOX_HOST_NET_BINARY)"
+        );
+        return;
+    };
+    let total = mib << 20;
+    let rt = runtime();
+    let got = Arc::new(AtomicU64::new(0));
+    let port = sink(&rt, got.clone());
+    let (_egress, mut inproc, in_addr) = start(&rt, port, 64 * 1024);
+    let (child, mut g, addr, started) = process_guest(&rt, &program, port);
+    let idle_kib = child.rss_kib();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..pairs {
+        a.push(one_flow(&mut inproc, in_addr, port, 64 * 1024, total, &got));
+        b.push(one_flow(&mut g, addr, port, 64 * 1024, total, &got));
+    }
+    let busy_kib = child.rss_kib();
+    let mut starts = vec![started];
+    for _ in 0..9 {
+        starts.push(process_guest(&rt, &program, port).3);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|x, y| x.total_cmp(y));
+        v[v.len() / 2]
+    };
+    starts.sort();
+    println!(
+        "the network process (issue 32), one flow of {mib} MiB, median of {pairs} interleaved"
+    );
+    println!("| stack | Gbit/s |");
+    println!("|---|---|");
+    println!(
+        "| in the service's process (before) | {:.2} |",
+        median(&mut a)
+    );
+    println!(
+        "| in sandbox-net, frames over its socket (now) | {:.2} |",
+        median(&mut b)
+    );
+    println!(
+        "\nsandbox-net: start to answer (spawn, runtime, the system's TLS roots) median {:.1} ms \
+         of 10; resident memory {:.1} MiB idle, {:.1} MiB after the flows",
+        starts[starts.len() / 2].as_secs_f64() * 1e3,
+        idle_kib as f64 / 1024.0,
+        busy_kib as f64 / 1024.0
+    );
 }
 
 /// The same through kernel loopback.
@@ -623,6 +827,10 @@ fn main() {
     };
     // `SANDBOX_HOST_BENCH_ONLY=scan`: the response scan's rows alone (`SANDBOX_HOST_BENCH_PAIRS`
     // downloads of each kind), for issue 29's budget without the minutes the other rows take.
+    if std::env::var("SANDBOX_HOST_BENCH_ONLY").as_deref() == Ok("process") {
+        network_process(mib, 5);
+        return;
+    }
     if std::env::var("SANDBOX_HOST_BENCH_ONLY").as_deref() == Ok("scan") {
         let stack = med(&|| through_stack(total, 64 * 1024));
         scan_rows(mib, stack);
@@ -690,6 +898,8 @@ fn main() {
     hostile_connections();
     println!();
     scan_rows(mib, stack);
+    println!();
+    network_process(mib, 5);
 }
 
 /// The response scan's rows: the scan alone against a copy, and its share of an intercepted

@@ -43,7 +43,6 @@ pub struct NetProcess {
     /// The last report it gave: what the API shows once it has gone (its sandbox's VM died, or
     /// it did).
     last: Mutex<Report>,
-    staging: PathBuf,
 }
 
 struct Channel {
@@ -121,6 +120,7 @@ impl NetProcess {
             NetProcessError::Internal(format!("the sandbox's network process: {what}: {e}"))
         };
         let program = net_binary().map_err(NetProcessError::Internal)?;
+        // A staging directory for its root, named apart from the sandboxes' own.
         let staging = state_dir.join(format!("net-{id}"));
         std::fs::create_dir_all(&staging).map_err(|e| internal("its root", &e))?;
         let (sock, theirs) = UnixStream::pair().map_err(|e| internal("its channel", &e))?;
@@ -154,7 +154,11 @@ impl NetProcess {
         let jailer = sandbox_jail::global();
         let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
             .await
-            .map_err(|e| internal("the jail's spawner", &e))?
+            .map_err(|e| internal("the jail's spawner", &e));
+        // The root was built in the process's own mount namespace before the spawn returned:
+        // the host's staging directory has done its part, so nothing is left for a crash.
+        let _ = std::fs::remove_dir_all(&staging);
+        let jailed = jailed?
             .map_err(|e| internal(&format!("cannot run {} in its jail", program.display()), &e))?;
         let log_id = id.to_string();
         std::thread::spawn(move || log_lines(&log_id, log_r));
@@ -200,7 +204,6 @@ impl NetProcess {
                     broken: false,
                 }),
                 last: Mutex::new(Report::default()),
-                staging,
             }),
             vm_socket: vm_socket.into(),
             ca_pem,
@@ -227,19 +230,17 @@ impl NetProcess {
         self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Ends it (its sandbox is disposed of; dropping the last reference does the same).
+    pub fn kill(&self) {
+        self.jailed.signal(libc::SIGKILL);
+    }
+
     /// Its report, from an async context.
     pub async fn report_async(self: &Arc<Self>) -> Report {
         let me = self.clone();
         tokio::task::spawn_blocking(move || me.report())
             .await
             .unwrap_or_default()
-    }
-}
-
-impl Drop for NetProcess {
-    fn drop(&mut self) {
-        // Dropping the jailed process kills it; its root's staging directory goes too.
-        let _ = std::fs::remove_dir_all(&self.staging);
     }
 }
 

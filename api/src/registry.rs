@@ -384,6 +384,7 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
         let report = crate::egress::report(net).await;
+        net.kill();
         state.metrics().retire_egress(
             &crate::egress::refusal_counts(&report),
             &crate::egress::unmetered_counts(&report),

@@ -135,7 +135,25 @@ where
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let app = <AppState as axum::extract::FromRef<S>>::from_ref(state);
-        match axum::Json::<T>::from_request(req, state).await {
+        if !json_content_type(req.headers()) {
+            return Err(ApiError::BadRequest(
+                "send the body as JSON with Content-Type: application/json".into(),
+            ));
+        }
+        let bytes = match axum::body::Bytes::from_request(req, state).await {
+            Ok(b) => b,
+            Err(r) if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
+                return Err(too_large(&app));
+            }
+            Err(r) => return Err(ApiError::BadRequest(r.body_text())),
+        };
+        let parsed = axum::Json::<T>::from_bytes(&bytes);
+        // A create's body holds the run's secrets: overwritten once read, when this is its only
+        // reference (issue 32: the network process keeps them, the service does not).
+        if let Ok(mut owned) = bytes.try_into_mut() {
+            zeroize::Zeroize::zeroize(&mut owned[..]);
+        }
+        match parsed {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
             Err(JsonRejection::BytesRejection(r))
                 if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE =>
@@ -148,6 +166,26 @@ where
             Err(e) => Err(ApiError::BadRequest(e.body_text())),
         }
     }
+}
+
+/// Whether a request says its body is JSON, as `axum::Json` decides it (`application/json`, or
+/// any `application/*+json`).
+fn json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(ct) = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence
+        .strip_prefix("application/")
+        .is_some_and(|sub| sub == "json" || sub.ends_with("+json"))
 }
 
 /// For an optional field (`#[serde(default, deserialize_with = "present")]`): left out it is
