@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
@@ -23,7 +23,9 @@ pub const MAX_FRAME: usize = 1518;
 
 /// Moves frames between `stream` and `link` until the socket ends (end of file: `Ok`) or fails.
 pub async fn run(stream: UnixStream, link: Arc<dyn FrameLink>) -> std::io::Result<()> {
-    let (mut r, w) = stream.into_split();
+    let (r, w) = stream.into_split();
+    // Frames are small: read them from a buffer, not two system calls each.
+    let mut r = BufReader::with_capacity(64 * 1024, r);
     let ready = Arc::new(Notify::new());
     let waker = ready.clone();
     link.set_waker(Box::new(move || waker.notify_one()));

@@ -60,8 +60,10 @@ fn run() -> Result<(), String> {
         Ok(None) => return Ok(()), // the service went before it said anything
         Err(e) => return Err(format!("reading the settings: {e}")),
     };
+    // One worker: the stack is one task, and a sandbox's process on a loaded host is one of
+    // many (two workers were a tenth slower here, beside the VM's threads: benches/egress.rs).
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(1)
         .thread_name("net")
         .enable_all()
         .build()
