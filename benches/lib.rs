@@ -68,7 +68,7 @@ pub fn run_nested(runs: usize) -> ! {
         Ok(p) => p,
         Err(why) => {
             println!(
-                "skipped: {why}; build it first with `cargo build --release -p sandbox-vmm --bins`"
+                "skipped: {why}; build it first with `cargo build --release -p sandbox-vm --bins`"
             );
             std::process::exit(0);
         }

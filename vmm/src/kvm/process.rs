@@ -47,7 +47,7 @@ pub fn vm_binary() -> Result<PathBuf, String> {
         .find(|p| p.is_file())
         .ok_or_else(|| {
             format!(
-                "the VM program sandbox-vm is not beside {} (build it with `cargo build -p sandbox-vmm --bins`, \
+                "the VM program sandbox-vm is not beside {} (build it with `cargo build -p sandbox-vm --bins`, \
                  or set SANDBOX_HOST_VM_BINARY)",
                 exe.display()
             )
