@@ -74,8 +74,10 @@ struct Retired(std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>);
 impl Retired {
     fn add(&self, counts: &[(&'static str, u64)]) {
         let mut r = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Counts come from network processes a guest may have taken over: never wrapped.
         for (k, n) in counts {
-            *r.entry(k).or_default() += n;
+            let c = r.entry(k).or_default();
+            *c = c.saturating_add(*n);
         }
     }
 
@@ -83,7 +85,8 @@ impl Retired {
     fn totals(&self, live: &[(&'static str, u64)]) -> Vec<(String, u64)> {
         let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for (k, n) in live {
-            *all.entry(k).or_default() += n;
+            let c = all.entry(k).or_default();
+            *c = c.saturating_add(*n);
         }
         all.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
     }

@@ -93,8 +93,10 @@ fn host_files() -> Vec<sandbox_jail::Bind> {
         "/etc/nsswitch.conf",
         "/etc/gai.conf",
         "/etc/host.conf",
-        "/etc/ssl",
-        "/etc/pki",
+        // The roots' bundles only, never a private key directory beside them.
+        "/etc/ssl/certs",
+        "/etc/pki/ca-trust/extracted",
+        "/etc/pki/tls/certs",
         "/etc/ca-certificates",
     ]
     .into_iter()
@@ -164,8 +166,6 @@ impl NetProcess {
         std::thread::spawn(move || log_lines(&log_id, log_r));
         let mut start = Request::Start(cfg.clone());
         let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            sock.set_read_timeout(Some(START_TIMEOUT))
-                .map_err(|e| e.to_string())?;
             let sent = send(&sock, &start, None);
             if let Request::Start(cfg) = &mut start {
                 for s in &mut cfg.secrets {
@@ -173,7 +173,7 @@ impl NetProcess {
                 }
             }
             sent.map_err(|e| e.to_string())?;
-            let mut reader = Reader::with_limit(&sock, MAX_REPORT);
+            let mut reader = Reader::with_limit(&sock, MAX_REPORT).within(START_TIMEOUT);
             let event = reader.read::<Event>().map_err(|e| e.to_string())?;
             Ok((sock, reader, event))
         })
@@ -194,7 +194,7 @@ impl NetProcess {
             }
             None => return Err(internal("its start", &"it ended without an answer")),
         };
-        let _ = sock.set_read_timeout(Some(REPORT_TIMEOUT));
+        let reader = reader.within(REPORT_TIMEOUT);
         Ok(Started {
             process: Arc::new(NetProcess {
                 jailed,
@@ -259,19 +259,37 @@ fn ask(ch: &mut Channel) -> Result<Report, String> {
     }
 }
 
-/// The process's own messages, a bounded amount of them, into the service's log.
-fn log_lines(id: &str, r: std::io::PipeReader) {
-    use std::io::BufRead;
-    let mut logged = 0;
-    for line in std::io::BufReader::new(r)
-        .split(b'\n')
-        .map_while(Result::ok)
-    {
-        if logged >= MAX_LOG {
+/// The process's own messages, a bounded amount of them, into the service's log: read in fixed
+/// chunks, lines cut at 1 KiB (a process taken over by its guest could write without a line feed,
+/// without end). Past [`MAX_LOG`] bytes the rest is read slowly and dropped: the writer is held
+/// back by its full pipe, never failed (a write error to its standard error would end it).
+fn log_lines(id: &str, mut r: std::io::PipeReader) {
+    use std::io::Read;
+    let (mut line, mut chunk, mut read) = (Vec::with_capacity(1024), [0u8; 4096], 0);
+    let say = |line: &mut Vec<u8>| {
+        if !line.is_empty() {
+            tracing::warn!(id, "{}", String::from_utf8_lossy(line));
+            line.clear();
+        }
+    };
+    loop {
+        let n = match r.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if read >= MAX_LOG {
+            std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        logged += line.len();
-        let line = String::from_utf8_lossy(&line[..line.len().min(1024)]).into_owned();
-        tracing::warn!(id, "{line}");
+        read += n;
+        for &b in &chunk[..n] {
+            if b == b'\n' || line.len() == 1024 {
+                say(&mut line);
+            }
+            if b != b'\n' {
+                line.push(b);
+            }
+        }
     }
+    say(&mut line);
 }

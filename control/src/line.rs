@@ -51,6 +51,8 @@ pub struct Reader {
     /// How much of `buf` is known to hold no line feed.
     searched: usize,
     limit: usize,
+    /// How long one line may take in all, however it trickles in (`None`: no bound).
+    within: Option<std::time::Duration>,
     fds: std::collections::VecDeque<OwnedFd>,
 }
 
@@ -68,13 +70,22 @@ impl Reader {
             buf: Vec::new(),
             searched: 0,
             limit,
+            within: None,
             fds: Default::default(),
         }
+    }
+
+    /// Bounds the time each line takes in all (the socket's receive timeout is set to what is
+    /// left before each read): a peer that sends a byte at a time cannot hold a read for longer.
+    pub fn within(mut self, bound: std::time::Duration) -> Reader {
+        self.within = Some(bound);
+        self
     }
 
     /// The next line, parsed; `None` at end of file. A line longer than the limit or one that
     /// does not parse is an error. Each byte is searched for the line's end once.
     pub fn read<T: for<'de> Deserialize<'de>>(&mut self) -> io::Result<Option<T>> {
+        let deadline = self.within.map(|w| std::time::Instant::now() + w);
         loop {
             if let Some(i) = self.buf[self.searched..].iter().position(|&b| b == b'\n') {
                 let i = self.searched + i;
@@ -90,6 +101,16 @@ impl Reader {
                     io::ErrorKind::InvalidData,
                     format!("a control line longer than {} bytes", self.limit),
                 ));
+            }
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "a control line took longer than its bound",
+                    ));
+                }
+                set_receive_timeout(self.sock, left)?;
             }
             let mut chunk = [0u8; 64 * 1024];
             let n = self.recv(&mut chunk)?;
@@ -151,6 +172,30 @@ impl Reader {
             }
             Ok(n)
         }
+    }
+}
+
+/// `SO_RCVTIMEO` of `sock` (at least a millisecond: zero would mean no bound).
+fn set_receive_timeout(sock: RawFd, left: std::time::Duration) -> io::Result<()> {
+    let left = left.max(std::time::Duration::from_millis(1));
+    let tv = libc::timeval {
+        tv_sec: left.as_secs() as _,
+        tv_usec: left.subsec_micros() as _,
+    };
+    // SAFETY: setsockopt with a timeval that lives across the call.
+    let r = unsafe {
+        libc::setsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const tv).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 
@@ -253,6 +298,32 @@ mod tests {
         let mut small = Reader::with_limit(&b, 64 << 10);
         assert!(small.read::<String>().is_err(), "over the limit");
         drop(b); // the writer's last line, unread, fails
+        writer.join().unwrap();
+    }
+
+    /// A line that trickles in a byte at a time, each well within a read's timeout, is still
+    /// cut at the line's own bound.
+    #[test]
+    fn a_trickled_line_is_cut_at_its_bound() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            for _ in 0..40 {
+                if (&a).write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        });
+        let t = std::time::Instant::now();
+        let mut r = Reader::new(&b).within(std::time::Duration::from_millis(500));
+        let e = r.read::<String>().unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(1),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(b);
         writer.join().unwrap();
     }
 }

@@ -69,8 +69,9 @@ fn run() -> Result<(), String> {
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
     let _in = rt.enter();
-    let started = sandbox_net::upstream_client(cfg.upstream_ca_pem.as_deref())
-        .and_then(|client| sandbox_net::start(&cfg, client));
+    let started = sandbox_net::start(&cfg, || {
+        sandbox_net::upstream_client(cfg.upstream_ca_pem.as_deref())
+    });
     drop(cfg); // the secrets now live in the stack alone
     let running = match started {
         Ok(r) => r,

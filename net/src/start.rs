@@ -56,8 +56,12 @@ pub fn upstream_client(ca_pem: Option<&str>) -> Result<Arc<ClientConfig>, StartE
 }
 
 /// Starts the egress `cfg` describes (on the current Tokio runtime), its intercepted connections
-/// going upstream through `client`.
-pub fn start(cfg: &NetConfig, client: Arc<ClientConfig>) -> Result<Running, StartError> {
+/// going upstream through the client `client` makes (asked for only when something is
+/// intercepted: a sandbox that only splices needs no roots).
+pub fn start(
+    cfg: &NetConfig,
+    client: impl FnOnce() -> Result<Arc<ClientConfig>, StartError>,
+) -> Result<Running, StartError> {
     if cfg.version != sandbox_control::net::VERSION {
         return Err(StartError::Version {
             got: cfg.version,
@@ -109,7 +113,7 @@ pub fn start(cfg: &NetConfig, client: Arc<ClientConfig>) -> Result<Running, Star
             strict: cfg.meter_strict,
             body_max: usize::try_from(cfg.meter_body_max).unwrap_or(usize::MAX),
         };
-        let icp = Interception::new(&cfg.sandbox, &intercept, secrets, meter, policy, client)
+        let icp = Interception::new(&cfg.sandbox, &intercept, secrets, meter, policy, client()?)
             .map_err(|e| StartError::Internal(e.to_string()))?;
         ca_pem = Some(icp.ca_pem().to_string());
         env = icp.placeholders();
