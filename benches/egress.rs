@@ -264,19 +264,6 @@ fn guest_over_socket(
 /// The stack in this process behind a frames' socket, as the service ran it before issue 32 (its
 /// pump on the socket the VM process shares), with a guest on the socket's other end.
 fn in_process_over_socket(rt: &tokio::runtime::Runtime, port: u16) -> (Egress, GuestSim, Ipv4Addr) {
-    use sandbox_control::link::FrameLink;
-    struct Link(sandbox_egress::link::GuestEnd);
-    impl FrameLink for Link {
-        fn send(&self, frame: &[u8]) -> bool {
-            self.0.send(frame)
-        }
-        fn recv(&self, buf: &mut [u8]) -> Option<usize> {
-            self.0.recv(buf)
-        }
-        fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
-            self.0.set_waker(wake);
-        }
-    }
     let mac = guest_mac("bench-socket");
     let mut cfg = EgressConfig::new(mac, Allowlist::parse(["sink.test"]).unwrap());
     cfg.overrides =
@@ -291,7 +278,10 @@ fn in_process_over_socket(rt: &tokio::runtime::Runtime, port: u16) -> (Egress, G
         let _in = rt.enter();
         tokio::net::UnixStream::from_std(theirs).unwrap()
     };
-    rt.spawn(sandbox_control::pump::run(theirs, Arc::new(Link(link))));
+    rt.spawn(sandbox_control::pump::run(
+        theirs,
+        Arc::new(sandbox_net::GuestLink(link)),
+    ));
     let mut g = guest_over_socket(rt, ours, mac);
     let addr = g
         .resolve("sink.test", Duration::from_secs(5))

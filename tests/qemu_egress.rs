@@ -8,29 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sandbox_e2e::{boot_stock_with_net, sh};
-use sandbox_egress::link::GuestEnd;
 use sandbox_egress::policy::Allowlist;
 use sandbox_egress::refusal::Reason;
 use sandbox_egress::resolve::ResolveOverrides;
 use sandbox_egress::stats::Stats;
 use sandbox_egress::{Egress, EgressConfig};
-use sandbox_vmm::{FrameLink, NetAttachment};
+use sandbox_vmm::NetAttachment;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The VM's end of the link (the API has the same adapter; neither crate depends on the other).
-struct Link(GuestEnd);
-
-impl FrameLink for Link {
-    fn send(&self, frame: &[u8]) -> bool {
-        self.0.send(frame)
-    }
-    fn recv(&self, buf: &mut [u8]) -> Option<usize> {
-        self.0.recv(buf)
-    }
-    fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
-        self.0.set_waker(wake);
-    }
-}
 
 /// An HTTP/1.0 server on loopback answering every request with `body`.
 async fn serve(body: Arc<Vec<u8>>) -> u16 {
@@ -70,7 +54,7 @@ async fn the_guest_reaches_an_allowed_name_and_nothing_else() {
     let (egress, guest) = Egress::start(config);
     let net = NetAttachment {
         mac,
-        link: sandbox_vmm::NetLink::Frames(Arc::new(Link(guest))),
+        link: sandbox_vmm::NetLink::Frames(Arc::new(sandbox_net::GuestLink(guest))),
     };
     let Some(vm) = boot_stock_with_net(256, 1, net).await else {
         return;

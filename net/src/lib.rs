@@ -13,4 +13,24 @@ pub mod seal;
 pub mod start;
 
 pub use report::report;
+
+use sandbox_control::link::FrameLink;
+use sandbox_egress::link::GuestEnd;
+
+/// The stack's link as a VM's frames see it: what the pump (and an in-process VM) moves frames
+/// through. One adapter for every place that joins the two crates, which do not depend on each
+/// other.
+pub struct GuestLink(pub GuestEnd);
+
+impl FrameLink for GuestLink {
+    fn send(&self, frame: &[u8]) -> bool {
+        self.0.send(frame)
+    }
+    fn recv(&self, buf: &mut [u8]) -> Option<usize> {
+        self.0.recv(buf)
+    }
+    fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        self.0.set_waker(wake);
+    }
+}
 pub use start::{Running, StartError, start, upstream_client};

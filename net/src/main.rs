@@ -14,26 +14,10 @@ use std::sync::Arc;
 use sandbox_control::line::{Reader, send};
 use sandbox_control::link::FrameLink;
 use sandbox_control::net::{Event, Request};
-use sandbox_egress::link::GuestEnd;
 
 /// The longest message the service sends: the settings with every secret (each value at most a
 /// few KiB, a few dozen of them).
 const MAX_REQUEST: usize = 1 << 20;
-
-/// The stack's end of the guest's link, for the pump.
-struct Link(GuestEnd);
-
-impl FrameLink for Link {
-    fn send(&self, frame: &[u8]) -> bool {
-        self.0.send(frame)
-    }
-    fn recv(&self, buf: &mut [u8]) -> Option<usize> {
-        self.0.recv(buf)
-    }
-    fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
-        self.0.set_waker(wake);
-    }
-}
 
 /// Descriptor `fd` of this process (0 or 1), as a socket of its own.
 fn socket(fd: impl AsFd) -> std::io::Result<UnixStream> {
@@ -99,7 +83,7 @@ fn run() -> Result<(), String> {
         .map_err(|e| format!("the frames' socket: {e}"))?;
     let frames =
         tokio::net::UnixStream::from_std(frames).map_err(|e| format!("the frames' socket: {e}"))?;
-    let link: Arc<dyn FrameLink> = Arc::new(Link(running.guest));
+    let link: Arc<dyn FrameLink> = Arc::new(sandbox_net::GuestLink(running.guest));
     rt.spawn(async move {
         if let Err(e) = sandbox_control::pump::run(frames, link).await {
             eprintln!("sandbox-net: the guest's frames ended: {e}");
