@@ -1,12 +1,14 @@
-//! A sandbox's network process (issue 32): `sandbox-net`, jailed with a uid of its own, in the
-//! host's network namespace (it connects to upstreams) but nothing else of the host's, in a cgroup
-//! of its own bounded by the sandbox's egress memory. The service starts it with the sandbox's
-//! settings, hands the VM process the other end of its frames' socket, and from then on only asks
-//! it for reports over a bounded channel it reads as hostile (`sandbox_control::net`): the
-//! service never parses a guest's frames, and a guest that takes its network process over holds
-//! that sandbox's secrets alone.
+//! A sandbox's network process (issue 32): `sandbox-net`, jailed with a uid of its own, in new
+//! namespaces (an empty network namespace among them: it has no route anywhere), in a cgroup of
+//! its own bounded by the sandbox's egress memory. The service starts it with the sandbox's
+//! settings, hands the VM process the other end of its frames' socket, makes its upstream
+//! connections for it (`sandbox_net::dial`: only to what the sandbox's allowlist names, never to
+//! an internal address), and asks it for reports over a bounded channel it reads as hostile
+//! (`sandbox_control::net`): the service never parses a guest's frames, and a guest that takes
+//! its network process over holds that sandbox's secrets alone and reaches no more than it could
+//! before.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -20,7 +22,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a report may take.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What the process may hold besides its stack's buffers: its runtime, TLS sessions, the
-/// system's roots, the C library's resolver.
+/// system's roots.
 const ALLOWANCE: u64 = 64 << 20;
 /// The most of its messages kept for the log.
 const MAX_LOG: usize = 16 * 1024;
@@ -84,15 +86,11 @@ pub fn net_binary() -> Result<PathBuf, String> {
         })
 }
 
-/// The host's files the C library's resolver and the TLS roots are read from, where they exist:
-/// bound read-only into the process's otherwise empty root.
+/// The host's files the TLS roots are read from (before the process seals itself), where they
+/// exist: bound read-only into the process's otherwise empty root. No resolver's file: the
+/// service resolves its names.
 fn host_files() -> Vec<sandbox_jail::Bind> {
     [
-        "/etc/resolv.conf",
-        "/etc/hosts",
-        "/etc/nsswitch.conf",
-        "/etc/gai.conf",
-        "/etc/host.conf",
         // The roots' bundles only, never a private key directory beside them.
         "/etc/ssl/certs",
         "/etc/pki/ca-trust/extracted",
@@ -127,6 +125,9 @@ impl NetProcess {
         std::fs::create_dir_all(&staging).map_err(|e| internal("its root", &e))?;
         let (sock, theirs) = UnixStream::pair().map_err(|e| internal("its channel", &e))?;
         let (vm_socket, frames) = UnixStream::pair().map_err(|e| internal("its frames", &e))?;
+        let (dialer, their_dialer) = UnixStream::pair().map_err(|e| internal("its dialer", &e))?;
+        let rules =
+            sandbox_net::start::dial_rules(cfg).map_err(|e| NetProcessError::Bad(e.to_string()))?;
         let (log_r, log_w) = std::io::pipe().map_err(|e| internal("its log", &e))?;
         let cmd = sandbox_jail::Command {
             name: format!("{id}-net"),
@@ -141,7 +142,7 @@ impl NetProcess {
             }),
             limits: sandbox_jail::Limits {
                 memory_bytes: cfg.memory_bytes.saturating_add(ALLOWANCE),
-                // The runtime's two workers, its resolver threads, the channel's.
+                // The runtime's worker and blocking threads, the dialer's two, the channel's.
                 pids: 16,
                 cpu_weight: 100,
                 cpus: 2,
@@ -150,7 +151,7 @@ impl NetProcess {
             fsize: Some(0),
             keep_groups: vec![],
             seccomp: true,
-            host_network: true,
+            host_network: false,
         };
         std::fs::create_dir_all(staging.join("root")).map_err(|e| internal("its root", &e))?;
         let jailer = sandbox_jail::global();
@@ -164,9 +165,16 @@ impl NetProcess {
             .map_err(|e| internal(&format!("cannot run {} in its jail", program.display()), &e))?;
         let log_id = id.to_string();
         std::thread::spawn(move || log_lines(&log_id, log_r));
+        let pid = jailed.pid();
+        let hostile = id.to_string();
+        sandbox_net::dial::serve(dialer, rules, tokio::runtime::Handle::current(), move |e| {
+            tracing::warn!(id = hostile, pid, "a sandbox's network process: {e}");
+        })
+        .map_err(|e| internal("its dialer", &e))?;
         let mut start = Request::Start(cfg.clone());
         let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            let sent = send(&sock, &start, None);
+            let sent = send(&sock, &start, Some(their_dialer.as_raw_fd()));
+            drop(their_dialer);
             if let Request::Start(cfg) = &mut start {
                 for s in &mut cfg.secrets {
                     zeroize::Zeroize::zeroize(&mut s.value);
@@ -175,6 +183,9 @@ impl NetProcess {
             sent.map_err(|e| e.to_string())?;
             let mut reader = Reader::with_limit(&sock, MAX_REPORT).within(START_TIMEOUT);
             let event = reader.read::<Event>().map_err(|e| e.to_string())?;
+            if reader.take_fd().is_some() {
+                return Err("it sent a descriptor".into());
+            }
             Ok((sock, reader, event))
         })
         .await
@@ -194,6 +205,8 @@ impl NetProcess {
             }
             None => return Err(internal("its start", &"it ended without an answer")),
         };
+        #[cfg(target_os = "linux")]
+        sealed(pid).map_err(|e| internal("its seal", &e))?;
         let reader = reader.within(REPORT_TIMEOUT);
         Ok(Started {
             process: Arc::new(NetProcess {
@@ -244,10 +257,30 @@ impl NetProcess {
     }
 }
 
+/// Checks that the process `pid` runs under its own seccomp filter (it installs it before it
+/// answers that it started): a `sandbox-net` that did not is not trusted with a guest.
+#[cfg(target_os = "linux")]
+fn sealed(pid: u32) -> Result<(), String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|e| format!("reading its status: {e}"))?;
+    if status.lines().any(|l| l == "Seccomp:\t2") {
+        Ok(())
+    } else {
+        Err(format!(
+            "process {pid} started without its seccomp filter: it is not the sandbox-net built \
+             with this service (check SANDBOX_HOST_NET_BINARY)"
+        ))
+    }
+}
+
 /// One report over the channel, checked.
 fn ask(ch: &mut Channel) -> Result<Report, String> {
     send(&ch.sock, &Request::Report, None).map_err(|e| format!("asking for a report: {e}"))?;
-    match ch.reader.read::<Event>() {
+    let event = ch.reader.read::<Event>();
+    if ch.reader.take_fd().is_some() {
+        return Err("it sent a descriptor on its channel".into());
+    }
+    match event {
         Ok(Some(Event::Report(r))) => {
             let (reasons, unmetered) = sandbox_net::report::labels();
             r.check(&reasons, &unmetered).map_err(|e| e.to_string())?;

@@ -8,11 +8,18 @@
 //! ([`MAX_REPORT`]) into the typed messages below, and a report that does not parse is an error
 //! of that sandbox, never of the service. Everything a report holds is bounded by the process's
 //! own bounds (events, calls) and checked again by [`Report::check`].
+//!
+//! The process has no network of its own (an empty network namespace): each upstream connection
+//! it needs it asks the service for on a second socket, the dialer, which comes attached to
+//! [`Request::Start`]. The service checks the name against the sandbox's allowlist and every
+//! address it resolves to against the ranges no sandbox may reach, connects, and passes the
+//! connected socket back ([`Dial`], [`Dialed`]). A process taken over by its guest can reach no
+//! more than its guest may: never the host's loopback, a metadata service or the local network.
 
 use serde::{Deserialize, Serialize};
 
 /// The channel's version: a `sandbox-net` built from another tree is not spoken to.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// The longest line the service reads from a network process: a report with every metered call
 /// it keeps ([`MAX_CALLS`] of them, each under 2 KiB as JSON).
@@ -57,6 +64,67 @@ pub struct NetConfig {
     pub upstream_ca_pem: Option<String>,
 }
 
+/// The longest line on the dialer's socket, either way (a name is at most 253 bytes; an error
+/// says a little more).
+pub const MAX_DIAL_LINE: usize = 2048;
+
+/// From the network process to the service, on the dialer's socket: connect to `port` of `name`
+/// for the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dial {
+    /// Names the answer ([`Dialed`]): answers come in the order connections are made, not asked.
+    pub id: u64,
+    /// The name as the guest asked for it (the service checks it against the allowlist again).
+    pub name: String,
+    /// The port.
+    pub port: u16,
+}
+
+/// From the service to the network process, on the dialer's socket: the answer to [`Dial`]
+/// `id`. A connected answer carries the socket (`SCM_RIGHTS`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dialed {
+    /// The request's.
+    pub id: u64,
+    /// What came of it.
+    pub result: DialResult,
+}
+
+/// What came of a [`Dial`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DialResult {
+    /// Connected to `addr`; the socket is attached.
+    Connected {
+        /// The address connected to.
+        addr: std::net::SocketAddr,
+    },
+    /// The name did not resolve.
+    Resolve {
+        /// What the resolver said.
+        message: String,
+    },
+    /// The name resolves to an address no sandbox may reach.
+    Internal {
+        /// That address.
+        addr: std::net::SocketAddr,
+        /// Its range's label (`loopback`, `link_local`, …).
+        why: String,
+    },
+    /// No address accepted the connection.
+    Connect {
+        /// The last error.
+        message: String,
+    },
+    /// The sandbox may not reach this name or port: only a network process that no longer
+    /// follows its own allowlist asks for one.
+    NotAllowed,
+    /// More connections are being made for the sandbox at once than the service makes.
+    Busy,
+}
+
 /// One secret of [`NetConfig`].
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -89,8 +157,8 @@ impl std::fmt::Debug for SecretConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Request {
-    /// Start the sandbox's egress (the first message, once); the answer is
-    /// [`Event::Started`] or [`Event::Refused`].
+    /// Start the sandbox's egress (the first message, once), with the dialer's socket attached;
+    /// the answer is [`Event::Started`] or [`Event::Refused`].
     Start(NetConfig),
     /// Answer with [`Event::Report`].
     Report,

@@ -32,6 +32,24 @@ pub enum Blocked {
 }
 
 impl Blocked {
+    /// Every range's reason.
+    pub const ALL: [Blocked; 9] = [
+        Blocked::Unspecified,
+        Blocked::Loopback,
+        Blocked::Private,
+        Blocked::SharedNat,
+        Blocked::LinkLocal,
+        Blocked::Metadata,
+        Blocked::Multicast,
+        Blocked::Reserved,
+        Blocked::HostAddress,
+    ];
+
+    /// The reason [`Blocked::as_str`] names (a dialer's answer carries the label).
+    pub fn from_label(label: &str) -> Option<Blocked> {
+        Blocked::ALL.into_iter().find(|b| b.as_str() == label)
+    }
+
     /// The reason as a word for counters and logs.
     pub fn as_str(self) -> &'static str {
         match self {

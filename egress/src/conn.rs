@@ -17,9 +17,8 @@ use tokio::sync::{Notify, mpsc};
 use crate::decide::{Decider, Decision};
 use crate::policy::HostPattern;
 use crate::refusal::Reason;
-use crate::resolve::ResolveOverrides;
 use crate::stats::Stats;
-use crate::upstream::{self, Resolve, UpstreamError};
+use crate::upstream::{self, UpstreamError};
 
 /// Largest chunk moved in one message, each way.
 pub(crate) const CHUNK: usize = 16 * 1024;
@@ -57,8 +56,8 @@ impl Ctl {
 
 /// What every connection of one sandbox shares.
 pub(crate) struct Context {
-    pub(crate) overrides: Arc<ResolveOverrides>,
-    pub(crate) resolver: Arc<dyn Resolve>,
+    /// Who makes the upstream connections.
+    pub(crate) dial: Arc<dyn upstream::Dial>,
     pub(crate) intercept: Vec<HostPattern>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) sniff_timeout: Duration,
@@ -151,7 +150,7 @@ pub(crate) async fn run(
 ) {
     let target = format!("{name}:{port}");
     cx.connects.pace().await;
-    let upstream = match upstream::connect(&name, port, &cx.overrides, &*cx.resolver).await {
+    let upstream = match cx.dial.dial(&name, port).await {
         Ok((s, _)) => s,
         Err(e) => {
             match &e {

@@ -42,7 +42,6 @@ use crate::secrets::{LeakScanner, Secret};
 use crate::sniff::http::split_authority;
 use crate::stats::{Call, Stats};
 use crate::tls::ca::{CaError, SandboxCa};
-use crate::upstream;
 
 pub use rustls::ClientConfig;
 
@@ -930,15 +929,12 @@ impl Proxy {
             Some(t) => t,
             None => {
                 self.cx.connects.pace().await;
-                upstream::connect(
-                    &self.name,
-                    self.port,
-                    &self.cx.overrides,
-                    &*self.cx.resolver,
-                )
-                .await
-                .map_err(|e| e.to_string())?
-                .0
+                self.cx
+                    .dial
+                    .dial(&self.name, self.port)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .0
             }
         };
         let icp = match (&self.icp, self.tls) {

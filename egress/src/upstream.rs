@@ -1,6 +1,12 @@
 //! The connection out: the pinned name is resolved again at connect time (so a DNS answer that
 //! changed to an internal address since is caught), every address is checked, and the stack
 //! connects to exactly an address it checked.
+//!
+//! Who connects is a [`Dial`]: [`Direct`] here, in the process that runs the stack (tests,
+//! benches), or the service on behalf of a network process that has no network of its own
+//! (`sandbox_net::dial`), which calls [`connect`] itself.
+
+use std::sync::Arc;
 
 use std::io;
 use std::net::SocketAddr;
@@ -65,6 +71,28 @@ pub struct SystemResolver;
 impl Resolve for SystemResolver {
     async fn lookup(&self, name: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
         Ok(tokio::net::lookup_host((name, port)).await?.collect())
+    }
+}
+
+/// Makes the stack's upstream connections.
+#[async_trait]
+pub trait Dial: Send + Sync {
+    /// A connection to `port` of `name`, to an address that was checked, and that address.
+    async fn dial(&self, name: &str, port: u16) -> Result<(TcpStream, SocketAddr), UpstreamError>;
+}
+
+/// Connects from this process: [`connect`] with these overrides and this resolver.
+pub struct Direct {
+    /// The operator's overrides.
+    pub overrides: Arc<ResolveOverrides>,
+    /// The resolver of every other name.
+    pub resolver: Arc<dyn Resolve>,
+}
+
+#[async_trait]
+impl Dial for Direct {
+    async fn dial(&self, name: &str, port: u16) -> Result<(TcpStream, SocketAddr), UpstreamError> {
+        connect(name, port, &self.overrides, &*self.resolver).await
     }
 }
 

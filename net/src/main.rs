@@ -1,8 +1,10 @@
 //! `sandbox-net`: one sandbox's network process (issue 32). It is started with two sockets: the
 //! channel to the service on descriptor 0 and the guest's frames (shared with the sandbox's VM
 //! process) on descriptor 1; its messages go to descriptor 2. It reads the sandbox's settings
-//! from the channel, starts the egress stack, answers with the CA and the guest's variables, and
-//! then moves frames and answers reports until the service says stop or goes away.
+//! from the channel, with the dialer's socket attached (it has no network of its own: the
+//! service makes its upstream connections, `sandbox_net::dial`), starts the egress stack,
+//! answers with the CA and the guest's variables, and then moves frames and answers reports until
+//! the service says stop or goes away.
 
 #![forbid(unsafe_code)]
 
@@ -44,6 +46,11 @@ fn run() -> Result<(), String> {
         Ok(None) => return Ok(()), // the service went before it said anything
         Err(e) => return Err(format!("reading the settings: {e}")),
     };
+    let dialer = reader
+        .take_fd()
+        .ok_or("the settings came without the dialer's socket")?;
+    let dialer = sandbox_net::dial::Dialer::start(UnixStream::from(dialer))
+        .map_err(|e| format!("the dialer: {e}"))?;
     // One worker: the stack is one task, and a sandbox's process on a loaded host is one of
     // many (two workers were a tenth slower here, beside the VM's threads: benches/egress.rs).
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -53,7 +60,7 @@ fn run() -> Result<(), String> {
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;
     let _in = rt.enter();
-    let started = sandbox_net::start(&cfg, || {
+    let started = sandbox_net::start(&cfg, Arc::new(dialer), || {
         sandbox_net::upstream_client(cfg.upstream_ca_pem.as_deref())
     });
     drop(cfg); // the secrets now live in the stack alone

@@ -1,9 +1,9 @@
 //! The network process's own seccomp filter, on top of the jail's floor (which already kills
 //! mounts, namespaces, ptrace, BPF, module and key calls, and identity changes), installed on
 //! every thread once the stack runs: what a guest that took the process over would reach for
-//! next. It may not start a program or another process (a thread only), write or create a file, or open a socket
-//! of a family it does not use; it may still read the few files of its root (the resolver's, which
-//! the C library reads for each upstream name).
+//! next. It may not start a program or another process (a thread only), change a file, open a
+//! file or a socket, listen or connect: it works only on the descriptors it holds and the
+//! connected sockets the service hands it (`crate::dial`).
 
 use std::collections::BTreeMap;
 
@@ -26,21 +26,6 @@ pub enum SealError {
     /// Installing it.
     #[error("installing the network process's seccomp filter: {0}")]
     Apply(String),
-}
-
-/// A rule that holds when argument `arg` has every bit of `bits` set.
-fn has_bits(arg: u8, bits: u64) -> Result<SeccompRule, seccompiler::BackendError> {
-    SeccompRule::new(vec![SeccompCondition::new(
-        arg,
-        SeccompCmpArgLen::Qword,
-        SeccompCmpOp::MaskedEq(bits),
-        bits,
-    )?])
-}
-
-/// A rule that holds when argument `arg` is not `value`, compared as a 32-bit value.
-fn not(arg: u8, value: u64) -> Result<SeccompCondition, seccompiler::BackendError> {
-    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, value)
 }
 
 /// The filter's programs: what kills the process, and what fails with an error.
@@ -97,35 +82,27 @@ fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
     );
     let kill = SeccompFilter::new(kill, SeccompAction::Allow, SeccompAction::KillProcess, ARCH)?;
 
-    // Files are read, never written or made: a write flag fails with EACCES.
-    let write_flags = [
-        libc::O_WRONLY,
-        libc::O_RDWR,
-        libc::O_CREAT,
-        libc::O_TRUNC,
-        libc::O_APPEND,
-    ];
-    let writes = |arg: u8| -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
-        write_flags
-            .iter()
-            .map(|&f| has_bits(arg, f as u64))
-            .collect()
-    };
-    let mut refuse: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    refuse.insert(libc::SYS_openat, writes(2)?);
-    #[cfg(target_arch = "x86_64")]
-    refuse.insert(libc::SYS_open, writes(1)?);
-    // Sockets of the families it uses: IPv4 and IPv6 upstreams, Unix (its descriptors), netlink
-    // (the C library's resolver asks for the host's addresses).
-    refuse.insert(
+    // It opens nothing: no file (what it reads, the TLS roots, it read before the filter), no
+    // socket (its upstream connections come from the service, its channels were given to it),
+    // and it neither listens nor connects. Each fails with EACCES, which its code reports as an
+    // error of that one connection rather than dying mid-stream.
+    let mut refuse: BTreeMap<i64, Vec<SeccompRule>> = [
+        libc::SYS_openat,
+        libc::SYS_openat2,
+        libc::SYS_open_by_handle_at,
         libc::SYS_socket,
-        vec![SeccompRule::new(vec![
-            not(0, libc::AF_INET as u64)?,
-            not(0, libc::AF_INET6 as u64)?,
-            not(0, libc::AF_UNIX as u64)?,
-            not(0, libc::AF_NETLINK as u64)?,
-        ])?],
-    );
+        libc::SYS_socketpair,
+        libc::SYS_connect,
+        libc::SYS_bind,
+        libc::SYS_listen,
+        libc::SYS_accept,
+        libc::SYS_accept4,
+    ]
+    .into_iter()
+    .map(|nr| (nr, vec![]))
+    .collect();
+    #[cfg(target_arch = "x86_64")]
+    refuse.insert(libc::SYS_open, vec![]);
     let refuse = SeccompFilter::new(
         refuse,
         SeccompAction::Allow,

@@ -8,6 +8,7 @@ use sandbox_egress::link::GuestEnd;
 use sandbox_egress::policy::{Allowlist, HostPattern};
 use sandbox_egress::resolve::ResolveOverrides;
 use sandbox_egress::secrets::Secret;
+use sandbox_egress::upstream::Dial;
 use sandbox_egress::{Egress, EgressConfig};
 
 /// Why a sandbox's egress did not start.
@@ -55,11 +56,41 @@ pub fn upstream_client(ca_pem: Option<&str>) -> Result<Arc<ClientConfig>, StartE
         .map_err(|e| StartError::Internal(e.to_string()))
 }
 
-/// Starts the egress `cfg` describes (on the current Tokio runtime), its intercepted connections
-/// going upstream through the client `client` makes (asked for only when something is
-/// intercepted: a sandbox that only splices needs no roots).
+/// The names the sandbox `cfg` describes may reach: its allowlist, its meter's and its secrets'
+/// hosts.
+pub fn allowlist(cfg: &NetConfig) -> Result<Allowlist, StartError> {
+    Allowlist::parse(
+        cfg.allow
+            .iter()
+            .chain(&cfg.meter)
+            .chain(cfg.secrets.iter().flat_map(|s| &s.hosts))
+            .map(String::as_str),
+    )
+    .map_err(|e| StartError::Bad(e.to_string()))
+}
+
+fn overrides(cfg: &NetConfig) -> Result<Arc<ResolveOverrides>, StartError> {
+    Ok(Arc::new(
+        ResolveOverrides::parse(&cfg.resolve).map_err(|e| StartError::Bad(e.to_string()))?,
+    ))
+}
+
+/// What the service may connect to for the sandbox `cfg` describes
+/// ([`crate::dial::serve`]): the same allowlist and routed ports its stack follows.
+pub fn dial_rules(cfg: &NetConfig) -> Result<crate::dial::Rules, StartError> {
+    let overrides = overrides(cfg)?;
+    Ok(crate::dial::Rules {
+        allow: allowlist(cfg)?.with_routed_ports(&overrides),
+        overrides,
+    })
+}
+
+/// Starts the egress `cfg` describes (on the current Tokio runtime), its upstream connections
+/// made by `dial`, its intercepted connections going upstream through the client `client` makes
+/// (asked for only when something is intercepted: a sandbox that only splices needs no roots).
 pub fn start(
     cfg: &NetConfig,
+    dial: Arc<dyn Dial>,
     client: impl FnOnce() -> Result<Arc<ClientConfig>, StartError>,
 ) -> Result<Running, StartError> {
     if cfg.version != sandbox_control::net::VERSION {
@@ -70,14 +101,7 @@ pub fn start(
     }
     let bad = |e: &dyn std::fmt::Display| StartError::Bad(e.to_string());
     let secret_hosts = cfg.secrets.iter().flat_map(|s| &s.hosts);
-    let allow = Allowlist::parse(
-        cfg.allow
-            .iter()
-            .chain(&cfg.meter)
-            .chain(secret_hosts.clone())
-            .map(String::as_str),
-    )
-    .map_err(|e| bad(&e))?;
+    let allow = allowlist(cfg)?;
     let parse = |hs: &mut dyn Iterator<Item = &String>| {
         hs.map(|h| HostPattern::parse(h))
             .collect::<Result<Vec<_>, _>>()
@@ -90,7 +114,8 @@ pub fn start(
         intercept.extend(parse(&mut cfg.allow.iter())?);
     }
     let mut egress = EgressConfig::new(cfg.mac, allow);
-    egress.overrides = Arc::new(ResolveOverrides::parse(&cfg.resolve).map_err(|e| bad(&e))?);
+    egress.overrides = overrides(cfg)?;
+    egress.dial = Some(dial);
     egress.limits.memory = usize::try_from(cfg.memory_bytes).unwrap_or(usize::MAX);
     let (mut ca_pem, mut env) = (None, Vec::new());
     if !intercept.is_empty() {

@@ -1,12 +1,13 @@
 //! The real `sandbox-net` program, started as the service starts it (the channel on its
-//! descriptor 0, the guest's frames on 1): a simulated guest behind the frames' socket resolves an
+//! descriptor 0, the guest's frames on 1, the dialer's socket with its settings, served by the
+//! service's own dialer): a simulated guest behind the frames' socket resolves an
 //! allowed name, fetches a page from a loopback server through the process's stack, is refused a
 //! name outside its allowlist, and the report over the channel says so. Then the settings of
 //! another version, and bad settings, are refused with the error the service shows.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -53,16 +54,22 @@ fn config(port: u16) -> NetConfig {
     }
 }
 
-/// `sandbox-net` with its two sockets; the service's ends.
-fn spawn() -> (Child, UnixStream, UnixStream) {
+/// `sandbox-net` with its two sockets; the service's ends, and the dialer's two.
+fn spawn() -> (Child, UnixStream, UnixStream, (UnixStream, UnixStream)) {
     let (channel, theirs) = UnixStream::pair().unwrap();
+    let dialer = UnixStream::pair().unwrap();
     let (frames, their_frames) = UnixStream::pair().unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_sandbox-net"))
         .stdin(Stdio::from(OwnedFd::from(theirs)))
         .stdout(Stdio::from(OwnedFd::from(their_frames)))
         .spawn()
         .expect("sandbox-net starts");
-    (child, channel, frames)
+    (child, channel, frames, dialer)
+}
+
+/// Sends the settings, the dialer's socket attached, as the service does.
+fn start(channel: &UnixStream, cfg: NetConfig, dialer: &UnixStream) {
+    send(channel, &Request::Start(cfg), Some(dialer.as_raw_fd())).unwrap();
 }
 
 /// Moves frames between the guest's link and the frames' socket, as the VM process would.
@@ -106,8 +113,16 @@ fn report(channel: &UnixStream, reader: &mut Reader) -> sandbox_control::net::Re
 #[test]
 fn the_network_process_carries_a_guest_and_reports_it() {
     let port = hello_server();
-    let (mut child, channel, frames) = spawn();
-    send(&channel, &Request::Start(config(port)), None).unwrap();
+    let (mut child, channel, frames, (dial, their_dial)) = spawn();
+    start(&channel, config(port), &their_dial);
+    drop(their_dial);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let rules = sandbox_net::start::dial_rules(&config(port)).unwrap();
+    sandbox_net::dial::serve(dial, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
     let mut reader = Reader::with_limit(&channel, MAX_REPORT);
     match reader.read::<Event>().unwrap() {
         Some(Event::Started { ca_pem, env }) => {
@@ -121,11 +136,6 @@ fn the_network_process_carries_a_guest_and_reports_it() {
         status.lines().any(|l| l == "Seccomp:\t2"),
         "its own filter is on once it started: {status}"
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
     let (guest, stack) = link();
     pump(&rt, stack, frames);
     let mut g = GuestSim::new(guest, MAC);
@@ -193,8 +203,8 @@ fn settings_of_another_version_or_bad_ones_are_refused() {
             "",
         ),
     ] {
-        let (mut child, channel, _frames) = spawn();
-        send(&channel, &Request::Start(cfg), None).unwrap();
+        let (mut child, channel, _frames, (_dial, their_dial)) = spawn();
+        start(&channel, cfg, &their_dial);
         let mut reader = Reader::new(&channel);
         match reader.read::<Event>().unwrap() {
             Some(Event::Refused {
@@ -208,4 +218,13 @@ fn settings_of_another_version_or_bad_ones_are_refused() {
         }
         assert!(!child.wait().unwrap().success());
     }
+}
+
+#[test]
+fn settings_without_the_dialer_are_refused() {
+    let (mut child, channel, _frames, _dialer) = spawn();
+    send(&channel, &Request::Start(config(1)), None).unwrap();
+    assert!(!child.wait().unwrap().success(), "it ends with an error");
+    let mut reader = Reader::new(&channel);
+    assert!(matches!(reader.read::<Event>(), Ok(None)), "no answer");
 }

@@ -1,7 +1,8 @@
 //! The network process's own filter, tried from inside a process that installed it: this test
 //! binary runs itself as the payload (`SANDBOX_NET_SEAL_PAYLOAD`), seals, and tries what a guest
-//! that took the process over would try next. Reading a file and opening an upstream socket still
-//! work; writing a file and a packet socket fail with EACCES; starting a program kills it.
+//! that took the process over would try next. A thread still starts and a pipe it holds still
+//! carries bytes; opening a file (to read or to write), opening a socket of any family, listening
+//! and connecting fail with EACCES; starting a program kills it.
 
 #![cfg(target_os = "linux")]
 
@@ -15,18 +16,45 @@ fn payload() {
         return;
     }
     let dir = std::env::var(PAYLOAD).unwrap();
+    // A socket made before the filter, as the service's connected sockets are.
+    let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
     sandbox_net::seal::seal().expect("sealed");
     // What it still does.
-    std::fs::read_to_string("/proc/self/status").expect("a file can be read");
-    std::net::UdpSocket::bind("127.0.0.1:0").expect("an IPv4 socket");
+    use std::io::{Read, Write};
+    std::thread::spawn(move || a.write_all(b"ok").unwrap())
+        .join()
+        .expect("a thread starts");
+    let mut two = [0u8; 2];
+    b.read_exact(&mut two)
+        .expect("a socket it holds still works");
     // What it may no longer do.
-    let wrote = std::fs::File::create(format!("{dir}/made"));
-    assert_eq!(
-        wrote.err().and_then(|e| e.raw_os_error()),
-        Some(libc::EACCES),
-        "a file cannot be made"
+    let eacces = |what: &str, e: std::io::Error| {
+        assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{what}: {e}");
+    };
+    eacces(
+        "a file cannot be made",
+        std::fs::File::create(format!("{dir}/made")).unwrap_err(),
     );
-    // SAFETY: a plain socket call; the descriptor, if any, is closed at once.
+    eacces(
+        "a file cannot be read",
+        std::fs::read_to_string("/proc/self/status").unwrap_err(),
+    );
+    eacces(
+        "no IPv4 socket",
+        std::net::UdpSocket::bind("127.0.0.1:0").unwrap_err(),
+    );
+    eacces(
+        "no connection to the host's loopback",
+        std::net::TcpStream::connect(("127.0.0.1", port)).unwrap_err(),
+    );
+    eacces(
+        "no Unix socket",
+        std::os::unix::net::UnixStream::pair().unwrap_err(),
+    );
+    eacces("no accept", listener.accept().unwrap_err());
+    // SAFETY: plain socket calls; a descriptor, if any, is never used.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
     assert_eq!(
         (fd, std::io::Error::last_os_error().raw_os_error()),

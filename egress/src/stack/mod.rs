@@ -25,7 +25,7 @@ use crate::policy::{Allowlist, HostPattern};
 use crate::refusal::Reason;
 use crate::resolve::ResolveOverrides;
 use crate::stats::Stats;
-use crate::upstream::{Resolve, SystemResolver};
+use crate::upstream::{Dial, Direct, SystemResolver};
 
 use crate::phy::Device;
 
@@ -90,8 +90,9 @@ pub struct EgressConfig {
     pub intercept: Vec<HostPattern>,
     /// The operator's resolution overrides (`SANDBOX_HOST_EGRESS_RESOLVE`).
     pub overrides: Arc<ResolveOverrides>,
-    /// The resolver for every other name.
-    pub resolver: Arc<dyn Resolve>,
+    /// Who makes the upstream connections (`None`: this process, with `overrides` and the
+    /// system's resolver; a network process without a network of its own asks the service).
+    pub dial: Option<Arc<dyn Dial>>,
     /// Bounds.
     pub limits: Limits,
     /// TLS interception of the secret and meter hosts (the names in `intercept`).
@@ -106,7 +107,7 @@ impl EgressConfig {
             allow,
             intercept: Vec::new(),
             overrides: Arc::default(),
-            resolver: Arc::new(SystemResolver),
+            dial: None,
             limits: Limits::default(),
             interception: None,
         }
@@ -238,8 +239,12 @@ impl Stack {
         let allow = config.allow.with_routed_ports(&config.overrides);
         let gate = Gate::with_refusals(config.guest_mac, allow, stats.refusal_log());
         let cx = Arc::new(Context {
-            overrides: config.overrides,
-            resolver: config.resolver,
+            dial: config.dial.unwrap_or_else(|| {
+                Arc::new(Direct {
+                    overrides: config.overrides.clone(),
+                    resolver: Arc::new(SystemResolver),
+                })
+            }),
             intercept: config.intercept,
             stats,
             sniff_timeout: config.limits.sniff_timeout,

@@ -1,0 +1,299 @@
+//! Upstream connections for a network process that has no network of its own.
+//!
+//! `sandbox-net` runs in an empty network namespace: were a guest to take it over, it would find
+//! no route to the host's loopback, a cloud metadata service or the local network. Each upstream
+//! connection its stack needs it asks for over the dialer's socket ([`Dialer`], in the network
+//! process); the service answers ([`serve`]): it checks the name and port against the sandbox's
+//! allowlist, resolves the name itself and checks every address
+//! ([`sandbox_egress::upstream::connect`]), connects, and passes the connected socket back. The
+//! service never reads what flows over that socket.
+//!
+//! Both sides read the other as hostile: lines are bounded ([`MAX_DIAL_LINE`]), the service
+//! makes at most [`MAX_DIALS`] connections of one sandbox at once and refuses a descriptor sent
+//! its way, and the network process waits at most [`DIAL_TIMEOUT`] for an answer.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sandbox_control::line::{Reader, send};
+use sandbox_control::net::{Dial, DialResult, Dialed, MAX_DIAL_LINE};
+use sandbox_egress::addr::Blocked;
+use sandbox_egress::policy::Allowlist;
+use sandbox_egress::resolve::ResolveOverrides;
+use sandbox_egress::upstream::{self, SystemResolver, UpstreamError};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+/// Connections the service makes for one sandbox at once; more are answered
+/// [`DialResult::Busy`] (the stack itself holds far fewer: `SANDBOX_UPSTREAM_CONNECTIONS`).
+pub const MAX_DIALS: usize = 64;
+/// How long the network process waits for an answer: the service's own bounds (resolving,
+/// then connecting) and a margin.
+pub const DIAL_TIMEOUT: Duration = upstream::RESOLVE_TIMEOUT
+    .saturating_add(upstream::CONNECT_TIMEOUT)
+    .saturating_add(Duration::from_secs(5));
+
+/// An answer as the network process takes it: the result, and the socket that came with it.
+type Answer = (DialResult, Option<OwnedFd>);
+/// An answer as the service sends it.
+type Reply = (Dialed, Option<OwnedFd>);
+
+/// The network process's side: asks the service for each upstream connection.
+pub struct Dialer {
+    /// Requests, to the thread that writes them.
+    requests: SyncSender<Dial>,
+    /// Answers awaited, by request id.
+    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>,
+    next: AtomicU64,
+}
+
+impl Dialer {
+    /// Starts the threads that write requests to `sock` and read its answers (the stack's
+    /// runtime never blocks on the socket).
+    pub fn start(sock: UnixStream) -> io::Result<Dialer> {
+        let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>> = Arc::default();
+        let (requests, rx) = sync_channel::<Dial>(MAX_DIALS);
+        let writer = sock.try_clone()?;
+        std::thread::Builder::new()
+            .name("dial-out".into())
+            .spawn(move || {
+                for d in rx {
+                    if send(&writer, &d, None).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        let answers = pending.clone();
+        std::thread::Builder::new()
+            .name("dial-in".into())
+            .spawn(move || {
+                let mut reader = Reader::with_limit(&sock, MAX_DIAL_LINE);
+                while let Ok(Some(d)) = reader.read::<Dialed>() {
+                    let fd = match d.result {
+                        DialResult::Connected { .. } => reader.take_fd(),
+                        _ => None,
+                    };
+                    let waiter = answers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&d.id);
+                    if let Some(w) = waiter {
+                        let _ = w.send((d.result, fd));
+                    }
+                }
+                // The service has gone: every waiting dial fails now, and every later one at
+                // once (its request cannot be written).
+                answers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            })?;
+        Ok(Dialer {
+            requests,
+            pending,
+            next: AtomicU64::new(1),
+        })
+    }
+
+    fn forget(&self, id: u64) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+}
+
+fn failed(name: &str, message: impl Into<String>) -> UpstreamError {
+    UpstreamError::Connect {
+        name: name.to_string(),
+        source: io::Error::other(message.into()),
+    }
+}
+
+#[async_trait]
+impl upstream::Dial for Dialer {
+    async fn dial(&self, name: &str, port: u16) -> Result<(TcpStream, SocketAddr), UpstreamError> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        let request = Dial {
+            id,
+            name: name.to_string(),
+            port,
+        };
+        if let Err(e) = self.requests.try_send(request) {
+            self.forget(id);
+            return Err(failed(
+                name,
+                match e {
+                    TrySendError::Full(_) => "too many connections are being made at once",
+                    TrySendError::Disconnected(_) => "the service's dialer has gone",
+                },
+            ));
+        }
+        let answer = match tokio::time::timeout(DIAL_TIMEOUT, rx).await {
+            Ok(Ok(a)) => a,
+            Ok(Err(_)) => return Err(failed(name, "the service's dialer has gone")),
+            Err(_) => {
+                self.forget(id);
+                return Err(failed(name, "the service did not answer in time"));
+            }
+        };
+        match answer {
+            (DialResult::Connected { addr }, Some(fd)) => {
+                let s = std::net::TcpStream::from(fd);
+                s.set_nonblocking(true)
+                    .map_err(|e| failed(name, e.to_string()))?;
+                let s = TcpStream::from_std(s).map_err(|e| failed(name, e.to_string()))?;
+                Ok((s, addr))
+            }
+            (DialResult::Connected { .. }, None) => {
+                Err(failed(name, "the service's answer came without its socket"))
+            }
+            (DialResult::Resolve { message }, _) => Err(UpstreamError::Resolve {
+                name: name.to_string(),
+                source: io::Error::other(message),
+            }),
+            (DialResult::Internal { addr, why }, _) => match Blocked::from_label(&why) {
+                Some(why) => Err(UpstreamError::Internal {
+                    name: name.to_string(),
+                    addr,
+                    why,
+                }),
+                None => Err(failed(name, format!("{addr} is refused ({why})"))),
+            },
+            (DialResult::Connect { message }, _) => Err(failed(name, message)),
+            (DialResult::NotAllowed, _) => Err(failed(
+                name,
+                "the service refused it: not in the sandbox's allowlist",
+            )),
+            (DialResult::Busy, _) => Err(failed(
+                name,
+                "the service is making too many connections for this sandbox at once",
+            )),
+        }
+    }
+}
+
+/// What the service may connect to for one sandbox.
+pub struct Rules {
+    /// The sandbox's allowlist, with the operator's routed ports.
+    pub allow: Allowlist,
+    /// The operator's resolution overrides.
+    pub overrides: Arc<ResolveOverrides>,
+}
+
+/// Why the service stopped answering a network process's dials.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Starting its threads.
+    #[error("starting the dialer's threads: {0}")]
+    Start(#[from] io::Error),
+}
+
+/// The service's side: answers the dials of one network process on `sock` until it goes away,
+/// making the connections on `rt`. Returns once its threads run.
+pub fn serve(
+    sock: UnixStream,
+    rules: Rules,
+    rt: tokio::runtime::Handle,
+    on_violation: impl FnOnce(String) + Send + 'static,
+) -> Result<(), ServeError> {
+    let (answers, rx) = sync_channel::<Reply>(MAX_DIALS);
+    let writer = sock.try_clone()?;
+    std::thread::Builder::new()
+        .name("dialer-out".into())
+        .spawn(move || {
+            for (d, fd) in rx {
+                if send(&writer, &d, fd.as_ref().map(AsRawFd::as_raw_fd)).is_err() {
+                    return;
+                }
+            }
+        })?;
+    let rules = Arc::new(rules);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_DIALS));
+    std::thread::Builder::new()
+        .name("dialer-in".into())
+        .spawn(move || {
+            let mut reader = Reader::with_limit(&sock, MAX_DIAL_LINE);
+            loop {
+                let d = match reader.read::<Dial>() {
+                    Ok(Some(d)) => d,
+                    Ok(None) => return,
+                    Err(e) => return on_violation(format!("its dialer's request: {e}")),
+                };
+                if reader.take_fd().is_some() {
+                    return on_violation("it sent a descriptor to the dialer".into());
+                }
+                let reply = |result| (Dialed { id: d.id, result }, None);
+                let name = match sandbox_egress::policy::normalize(&d.name) {
+                    Some(n) if rules.allow.allows_port(&n, d.port) => n,
+                    _ => {
+                        if answers.send(reply(DialResult::NotAllowed)).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    if answers.send(reply(DialResult::Busy)).is_err() {
+                        return;
+                    }
+                    continue;
+                };
+                let (answers, rules) = (answers.clone(), rules.clone());
+                rt.spawn(async move {
+                    let answer = connect(d.id, &name, d.port, &rules).await;
+                    // The slot is given back once the answer is queued: the queue never holds
+                    // more than MAX_DIALS, so this never waits.
+                    let _ = answers.send(answer);
+                    drop(slot);
+                });
+            }
+        })?;
+    Ok(())
+}
+
+/// One connection, as the answer to request `id`.
+async fn connect(id: u64, name: &str, port: u16, rules: &Rules) -> Reply {
+    let result = upstream::connect(name, port, &rules.overrides, &SystemResolver).await;
+    let (result, fd) = match result {
+        Ok((s, addr)) => match s.into_std() {
+            Ok(s) => (DialResult::Connected { addr }, Some(OwnedFd::from(s))),
+            Err(e) => (
+                DialResult::Connect {
+                    message: e.to_string(),
+                },
+                None,
+            ),
+        },
+        Err(UpstreamError::Resolve { source, .. }) => (
+            DialResult::Resolve {
+                message: source.to_string(),
+            },
+            None,
+        ),
+        Err(UpstreamError::Internal { addr, why, .. }) => (
+            DialResult::Internal {
+                addr,
+                why: why.as_str().to_string(),
+            },
+            None,
+        ),
+        Err(UpstreamError::Connect { source, .. }) => (
+            DialResult::Connect {
+                message: source.to_string(),
+            },
+            None,
+        ),
+    };
+    (Dialed { id, result }, fd)
+}

@@ -1,0 +1,140 @@
+//! The service's dialer, asked by a network process that its guest took over (this test plays
+//! it, over a real socket pair): what the sandbox may reach is connected and its socket arrives;
+//! a name or a port outside the allowlist, an address spelled as a name, and a name that resolves
+//! to the local network are refused; a descriptor sent to the service ends the dialer.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use sandbox_control::line::{Reader, send};
+use sandbox_control::net::{Dial, DialResult, Dialed, NetConfig};
+
+fn config(allow: &[&str], resolve: &str) -> NetConfig {
+    NetConfig {
+        version: sandbox_control::net::VERSION,
+        sandbox: "dial-test".into(),
+        mac: [2, 0, 0, 0, 0, 1],
+        allow: allow.iter().map(|s| s.to_string()).collect(),
+        meter: vec![],
+        intercept_all: false,
+        meter_strict: false,
+        meter_body_max: 1 << 20,
+        secrets: vec![],
+        memory_bytes: 1 << 20,
+        resolve: resolve.into(),
+        upstream_ca_pem: None,
+    }
+}
+
+/// The service's dialer for `cfg`, and the network process's end; violations come on the
+/// receiver.
+fn dialer(
+    rt: &tokio::runtime::Runtime,
+    cfg: &NetConfig,
+) -> (UnixStream, Reader, mpsc::Receiver<String>) {
+    let (service, process) = UnixStream::pair().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let rules = sandbox_net::start::dial_rules(cfg).unwrap();
+    sandbox_net::dial::serve(service, rules, rt.handle().clone(), move |e| {
+        let _ = tx.send(e);
+    })
+    .unwrap();
+    let reader = Reader::with_limit(&process, sandbox_control::net::MAX_DIAL_LINE)
+        .within(Duration::from_secs(30));
+    (process, reader, rx)
+}
+
+fn ask(sock: &UnixStream, reader: &mut Reader, id: u64, name: &str, port: u16) -> Dialed {
+    let d = Dial {
+        id,
+        name: name.into(),
+        port,
+    };
+    send(sock, &d, None).unwrap();
+    reader.read::<Dialed>().unwrap().expect("an answer")
+}
+
+#[test]
+fn the_service_connects_only_what_the_sandbox_may_reach() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in server.incoming().flatten() {
+            let _ = s.write_all(b"hi");
+        }
+    });
+    let cfg = config(
+        &["local.test", "private.test"],
+        &format!("local.test:{port}:127.0.0.1,private.test:443:10.0.0.1"),
+    );
+    let (sock, mut reader, violations) = dialer(&rt, &cfg);
+
+    // An allowed name on its routed port: connected, and the socket carries its bytes.
+    let d = ask(&sock, &mut reader, 1, "Local.Test.", port);
+    assert_eq!(d.id, 1);
+    assert!(
+        matches!(d.result, DialResult::Connected { addr } if addr.port() == port),
+        "{d:?}"
+    );
+    let mut s = std::net::TcpStream::from(reader.take_fd().expect("the socket came"));
+    let mut hi = [0u8; 2];
+    s.read_exact(&mut hi).unwrap();
+    assert_eq!(&hi, b"hi");
+
+    // What the guest may not reach is never connected, whatever the process asks.
+    for (id, name, p) in [
+        (2, "other.test", 443),     // not in the allowlist
+        (3, "local.test", 22),      // not a port of it
+        (4, "127.0.0.1", port),     // an address, not a name
+        (5, "169.254.169.254", 80), // the metadata service, spelled as an address
+        (6, "", 443),
+        (7, &"a".repeat(300) as &str, 443),
+    ] {
+        let d = ask(&sock, &mut reader, id, name, p);
+        assert_eq!(
+            (d.id, &d.result),
+            (id, &DialResult::NotAllowed),
+            "{name}:{p}"
+        );
+        assert!(reader.take_fd().is_none());
+    }
+    // An allowed name routed to the local network (only loopback may be routed, for tests).
+    let d = ask(&sock, &mut reader, 8, "private.test", 443);
+    assert!(
+        matches!(&d.result, DialResult::Internal { why, .. } if why == "private"),
+        "{d:?}"
+    );
+    assert!(reader.take_fd().is_none());
+    assert!(violations.try_recv().is_err(), "nothing hostile yet");
+
+    // A descriptor sent to the service: it stops answering, and says so.
+    let d = Dial {
+        id: 9,
+        name: "local.test".into(),
+        port,
+    };
+    send(&sock, &d, Some(sock.as_raw_fd())).unwrap();
+    let said = violations
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the violation is reported");
+    assert!(said.contains("descriptor"), "{said}");
+    assert!(
+        matches!(reader.read::<Dialed>(), Ok(None)),
+        "the dialer has closed its end"
+    );
+}
+
+#[test]
+fn a_line_that_is_not_a_request_ends_the_dialer() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut sock, mut reader, violations) = dialer(&rt, &config(&["local.test"], ""));
+    sock.write_all(&[b'x'; 4096]).unwrap();
+    let said = violations.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(said.contains("longer than"), "{said}");
+    assert!(matches!(reader.read::<Dialed>(), Ok(None)));
+}
