@@ -143,6 +143,11 @@ pub async fn report(net: &Arc<NetProcess>) -> Report {
     net.report_async().await
 }
 
+/// The counts of a sandbox's network process now (a report without its lists).
+pub async fn counts(net: &Arc<NetProcess>) -> Report {
+    net.counts_async().await
+}
+
 /// A report's count of `label` (0 when it lists none).
 fn count(list: &[(String, u64)], label: &str) -> u64 {
     list.iter().find(|(l, _)| l == label).map_or(0, |(_, n)| *n)

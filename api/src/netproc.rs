@@ -227,12 +227,31 @@ impl NetProcess {
     /// Its report now (blocking, bounded by [`REPORT_TIMEOUT`]); the last good one when it does
     /// not answer, or answers with what is not a report within its bounds.
     pub fn report(&self) -> Report {
+        self.ask_for(Request::Report)
+    }
+
+    /// Its counts now, without the lists of a report (what `/metrics` reads), as
+    /// [`NetProcess::report`] otherwise.
+    pub fn counts(&self) -> Report {
+        self.ask_for(Request::Counts)
+    }
+
+    fn ask_for(&self, request: Request) -> Report {
         let mut ch = self.channel.lock().unwrap_or_else(|e| e.into_inner());
         if !ch.broken {
-            match ask(&mut ch) {
-                Ok(r) => {
+            let full = matches!(request, Request::Report);
+            match ask(&mut ch, &request) {
+                Ok(r) if full => {
                     *self.last.lock().unwrap_or_else(|e| e.into_inner()) = r.clone();
                     return r;
+                }
+                Ok(r) if r.events.is_empty() && r.usage.calls.is_empty() => return r,
+                Ok(_) => {
+                    ch.broken = true;
+                    tracing::warn!(
+                        pid = self.jailed.pid(),
+                        "a sandbox's network process answered a request for counts with lists"
+                    );
                 }
                 Err(e) => {
                     ch.broken = true;
@@ -255,6 +274,14 @@ impl NetProcess {
             .await
             .unwrap_or_default()
     }
+
+    /// Its counts, from an async context.
+    pub async fn counts_async(self: &Arc<Self>) -> Report {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.counts())
+            .await
+            .unwrap_or_default()
+    }
 }
 
 /// Checks that the process `pid` runs under its own seccomp filter (it installs it before it
@@ -274,8 +301,8 @@ fn sealed(pid: u32) -> Result<(), String> {
 }
 
 /// One report over the channel, checked.
-fn ask(ch: &mut Channel) -> Result<Report, String> {
-    send(&ch.sock, &Request::Report, None).map_err(|e| format!("asking for a report: {e}"))?;
+fn ask(ch: &mut Channel, request: &Request) -> Result<Report, String> {
+    send(&ch.sock, request, None).map_err(|e| format!("asking for a report: {e}"))?;
     let event = ch.reader.read::<Event>();
     if ch.reader.take_fd().is_some() {
         return Err("it sent a descriptor on its channel".into());

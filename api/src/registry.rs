@@ -36,6 +36,14 @@ pub struct SecretSpec {
     pub wildcard: bool,
 }
 
+impl Drop for SecretSpec {
+    /// The value is overwritten wherever a copy ends, a create that fails or is cancelled
+    /// midway (its client went away) included.
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.value);
+    }
+}
+
 impl std::fmt::Debug for SecretSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SecretSpec")

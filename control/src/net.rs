@@ -28,6 +28,10 @@ pub const MAX_REPORT: usize = 24 << 20;
 pub const MAX_CALLS: usize = 10_000;
 /// The most refusal events a report lists.
 pub const MAX_EVENTS: usize = 256;
+/// The most labels a count by label lists (the service's own lists are shorter).
+pub const MAX_LABELS: usize = 64;
+/// The most server-side tools a call lists.
+pub const MAX_TOOLS: usize = 16;
 /// The longest string a report holds in bytes (a target, a host, a model name: the egress keeps
 /// at most 256 characters of what a provider says, up to four bytes each).
 pub const MAX_STRING: usize = 1024;
@@ -143,6 +147,14 @@ pub struct SecretConfig {
     pub wildcard: bool,
 }
 
+impl Drop for SecretConfig {
+    /// The value is overwritten wherever a copy of the settings ends, on every path (a start
+    /// that failed, a create cancelled by its client going away).
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.value);
+    }
+}
+
 impl std::fmt::Debug for SecretConfig {
     /// Never the value: a debug print of a config lands in logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -162,6 +174,9 @@ pub enum Request {
     Start(NetConfig),
     /// Answer with [`Event::Report`].
     Report,
+    /// Answer with [`Event::Report`] without its lists (no refusal events, no calls): the counts
+    /// `/metrics` reads of every sandbox on each scrape.
+    Counts,
     /// Stop: the process ends.
     Stop,
 }
@@ -195,8 +210,10 @@ pub enum Event {
 #[serde(deny_unknown_fields)]
 pub struct Report {
     /// Refusals by reason label, every reason the process knows (zeros included).
+    #[serde(deserialize_with = "bounded::counts::<_, MAX_LABELS>")]
     pub refusals: Vec<(String, u64)>,
     /// The most recent refusals, oldest first.
+    #[serde(deserialize_with = "bounded::list::<_, _, MAX_EVENTS>")]
     pub events: Vec<Refusal>,
     /// Refusals let go from `events`.
     pub events_dropped: u64,
@@ -235,8 +252,10 @@ pub struct Refusal {
     /// When, in milliseconds since the Unix epoch.
     pub at_ms: u64,
     /// Why (a reason label).
+    #[serde(deserialize_with = "bounded::string")]
     pub reason: String,
     /// What the guest asked for.
+    #[serde(deserialize_with = "bounded::string")]
     pub target: String,
 }
 
@@ -245,6 +264,7 @@ pub struct Refusal {
 #[serde(deny_unknown_fields)]
 pub struct Usage {
     /// The most recent calls, oldest first.
+    #[serde(deserialize_with = "bounded::list::<_, _, MAX_CALLS>")]
     pub calls: Vec<Call>,
     /// Calls let go from `calls`.
     pub calls_dropped: u64,
@@ -261,6 +281,7 @@ pub struct Usage {
     /// Billed cost in USD, when any call reported one.
     pub billed_cost_usd: Option<f64>,
     /// Calls whose usage could not be read, by reason label (every reason, zeros included).
+    #[serde(deserialize_with = "bounded::counts::<_, MAX_LABELS>")]
     pub unmetered: Vec<(String, u64)>,
 }
 
@@ -271,12 +292,14 @@ pub struct Call {
     /// When its body ended, in milliseconds since the Unix epoch.
     pub at_ms: u64,
     /// The host that answered.
+    #[serde(deserialize_with = "bounded::string")]
     pub host: String,
     /// Its HTTP status.
     pub status: u16,
     /// Whether the body ended normally.
     pub complete: bool,
     /// Why a successful call's usage could not be read (a label).
+    #[serde(deserialize_with = "bounded::opt_string")]
     pub unmetered: Option<String>,
     /// The usage it reported, if it did.
     pub usage: Option<CallUsage>,
@@ -287,12 +310,15 @@ pub struct Call {
 #[serde(deny_unknown_fields)]
 pub struct CallUsage {
     /// `anthropic`, `openai`, `openrouter` or `google`.
+    #[serde(deserialize_with = "bounded::string")]
     pub provider: String,
     /// Whether the output tokens are the host's own lower bound.
     pub estimated: bool,
     /// The provider's response id.
+    #[serde(deserialize_with = "bounded::opt_string")]
     pub response_id: Option<String>,
     /// The model that answered.
+    #[serde(deserialize_with = "bounded::opt_string")]
     pub model: Option<String>,
     /// Input tokens.
     pub input_tokens: u64,
@@ -305,8 +331,10 @@ pub struct CallUsage {
     /// The billed cost, when reported.
     pub cost: Option<f64>,
     /// The service tier.
+    #[serde(deserialize_with = "bounded::opt_string")]
     pub service_tier: Option<String>,
     /// Server-side tools run, each with its count.
+    #[serde(deserialize_with = "bounded::counts::<_, MAX_TOOLS>")]
     pub server_tool_use: Vec<(String, u64)>,
     /// Cache writes of five minutes.
     pub cache_write_5m_tokens: Option<u64>,
@@ -379,12 +407,94 @@ impl Report {
                     .is_some_and(|u| !unmetered.contains(&u))
                     || c.usage
                         .as_ref()
-                        .is_some_and(|u| u.server_tool_use.len() > 16)
+                        .is_some_and(|u| u.server_tool_use.len() > MAX_TOOLS)
             })
         {
             return fail("has an unknown label".into());
         }
         Ok(())
+    }
+}
+
+/// Deserializers that refuse a list or a string over its bound while the report is parsed,
+/// before anything is allocated for it: a report line of [`MAX_REPORT`] bytes from a network
+/// process taken over by its guest cannot become more memory in the service than its own length.
+mod bounded {
+    use std::marker::PhantomData;
+
+    use serde::de::{Deserialize, Deserializer, Error, SeqAccess, Visitor};
+
+    use super::MAX_STRING;
+
+    /// A string of at most [`MAX_STRING`] bytes.
+    pub(super) struct Str(pub(super) String);
+
+    impl<'de> Deserialize<'de> for Str {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Str, D::Error> {
+            struct V;
+            impl Visitor<'_> for V {
+                type Value = Str;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    write!(f, "a string of at most {MAX_STRING} bytes")
+                }
+                fn visit_str<E: Error>(self, v: &str) -> Result<Str, E> {
+                    if v.len() > MAX_STRING {
+                        return Err(E::custom(format!(
+                            "a string longer than {MAX_STRING} bytes"
+                        )));
+                    }
+                    Ok(Str(v.to_string()))
+                }
+            }
+            d.deserialize_str(V)
+        }
+    }
+
+    /// A list of at most `N` items.
+    pub(super) fn list<'de, D, T, const N: usize>(d: D) -> Result<Vec<T>, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Deserialize<'de>,
+    {
+        struct V<T, const N: usize>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>, const N: usize> Visitor<'de> for V<T, N> {
+            type Value = Vec<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "a list of at most {N} items")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+                let mut v = Vec::new();
+                while let Some(x) = seq.next_element()? {
+                    if v.len() == N {
+                        return Err(A::Error::custom(format!("a list longer than {N} items")));
+                    }
+                    v.push(x);
+                }
+                Ok(v)
+            }
+        }
+        d.deserialize_seq(V::<T, N>(PhantomData))
+    }
+
+    /// A string of at most [`MAX_STRING`] bytes.
+    pub(super) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        Ok(Str::deserialize(d)?.0)
+    }
+
+    /// An optional string of at most [`MAX_STRING`] bytes.
+    pub(super) fn opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Option::<Str>::deserialize(d)?.map(|s| s.0))
+    }
+
+    /// Counts by label: at most `N`, each label at most [`MAX_STRING`] bytes.
+    pub(super) fn counts<'de, D, const N: usize>(d: D) -> Result<Vec<(String, u64)>, D::Error>
+    where
+        D: Deserializer<'de>,
+    {
+        Ok(list::<D, (Str, u64), N>(d)?
+            .into_iter()
+            .map(|(l, n)| (l.0, n))
+            .collect())
     }
 }
 
@@ -426,6 +536,85 @@ mod tests {
             ..Default::default()
         });
         assert!(r.check(&reasons, &unmetered).is_err(), "unknown unmetered");
+    }
+
+    #[test]
+    fn a_report_over_its_bounds_is_refused_while_it_is_parsed() {
+        let parse = |r: &Report| serde_json::from_str::<Report>(&serde_json::to_string(r)?);
+        let event = Refusal {
+            at_ms: 1,
+            reason: "udp".into(),
+            target: "x".into(),
+        };
+        let ok = Report {
+            events: vec![event.clone(); MAX_EVENTS],
+            refusals: vec![("udp".into(), 1); MAX_LABELS],
+            ..Default::default()
+        };
+        assert_eq!(parse(&ok).unwrap(), ok, "at the bounds");
+        let cases: Vec<(Report, &str)> = vec![
+            (
+                Report {
+                    events: vec![event.clone(); MAX_EVENTS + 1],
+                    ..Default::default()
+                },
+                "a list longer than 256",
+            ),
+            (
+                Report {
+                    refusals: vec![("udp".into(), 1); MAX_LABELS + 1],
+                    ..Default::default()
+                },
+                "a list longer than 64",
+            ),
+            (
+                Report {
+                    refusals: vec![("u".repeat(MAX_STRING + 1), 1)],
+                    ..Default::default()
+                },
+                "a string longer than",
+            ),
+            (
+                Report {
+                    events: vec![Refusal {
+                        target: "\\u{e9}".repeat(MAX_STRING),
+                        ..event.clone()
+                    }],
+                    ..Default::default()
+                },
+                "a string longer than",
+            ),
+            (
+                Report {
+                    usage: Usage {
+                        calls: vec![Call::default(); MAX_CALLS + 1],
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                "a list longer than 10000",
+            ),
+            (
+                Report {
+                    usage: Usage {
+                        calls: vec![Call {
+                            usage: Some(CallUsage {
+                                model: Some("m".repeat(MAX_STRING + 1)),
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                "a string longer than",
+            ),
+        ];
+        for (r, says) in cases {
+            let e = parse(&r).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
     }
 
     #[test]

@@ -99,8 +99,13 @@ fn run() -> Result<(), String> {
     // The channel is read on this thread; the stack and the pump run on the runtime's.
     loop {
         match reader.read::<Request>() {
-            Ok(Some(Request::Report)) => {
-                let report = Event::Report(Box::new(sandbox_net::report(&running.egress)));
+            Ok(Some(r @ (Request::Report | Request::Counts))) => {
+                let mut report = sandbox_net::report(&running.egress);
+                if matches!(r, Request::Counts) {
+                    report.events.clear();
+                    report.usage.calls.clear();
+                }
+                let report = Event::Report(Box::new(report));
                 send(&channel, &report, None).map_err(|e| format!("answering: {e}"))?;
             }
             Ok(Some(Request::Stop)) | Ok(None) => return Ok(()),

@@ -178,6 +178,16 @@ fn the_network_process_carries_a_guest_and_reports_it() {
             && r.events.iter().any(|e| e.target.contains("blocked.test")),
         "the refused name is in the report: {r:?}"
     );
+    // What /metrics asks for: the same counts, no lists.
+    send(&channel, &Request::Counts, None).unwrap();
+    match reader.read::<Event>().unwrap() {
+        Some(Event::Report(c)) => {
+            assert!(c.events.is_empty() && c.usage.calls.is_empty(), "{c:?}");
+            assert_eq!(c.refusals, r.refusals);
+            assert!(c.connections >= r.connections);
+        }
+        other => panic!("not a report: {other:?}"),
+    }
     send(&channel, &Request::Stop, None).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");

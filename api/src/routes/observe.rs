@@ -65,7 +65,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (mut live, mut live_unmetered): (Vec<(&'static str, u64)>, Vec<_>) = Default::default();
     for e in all.iter() {
         if let Some(net) = &e.net {
-            let report = crate::egress::report(net).await;
+            let report = crate::egress::counts(net).await;
             live.extend(crate::egress::refusal_counts(&report));
             live_unmetered.extend(crate::egress::unmetered_counts(&report));
         }
