@@ -3,8 +3,9 @@
 //! process out of file descriptors).
 //!
 //! - **Memory**: the guest memory of every sandbox (running or starting) and the memory its
-//!   egress may hold on the host (`SANDBOX_HOST_EGRESS_MEMORY_MIB`, `sandbox_egress::memory`)
-//!   count against `SANDBOX_HOST_MEMORY_LIMIT_MIB` (default: this machine's memory less 2 GiB for
+//!   egress may hold on the host (`SANDBOX_HOST_EGRESS_MEMORY_MIB`, `sandbox_egress::memory`,
+//!   and the network process's own [`crate::netproc::ALLOWANCE_MIB`]: its cgroup's bound) count
+//!   against `SANDBOX_HOST_MEMORY_LIMIT_MIB` (default: this machine's memory less 2 GiB for
 //!   the host). Both cost what is touched, never more than counted, so this is a promise the
 //!   host can keep, not a forecast.
 //! - **Disk**: a sandbox disk is sparse and grows up to its run's limit; a create needs free space
@@ -138,7 +139,8 @@ impl Capacity {
         if c.memory_mib + memory_mib + egress_mib > self.limits.memory_mib {
             return Err(format!(
                 "the host has no room for {memory_mib} MiB more of guest memory and {egress_mib} \
-                 MiB of egress memory (SANDBOX_HOST_EGRESS_MEMORY_MIB): {} MiB of \
+                 MiB for its network (SANDBOX_HOST_EGRESS_MEMORY_MIB and its network process's \
+                 own): {} MiB of \
                  SANDBOX_HOST_MEMORY_LIMIT_MIB={} are committed to {} sandboxes. Retry when a \
                  sandbox ends, ask for less memory_mib, or place the run on another host",
                 c.memory_mib, self.limits.memory_mib, c.sandboxes
@@ -256,7 +258,7 @@ mod tests {
             e.contains("600 MiB of SANDBOX_HOST_MEMORY_LIMIT_MIB=1000"),
             "{e}"
         );
-        assert!(e.contains("100 MiB of egress memory"), "{e}");
+        assert!(e.contains("100 MiB for its network"), "{e}");
         // A pause gives the guest's memory back, not the egress stack's.
         assert_eq!(a.release_memory(), 500);
         assert_eq!(cap.report()["memory_mib"]["committed"], 100);

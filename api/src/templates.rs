@@ -244,10 +244,15 @@ async fn build(
         why
     };
     // It holds memory and a VM like a sandbox while it boots. Its egress allows nothing, so no
-    // connection of its guest is ever admitted: no egress memory to count.
+    // connection of its guest is ever admitted: no egress memory to count, only its network
+    // process's own.
     let reservation = state
         .capacity()
-        .reserve(u64::from(shape.memory_mib), 0, shape.disk_mib.unwrap_or(0))
+        .reserve(
+            u64::from(shape.memory_mib),
+            crate::netproc::ALLOWANCE_MIB,
+            shape.disk_mib.unwrap_or(0),
+        )
         .map_err(|why| fail(format!("no room for the template's VM: {why}")))?;
     let files = SnapshotFiles {
         state: dir.join("snapshot.state"),

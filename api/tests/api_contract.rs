@@ -122,9 +122,9 @@ async fn every_response_matches_the_document() {
         return;
     }
     let mut h = start(&[
-        // The sandbox below and one more of 128 MiB (each with its 96 MiB of egress memory);
-        // other creates get 503 no_capacity.
-        ("SANDBOX_HOST_MEMORY_LIMIT_MIB", "576"),
+        // The sandbox below and one more of 128 MiB (each with its 96 MiB of egress memory and
+        // its network process's 32 MiB); other creates get 503 no_capacity.
+        ("SANDBOX_HOST_MEMORY_LIMIT_MIB", "640"),
         // A generated sandbox (time limits from 1 ms) is gone within a second or two of its end.
         ("SANDBOX_HOST_GRACE_MS", "1000"),
         ("SANDBOX_HOST_SWEEP_MS", "1000"),

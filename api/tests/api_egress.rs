@@ -2184,3 +2184,123 @@ async fn each_sandbox_has_a_jailed_network_process_of_its_own() {
     });
     assert!(gone, "the network process ends with its sandbox");
 }
+
+/// A server that answers every request with an endless body (64 MiB at most), for a guest that
+/// never reads it.
+async fn flood_server() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut b = [0u8; 1024];
+                let _ = s.read(&mut b).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 67108864\r\n\r\n")
+                    .await;
+                let chunk = vec![b'x'; 1 << 20];
+                for _ in 0..64 {
+                    if s.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// Issue 32: a guest that floods its network process (128 connections whose responses it never
+/// reads) fills that process's buffers, up to its own egress memory, and nothing of the service's:
+/// the service's resident memory stays where it was, and another sandbox's execs still answer
+/// (their latency printed beside a quiet run's; machines are too noisy to assert a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_floods_its_network_process_weighs_on_no_one_else() {
+    if stock_image_missing() {
+        return;
+    }
+    let port = flood_server().await;
+    let resolve = format!("flood.test:{port}:127.0.0.1");
+    let h = start(&[("SANDBOX_HOST_EGRESS_RESOLVE", &resolve)]);
+    let (flooder, quiet) = tokio::join!(
+        h.create(json!({"egress": {"allow": ["flood.test"]}})),
+        h.create(json!({}))
+    );
+    let service = std::path::PathBuf::from(format!("/proc/{}", h.child.id()));
+    let rss_kib = |p: &std::path::Path| -> u64 {
+        status(p, "VmRSS")
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let exec_ms = |n: usize| {
+        let (h, quiet) = (&h, &quiet);
+        async move {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                let t = std::time::Instant::now();
+                let (_, _, last) = h.exec(quiet, "true").await;
+                assert_eq!(last["exit_code"], 0, "{last}");
+                v.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        }
+    };
+    let quiet_ms = exec_ms(7).await;
+    let service_before = rss_kib(&service);
+
+    // 128 connections, each sending a request and never reading its answer: the pipe after nc
+    // is never read, so nc stops reading and the guest's receive windows close.
+    let flood = format!(
+        "i=0; while [ $i -lt 128 ]; do \
+         ( (printf 'GET / HTTP/1.1\\r\\nHost: flood.test\\r\\n\\r\\n'; sleep 300) \
+         | nc flood.test {port} | sleep 300 ) >/dev/null 2>&1 & i=$((i+1)); done; echo started"
+    );
+    let (out, err, last) = h.exec(&flooder, &flood).await;
+    assert_eq!(last["exit_code"], 0, "{} {}", text(&out), text(&err));
+    // Let the buffers fill.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let (s, egress) = h
+        .json("GET", &format!("/v1/sandboxes/{flooder}/egress"), None)
+        .await;
+    assert_eq!(s, 200, "{egress}");
+    let open = egress["connections"]["open"].as_u64().unwrap_or(0);
+    let held = egress["memory"]["held_bytes"].as_u64().unwrap_or(0);
+    let limit = egress["memory"]["limit_bytes"].as_u64().unwrap_or(0);
+    // Each costs its worst case (an HTTP connection with its upstream and a request in flight,
+    // about 1.5 MiB): the egress memory takes some sixty, and the rest are reset (memory_limit).
+    assert!(open >= 32, "the flood holds connections open: {egress}");
+    assert!(held <= limit, "{egress}");
+
+    let flood_ms = exec_ms(7).await;
+    let service_during = rss_kib(&service);
+    let nets = processes_of(&flooder, "sandbox-net");
+    assert_eq!(nets.len(), 1, "the flooder's network process still runs");
+    let net_kib = rss_kib(&nets[0]);
+    eprintln!(
+        "flood: {open} connections open, egress memory held {:.1} of {:.1} MiB; the flooder's \
+         network process {:.1} MiB resident; the service {:.1} MiB before, {:.1} MiB during; the \
+         other sandbox's exec median {quiet_ms:.1} ms quiet, {flood_ms:.1} ms during",
+        held as f64 / 1048576.0,
+        limit as f64 / 1048576.0,
+        net_kib as f64 / 1024.0,
+        service_before as f64 / 1024.0,
+        service_during as f64 / 1024.0,
+    );
+    // The process's memory is bounded by its cgroup (its egress memory and its allowance), and
+    // the guest's data never reaches the service.
+    assert!(
+        net_kib * 1024 <= limit + (32 << 20),
+        "the network process holds {net_kib} KiB"
+    );
+    assert!(
+        service_during < service_before + 16 * 1024,
+        "the service grew from {service_before} KiB to {service_during} KiB during the flood"
+    );
+    for id in [&flooder, &quiet] {
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, 204);
+    }
+}

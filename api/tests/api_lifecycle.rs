@@ -278,7 +278,8 @@ async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
     if stock_image_missing() {
         return;
     }
-    // Two sandboxes of 256 MiB, each with its 96 MiB of egress memory, fit; a third does not.
+    // Two sandboxes of 256 MiB, each with its 96 MiB of egress memory and its network process's
+    // 32 MiB, fit; a third does not.
     let h = start(&[("SANDBOX_HOST_MEMORY_LIMIT_MIB", "800")]);
     let (a, _b) = tokio::join!(h.create(json!({})), h.create(json!({})));
     let (s, v) = h
@@ -291,14 +292,14 @@ async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
     assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
     let why = v["error"].as_str().unwrap();
     assert!(
-        why.contains("704 MiB of SANDBOX_HOST_MEMORY_LIMIT_MIB=800")
-            && why.contains("96 MiB of egress memory")
+        why.contains("768 MiB of SANDBOX_HOST_MEMORY_LIMIT_MIB=800")
+            && why.contains("128 MiB for its network")
             && why.contains("Retry"),
         "{why}"
     );
     let (_, health) = h.json("GET", "/v1/health", None).await;
     assert_eq!(
-        health["capacity"]["memory_mib"]["committed"], 704,
+        health["capacity"]["memory_mib"]["committed"], 768,
         "{health}"
     );
     assert_eq!(health["capacity"]["memory_mib"]["limit"], 800, "{health}");
@@ -307,7 +308,7 @@ async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
     let m = String::from_utf8_lossy(&m);
     assert!(m.contains("sandbox_host_capacity_refusals_total 1"), "{m}");
     assert!(
-        m.contains("sandbox_host_memory_mib{kind=\"committed\"} 704"),
+        m.contains("sandbox_host_memory_mib{kind=\"committed\"} 768"),
         "{m}"
     );
     // Deleting one lets the next in.
@@ -318,7 +319,7 @@ async fn creates_beyond_the_memory_limit_get_503_until_one_ends() {
     h.create(json!({"run_id": "third"})).await;
     let (_, health) = h.json("GET", "/v1/health", None).await;
     assert_eq!(
-        health["capacity"]["memory_mib"]["committed"], 704,
+        health["capacity"]["memory_mib"]["committed"], 768,
         "{health}"
     );
 }

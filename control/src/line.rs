@@ -113,7 +113,17 @@ impl Reader {
                 set_receive_timeout(self.sock, left)?;
             }
             let mut chunk = [0u8; 64 * 1024];
-            let n = self.recv(&mut chunk)?;
+            let n = match self.recv(&mut chunk) {
+                // The receive timeout set above ran out (the clock it counts by may end it a
+                // little before `deadline` does): the line took longer than its bound.
+                Err(e) if deadline.is_some() && e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "a control line took longer than its bound",
+                    ));
+                }
+                r => r?,
+            };
             if n == 0 {
                 return Ok(None);
             }

@@ -32,9 +32,12 @@ use sandbox_egress::upstream::{self, SystemResolver, UpstreamError};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-/// Connections the service makes for one sandbox at once; more are answered
-/// [`DialResult::Busy`] (the stack itself holds far fewer: `SANDBOX_UPSTREAM_CONNECTIONS`).
-pub const MAX_DIALS: usize = 64;
+/// Connections the service makes for one sandbox at once. The network process keeps its own
+/// requests to this many in flight (more wait their turn), so only a process that no longer
+/// follows its own code is answered [`DialResult::Busy`]. Each may hold one of the service's
+/// resolver threads for up to [`upstream::RESOLVE_TIMEOUT`]: the bound keeps a few hostile
+/// sandboxes from taking them all.
+pub const MAX_DIALS: usize = 16;
 /// How long the network process waits for an answer: the service's own bounds (resolving,
 /// then connecting) and a margin.
 pub const DIAL_TIMEOUT: Duration = upstream::RESOLVE_TIMEOUT
@@ -50,6 +53,8 @@ type Reply = (Dialed, Option<OwnedFd>);
 pub struct Dialer {
     /// Requests, to the thread that writes them.
     requests: SyncSender<Dial>,
+    /// Requests in flight, at most [`MAX_DIALS`].
+    slots: tokio::sync::Semaphore,
     /// Answers awaited, by request id.
     pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>,
     next: AtomicU64,
@@ -77,10 +82,8 @@ impl Dialer {
             .spawn(move || {
                 let mut reader = Reader::with_limit(&sock, MAX_DIAL_LINE);
                 while let Ok(Some(d)) = reader.read::<Dialed>() {
-                    let fd = match d.result {
-                        DialResult::Connected { .. } => reader.take_fd(),
-                        _ => None,
-                    };
+                    let fd = reader.take_fd();
+                    let fd = fd.filter(|_| matches!(d.result, DialResult::Connected { .. }));
                     let waiter = answers
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -95,6 +98,7 @@ impl Dialer {
             })?;
         Ok(Dialer {
             requests,
+            slots: tokio::sync::Semaphore::new(MAX_DIALS),
             pending,
             next: AtomicU64::new(1),
         })
@@ -118,6 +122,23 @@ fn failed(name: &str, message: impl Into<String>) -> UpstreamError {
 #[async_trait]
 impl upstream::Dial for Dialer {
     async fn dial(&self, name: &str, port: u16) -> Result<(TcpStream, SocketAddr), UpstreamError> {
+        tokio::time::timeout(DIAL_TIMEOUT, self.dial_in_turn(name, port))
+            .await
+            .unwrap_or_else(|_| Err(failed(name, "the service did not answer in time")))
+    }
+}
+
+impl Dialer {
+    async fn dial_in_turn(
+        &self,
+        name: &str,
+        port: u16,
+    ) -> Result<(TcpStream, SocketAddr), UpstreamError> {
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| failed(name, "the dialer has stopped"))?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending
@@ -139,13 +160,12 @@ impl upstream::Dial for Dialer {
                 },
             ));
         }
-        let answer = match tokio::time::timeout(DIAL_TIMEOUT, rx).await {
-            Ok(Ok(a)) => a,
-            Ok(Err(_)) => return Err(failed(name, "the service's dialer has gone")),
-            Err(_) => {
-                self.forget(id);
-                return Err(failed(name, "the service did not answer in time"));
-            }
+        // Dropped by the timeout above, the request is forgotten and its late answer's socket
+        // closed; answered, it is already gone.
+        let _forget = Forget(self, id);
+        let answer = match rx.await {
+            Ok(a) => a,
+            Err(_) => return Err(failed(name, "the service's dialer has gone")),
         };
         match answer {
             (DialResult::Connected { addr }, Some(fd)) => {
@@ -183,6 +203,15 @@ impl upstream::Dial for Dialer {
     }
 }
 
+/// Forgets request `.1` when dropped (its dial was given up).
+struct Forget<'a>(&'a Dialer, u64);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.0.forget(self.1);
+    }
+}
+
 /// What the service may connect to for one sandbox.
 pub struct Rules {
     /// The sandbox's allowlist, with the operator's routed ports.
@@ -207,7 +236,10 @@ pub fn serve(
     rt: tokio::runtime::Handle,
     on_violation: impl FnOnce(String) + Send + 'static,
 ) -> Result<(), ServeError> {
-    let (answers, rx) = sync_channel::<Reply>(MAX_DIALS);
+    // Room for every connection in flight and as many immediate refusals: a task never waits
+    // for room (it never blocks the service's runtime); only a process that stopped reading its
+    // answers fills it, and then loses answers, which it would not read anyway.
+    let (answers, rx) = sync_channel::<Reply>(2 * MAX_DIALS);
     let writer = sock.try_clone()?;
     std::thread::Builder::new()
         .name("dialer-out".into())
@@ -252,9 +284,7 @@ pub fn serve(
                 let (answers, rules) = (answers.clone(), rules.clone());
                 rt.spawn(async move {
                     let answer = connect(d.id, &name, d.port, &rules).await;
-                    // The slot is given back once the answer is queued: the queue never holds
-                    // more than MAX_DIALS, so this never waits.
-                    let _ = answers.send(answer);
+                    let _ = answers.try_send(answer);
                     drop(slot);
                 });
             }

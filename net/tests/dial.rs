@@ -138,3 +138,43 @@ fn a_line_that_is_not_a_request_ends_the_dialer() {
     assert!(said.contains("longer than"), "{said}");
     assert!(matches!(reader.read::<Dialed>(), Ok(None)));
 }
+
+#[test]
+fn a_burst_beyond_the_bound_waits_its_turn_and_every_connection_is_made() {
+    use sandbox_egress::upstream::Dial as _;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in server.incoming().flatten() {
+            held.push(s); // kept open: each dial holds its connection until the test ends
+        }
+    });
+    let cfg = config(&["local.test"], &format!("local.test:{port}:127.0.0.1"));
+    let (service, process) = UnixStream::pair().unwrap();
+    let rules = sandbox_net::start::dial_rules(&cfg).unwrap();
+    sandbox_net::dial::serve(service, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
+    let dialer = std::sync::Arc::new(sandbox_net::dial::Dialer::start(process).unwrap());
+    let n = 3 * sandbox_net::dial::MAX_DIALS;
+    let made = rt.block_on(async {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let d = dialer.clone();
+                tokio::spawn(async move { d.dial("local.test", port).await.map(|(s, _)| s) })
+            })
+            .collect();
+        let mut made = Vec::new();
+        for t in tasks {
+            made.push(t.await.unwrap().expect("connected"));
+        }
+        made
+    });
+    assert_eq!(made.len(), n);
+    // Refused names come back as the stack's own errors.
+    let e = rt
+        .block_on(dialer.dial("other.test", 443))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("allowlist"), "{e}");
+}

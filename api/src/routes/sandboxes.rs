@@ -197,7 +197,7 @@ async fn create(
         .capacity()
         .reserve(
             u64::from(req.memory_mib),
-            state.config().egress_memory_mib,
+            state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
             spec.scratch_disk_mib.unwrap_or(0),
         )
         .map_err(|why| {
