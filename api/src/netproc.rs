@@ -15,12 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sandbox_control::line::{Reader, send};
-use sandbox_control::net::{Event, MAX_REPORT, NetConfig, Report, Request};
+use sandbox_control::net::{Event, MAX_COUNTS, MAX_REPORT, NetConfig, Report, Request};
 
 /// How long the process may take to start its stack and answer.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a report may take.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the counts `/metrics` asks for may take (a late process is not asked again).
+const COUNTS_TIMEOUT: Duration = Duration::from_secs(1);
 /// What the process may hold besides its stack's buffers (its runtime, threads, the system's
 /// roots; TLS sessions are the buffers' budget): its cgroup's memory is the egress memory plus
 /// this, and admission counts both. It holds 5-6 MiB resident (benches/egress.rs).
@@ -201,8 +203,11 @@ impl NetProcess {
             Some(Event::Refused { message, .. }) => {
                 return Err(NetProcessError::Internal(message));
             }
-            Some(Event::Report(_)) => {
-                return Err(internal("its start", &"a report before it started"));
+            Some(Event::Report(_) | Event::Relinked) => {
+                return Err(internal(
+                    "its start",
+                    &"an answer to no request before it started",
+                ));
             }
             None => return Err(internal("its start", &"it ended without an answer")),
         };
@@ -276,6 +281,38 @@ impl NetProcess {
             .unwrap_or_default()
     }
 
+    /// Hands it `frames`, its end of the socket pair of the sandbox's next VM process (a
+    /// resume): the service keeps no end of a VM's frames.
+    pub fn relink(&self, frames: OwnedFd) -> Result<(), String> {
+        let mut ch = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        if ch.broken {
+            return Err("it no longer answers".into());
+        }
+        let sent = send(&ch.sock, &Request::Relink, Some(frames.as_raw_fd()));
+        drop(frames);
+        let answer = sent
+            .map_err(|e| format!("relinking it: {e}"))
+            .and_then(|()| ch.reader.read::<Event>().map_err(|e| e.to_string()));
+        let fd = ch.reader.take_fd();
+        match answer {
+            Ok(Some(Event::Relinked)) if fd.is_none() => Ok(()),
+            other => {
+                ch.broken = true;
+                Err(format!(
+                    "it did not take the resumed VM's frames: {other:?}"
+                ))
+            }
+        }
+    }
+
+    /// [`NetProcess::relink`], from an async context.
+    pub async fn relink_async(self: &Arc<Self>, frames: OwnedFd) -> Result<(), String> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.relink(frames))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
     /// Its counts, from an async context.
     pub async fn counts_async(self: &Arc<Self>) -> Report {
         let me = self.clone();
@@ -286,12 +323,19 @@ impl NetProcess {
 }
 
 /// Checks that the process `pid` runs under its own seccomp filter (it installs it before it
-/// answers that it started): a `sandbox-net` that did not is not trusted with a guest.
+/// answers that it started): a `sandbox-net` that did not is not trusted with a guest. The
+/// jail's floor alone has fewer programs than the process's own filter
+/// ([`sandbox_net::seal::PROGRAMS`]), so the count tells them apart.
 #[cfg(target_os = "linux")]
 fn sealed(pid: u32) -> Result<(), String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .map_err(|e| format!("reading its status: {e}"))?;
-    if status.lines().any(|l| l == "Seccomp:\t2") {
+    let filters = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Seccomp_filters:"))
+        .and_then(|n| n.trim().parse::<usize>().ok());
+    let mode = status.lines().any(|l| l == "Seccomp:\t2");
+    if mode && filters.is_none_or(|n| n >= sandbox_net::seal::PROGRAMS) {
         Ok(())
     } else {
         Err(format!(
@@ -303,6 +347,13 @@ fn sealed(pid: u32) -> Result<(), String> {
 
 /// One report over the channel, checked.
 fn ask(ch: &mut Channel, request: &Request) -> Result<Report, String> {
+    // Counts are small and asked of every sandbox on each scrape: a smaller line and less time.
+    let (limit, within) = match request {
+        Request::Counts => (MAX_COUNTS, COUNTS_TIMEOUT),
+        _ => (MAX_REPORT, REPORT_TIMEOUT),
+    };
+    ch.reader.set_limit(limit);
+    ch.reader.set_within(within);
     send(&ch.sock, request, None).map_err(|e| format!("asking for a report: {e}"))?;
     let event = ch.reader.read::<Event>();
     if ch.reader.take_fd().is_some() {

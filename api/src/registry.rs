@@ -189,8 +189,9 @@ pub struct Pausable {
     pub resumes: AtomicU64,
     /// The VM's spec at create, without its network (given again at resume).
     pub spec: sandbox_vmm::VmSpec,
-    /// The network device's link to the sandbox's egress stack, which outlives the VM.
-    pub net: sandbox_vmm::NetAttachment,
+    /// The network device's MAC address: each VM of the sandbox gets a new socket to its
+    /// network process (`NetProcess::relink`), with the address the guest's driver read.
+    pub mac: [u8; 6],
 }
 
 /// Marks a sandbox busy for as long as it lives.

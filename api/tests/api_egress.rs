@@ -2161,6 +2161,31 @@ async fn each_sandbox_has_a_jailed_network_process_of_its_own() {
     }
     let cgroup = std::fs::read_to_string(net.join("cgroup")).unwrap();
     assert!(cgroup.contains(&format!("{id}-net")), "{cgroup}");
+    // The service holds no end of the guest's frames: no socket of the service is one the VM or
+    // the network process holds (a descriptor of the same socket shows the same inode).
+    let sockets = |p: &std::path::Path| -> std::collections::BTreeSet<String> {
+        std::fs::read_dir(p.join("fd"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| std::fs::read_link(e.path()).ok())
+                    .map(|l| l.to_string_lossy().into_owned())
+                    .filter(|l| l.starts_with("socket:"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let theirs: std::collections::BTreeSet<String> = processes_of(&id, "sandbox-vm")
+        .iter()
+        .chain(&processes_of(&id, "qemu-system-x86"))
+        .chain(std::iter::once(net))
+        .flat_map(|p| sockets(p))
+        .collect();
+    assert!(!theirs.is_empty(), "the processes' sockets are readable");
+    let shared: Vec<_> = sockets(&service).intersection(&theirs).cloned().collect();
+    assert!(
+        shared.is_empty(),
+        "the service holds their sockets: {shared:?}"
+    );
 
     // The key lives in the network process; what a read of the service's memory finds of it
     // after the create (issue 32, item 3). The registry's copy, the settings sent and the

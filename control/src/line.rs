@@ -19,6 +19,23 @@ const RECV_FLAGS: libc::c_int = libc::MSG_CMSG_CLOEXEC;
 const RECV_FLAGS: libc::c_int = 0;
 /// The most descriptors one message carries.
 const MAX_FDS: usize = 4;
+/// What a reader's buffer keeps of its size between lines: a peer that once sent a line near
+/// the limit does not hold that much of the reader's memory for good.
+const KEEP: usize = 64 * 1024;
+/// The longest error text a line's parse gives (serde repeats an unknown field's name whole).
+const MAX_ERROR: usize = 256;
+
+/// `text`, cut to [`MAX_ERROR`] bytes at a character's boundary.
+fn cut(text: &str) -> String {
+    if text.len() <= MAX_ERROR {
+        return text.to_string();
+    }
+    let mut end = MAX_ERROR;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
 
 /// Writes one message as a line, with `fd` attached when given.
 pub fn send<T: Serialize>(sock: &UnixStream, msg: &T, fd: Option<RawFd>) -> io::Result<()> {
@@ -75,6 +92,17 @@ impl Reader {
         }
     }
 
+    /// Changes the longest line read from now on (a reply to a small request may be held to a
+    /// smaller bound than the reader's largest).
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
+    /// Changes the bound on the time each line takes ([`Reader::within`]).
+    pub fn set_within(&mut self, bound: std::time::Duration) {
+        self.within = Some(bound);
+    }
+
     /// Bounds the time each line takes in all (the socket's receive timeout is set to what is
     /// left before each read): a peer that sends a byte at a time cannot hold a read for longer.
     pub fn within(mut self, bound: std::time::Duration) -> Reader {
@@ -89,11 +117,16 @@ impl Reader {
         loop {
             if let Some(i) = self.buf[self.searched..].iter().position(|&b| b == b'\n') {
                 let i = self.searched + i;
-                let line: Vec<u8> = self.buf.drain(..=i).collect();
-                self.searched = 0;
-                return serde_json::from_slice(&line[..i])
+                let parsed = serde_json::from_slice(&self.buf[..i])
                     .map(Some)
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, cut(&e.to_string())));
+                // The line may have carried secrets (the network process's settings): overwritten
+                // before it goes, and a buffer a long line grew is given back.
+                zeroize::Zeroize::zeroize(&mut self.buf[..=i]);
+                self.buf.drain(..=i);
+                self.buf.shrink_to(KEEP);
+                self.searched = 0;
+                return parsed;
             }
             self.searched = self.buf.len();
             if self.buf.len() > self.limit {

@@ -28,6 +28,15 @@ pub const MAX_REPORT: usize = 24 << 20;
 pub const MAX_CALLS: usize = 10_000;
 /// The most refusal events a report lists.
 pub const MAX_EVENTS: usize = 256;
+/// The longest CA certificate a start's answer carries (one certificate is about 1 KiB).
+pub const MAX_PEM: usize = 16 * 1024;
+/// The most variables a start's answer gives the guest (a placeholder per secret, the CA's
+/// paths).
+pub const MAX_VARS: usize = 256;
+/// The longest reason a refused start gives.
+pub const MAX_MESSAGE: usize = 4096;
+/// The longest answer to [`Request::Counts`] the service reads (a report without its lists).
+pub const MAX_COUNTS: usize = 64 * 1024;
 /// The most labels a count by label lists (the service's own lists are shorter).
 pub const MAX_LABELS: usize = 64;
 /// The most server-side tools a call lists.
@@ -177,6 +186,10 @@ pub enum Request {
     /// Answer with [`Event::Report`] without its lists (no refusal events, no calls): the counts
     /// `/metrics` reads of every sandbox on each scrape.
     Counts,
+    /// The guest's frames come on the attached socket from now on (a resumed VM's: each VM
+    /// process of a sandbox gets a socket pair of its own, so the service keeps no end of one);
+    /// the answer is [`Event::Relinked`].
+    Relink,
     /// Stop: the process ends.
     Stop,
 }
@@ -188,9 +201,11 @@ pub enum Event {
     /// The egress runs.
     Started {
         /// The sandbox CA's certificate, when it intercepts anything (the guest must trust it).
+        #[serde(deserialize_with = "bounded::opt_text::<_, MAX_PEM>")]
         ca_pem: Option<String>,
         /// Variables every command of the sandbox gets (each secret's placeholder, where the CA
         /// is).
+        #[serde(deserialize_with = "bounded::vars::<_, MAX_VARS>")]
         env: Vec<(String, String)>,
     },
     /// The egress could not start.
@@ -198,10 +213,13 @@ pub enum Event {
         /// Whether the request's settings were at fault (a 400), not the host (a 500).
         bad_request: bool,
         /// Why, for a person.
+        #[serde(deserialize_with = "bounded::text::<_, MAX_MESSAGE>")]
         message: String,
     },
     /// What the egress has done so far.
     Report(Box<Report>),
+    /// The frames now come on the socket [`Request::Relink`] carried.
+    Relinked,
 }
 
 /// What one sandbox's egress has done: `GET /v1/sandboxes/{id}/egress` and `…/usage`, and the
@@ -484,6 +502,53 @@ mod bounded {
     /// An optional string of at most [`MAX_STRING`] bytes.
     pub(super) fn opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
         Ok(Option::<Str>::deserialize(d)?.map(|s| s.0))
+    }
+
+    /// A string of at most `N` bytes.
+    pub(super) struct Text<const N: usize>(pub(super) String);
+
+    impl<'de, const N: usize> Deserialize<'de> for Text<N> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Text<N>, D::Error> {
+            struct V<const N: usize>;
+            impl<const N: usize> Visitor<'_> for V<N> {
+                type Value = Text<N>;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    write!(f, "a string of at most {N} bytes")
+                }
+                fn visit_str<E: Error>(self, v: &str) -> Result<Text<N>, E> {
+                    if v.len() > N {
+                        return Err(E::custom(format!("a string longer than {N} bytes")));
+                    }
+                    Ok(Text(v.to_string()))
+                }
+            }
+            d.deserialize_str(V::<N>)
+        }
+    }
+
+    /// A string of at most `N` bytes.
+    pub(super) fn text<'de, D: Deserializer<'de>, const N: usize>(
+        d: D,
+    ) -> Result<String, D::Error> {
+        Ok(Text::<N>::deserialize(d)?.0)
+    }
+
+    /// An optional string of at most `N` bytes.
+    pub(super) fn opt_text<'de, D: Deserializer<'de>, const N: usize>(
+        d: D,
+    ) -> Result<Option<String>, D::Error> {
+        Ok(Option::<Text<N>>::deserialize(d)?.map(|s| s.0))
+    }
+
+    /// Variables: at most `N`, each name and value at most [`MAX_STRING`] bytes.
+    pub(super) fn vars<'de, D, const N: usize>(d: D) -> Result<Vec<(String, String)>, D::Error>
+    where
+        D: Deserializer<'de>,
+    {
+        Ok(list::<D, (Str, Str), N>(d)?
+            .into_iter()
+            .map(|(k, v)| (k.0, v.0))
+            .collect())
     }
 
     /// Counts by label: at most `N`, each label at most [`MAX_STRING`] bytes.

@@ -91,7 +91,46 @@ const CLONE_NAMESPACES: [u64; 7] = [
     libc::CLONE_NEWCGROUP as u64,
 ];
 
-/// The filters, in the order they are installed: the kill list, then the calls that answer
+/// x86_64's third ABI, x32, numbers its system calls with bit 30 set under the same audit
+/// architecture, so they match no rule of a filter written for x86_64's numbers and would all
+/// be allowed where the kernel has x32 on. This program, installed before the others, kills a
+/// process that makes one (none of ours does).
+#[cfg(target_arch = "x86_64")]
+pub fn no_x32() -> BpfProgram {
+    use seccompiler::sock_filter;
+    const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+    // BPF_LD | BPF_W | BPF_ABS, BPF_JMP | BPF_JGE | BPF_K, BPF_RET | BPF_K.
+    let (load, jge, ret) = (0x20, 0x35, 0x06);
+    vec![
+        // The call's number: `seccomp_data.nr`, at offset 0.
+        sock_filter {
+            code: load,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+        sock_filter {
+            code: jge,
+            jt: 0,
+            jf: 1,
+            k: X32_SYSCALL_BIT,
+        },
+        sock_filter {
+            code: ret,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_KILL_PROCESS,
+        },
+        sock_filter {
+            code: ret,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ALLOW,
+        },
+    ]
+}
+
+/// The filters, in the order they are installed: on x86_64 [`no_x32`], the kill list, then the calls that answer
 /// `ENOSYS` so the C library falls back (`clone3`, whose flags a filter cannot read, to `clone`;
 /// `io_uring`, a large kernel surface, to `epoll`).
 pub fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
@@ -126,7 +165,13 @@ pub fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
         SeccompAction::Errno(libc::ENOSYS as u32),
         ARCH,
     )?;
-    Ok(vec![kill.try_into()?, enosys.try_into()?])
+    Ok([
+        #[cfg(target_arch = "x86_64")]
+        no_x32(),
+        kill.try_into()?,
+        enosys.try_into()?,
+    ]
+    .into())
 }
 
 /// `clone`'s flags are its first argument on both architectures we build for.
@@ -139,7 +184,7 @@ mod tests {
     #[test]
     fn the_filters_compile() {
         let p = super::programs().unwrap();
-        assert_eq!(p.len(), 2);
+        assert_eq!(p.len(), if cfg!(target_arch = "x86_64") { 3 } else { 2 });
         assert!(p.iter().all(|f| !f.is_empty() && f.len() < 4096));
     }
 }

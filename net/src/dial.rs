@@ -28,7 +28,7 @@ use sandbox_control::net::{Dial, DialResult, Dialed, MAX_DIAL_LINE};
 use sandbox_egress::addr::Blocked;
 use sandbox_egress::policy::Allowlist;
 use sandbox_egress::resolve::ResolveOverrides;
-use sandbox_egress::upstream::{self, SystemResolver, UpstreamError};
+use sandbox_egress::upstream::{self, UpstreamError};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
@@ -43,6 +43,11 @@ pub const MAX_DIALS: usize = 16;
 pub const DIAL_TIMEOUT: Duration = upstream::RESOLVE_TIMEOUT
     .saturating_add(upstream::CONNECT_TIMEOUT)
     .saturating_add(Duration::from_secs(5));
+
+/// The service's send buffer on a dialer's socket.
+const SEND_BUFFER: usize = 8 * 1024;
+/// How long the service waits to write an answer before it stops answering that process.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An answer as the network process takes it: the result, and the socket that came with it.
 type Answer = (DialResult, Option<OwnedFd>);
@@ -82,8 +87,12 @@ impl Dialer {
             .spawn(move || {
                 let mut reader = Reader::with_limit(&sock, MAX_DIAL_LINE);
                 while let Ok(Some(d)) = reader.read::<Dialed>() {
-                    let fd = reader.take_fd();
-                    let fd = fd.filter(|_| matches!(d.result, DialResult::Connected { .. }));
+                    // Only a connected answer carries a socket: one read may bring a failed
+                    // answer and then a connected one with its socket, which stays queued for it.
+                    let fd = match d.result {
+                        DialResult::Connected { .. } => reader.take_fd(),
+                        _ => None,
+                    };
                     let waiter = answers
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -240,6 +249,11 @@ pub fn serve(
     // for room (it never blocks the service's runtime); only a process that stopped reading its
     // answers fills it, and then loses answers, which it would not read anyway.
     let (answers, rx) = sync_channel::<Reply>(2 * MAX_DIALS);
+    // Sockets in flight to a process that stops reading are few (a small send buffer holds
+    // some ten answers), and a write that cannot go on for long ends the dialer: each is a
+    // descriptor the kernel charges to the service's user.
+    socket2::SockRef::from(&sock).set_send_buffer_size(SEND_BUFFER)?;
+    sock.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let writer = sock.try_clone()?;
     std::thread::Builder::new()
         .name("dialer-out".into())
@@ -252,6 +266,9 @@ pub fn serve(
         })?;
     let rules = Arc::new(rules);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_DIALS));
+    let resolver = Arc::new(Bounded {
+        threads: Arc::new(tokio::sync::Semaphore::new(MAX_DIALS)),
+    });
     std::thread::Builder::new()
         .name("dialer-in".into())
         .spawn(move || {
@@ -281,20 +298,49 @@ pub fn serve(
                     }
                     continue;
                 };
-                let (answers, rules) = (answers.clone(), rules.clone());
+                let (answers, rules, resolver) = (answers.clone(), rules.clone(), resolver.clone());
                 rt.spawn(async move {
-                    let answer = connect(d.id, &name, d.port, &rules).await;
-                    let _ = answers.try_send(answer);
+                    let answer = connect(d.id, &name, d.port, &rules, &resolver).await;
+                    // Given back before the answer goes: the process may ask again as soon as
+                    // it has it, and must not find this slot still taken.
                     drop(slot);
+                    let _ = answers.try_send(answer);
                 });
             }
         })?;
     Ok(())
 }
 
+/// The host's resolver for one sandbox's dials, each lookup holding one of its threads' slots
+/// until the lookup's thread is done: a lookup that times out keeps running (the C library's
+/// resolver cannot be cancelled), so the slots bound the service's threads one sandbox's names
+/// can hold, not only its waiting dials.
+struct Bounded {
+    threads: Arc<tokio::sync::Semaphore>,
+}
+
+#[async_trait]
+impl upstream::Resolve for Bounded {
+    async fn lookup(&self, name: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+        let slot = self
+            .threads
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(io::Error::other)?;
+        let target = (name.to_string(), port);
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            std::net::ToSocketAddrs::to_socket_addrs(&target).map(Iterator::collect)
+        })
+        .await
+        .map_err(io::Error::other)?
+    }
+}
+
 /// One connection, as the answer to request `id`.
-async fn connect(id: u64, name: &str, port: u16, rules: &Rules) -> Reply {
-    let result = upstream::connect(name, port, &rules.overrides, &SystemResolver).await;
+async fn connect(id: u64, name: &str, port: u16, rules: &Rules, resolver: &Bounded) -> Reply {
+    let result = upstream::connect(name, port, &rules.overrides, resolver).await;
     let (result, fd) = match result {
         Ok((s, addr)) => match s.into_std() {
             Ok(s) => (DialResult::Connected { addr }, Some(OwnedFd::from(s))),

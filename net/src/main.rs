@@ -85,17 +85,8 @@ fn run() -> Result<(), String> {
         env: running.env.clone(),
     };
     send(&channel, &started, None).map_err(|e| format!("answering: {e}"))?;
-    frames
-        .set_nonblocking(true)
-        .map_err(|e| format!("the frames' socket: {e}"))?;
-    let frames =
-        tokio::net::UnixStream::from_std(frames).map_err(|e| format!("the frames' socket: {e}"))?;
     let link: Arc<dyn FrameLink> = Arc::new(sandbox_net::GuestLink(running.guest));
-    rt.spawn(async move {
-        if let Err(e) = sandbox_control::pump::run(frames, link).await {
-            eprintln!("sandbox-net: the guest's frames ended: {e}");
-        }
-    });
+    let mut pump = pump_on(&rt, frames, link.clone())?;
     // The channel is read on this thread; the stack and the pump run on the runtime's.
     loop {
         match reader.read::<Request>() {
@@ -108,9 +99,35 @@ fn run() -> Result<(), String> {
                 let report = Event::Report(Box::new(report));
                 send(&channel, &report, None).map_err(|e| format!("answering: {e}"))?;
             }
+            Ok(Some(Request::Relink)) => {
+                let frames = reader.take_fd().ok_or("a relink came without its socket")?;
+                pump.abort();
+                pump = pump_on(&rt, UnixStream::from(frames), link.clone())?;
+                send(&channel, &Event::Relinked, None).map_err(|e| format!("answering: {e}"))?;
+            }
             Ok(Some(Request::Stop)) | Ok(None) => return Ok(()),
             Ok(Some(Request::Start(_))) => return Err("a second start".into()),
             Err(e) => return Err(format!("reading the channel: {e}")),
         }
     }
+}
+
+/// Moves the guest's frames between `frames` and the stack's link on the runtime, until the
+/// socket ends (its VM process ended: a paused sandbox's) or a relink replaces it.
+fn pump_on(
+    rt: &tokio::runtime::Runtime,
+    frames: UnixStream,
+    link: Arc<dyn FrameLink>,
+) -> Result<tokio::task::JoinHandle<()>, String> {
+    frames
+        .set_nonblocking(true)
+        .map_err(|e| format!("the frames' socket: {e}"))?;
+    let _in = rt.enter();
+    let frames =
+        tokio::net::UnixStream::from_std(frames).map_err(|e| format!("the frames' socket: {e}"))?;
+    Ok(rt.spawn(async move {
+        if let Err(e) = sandbox_control::pump::run(frames, link).await {
+            eprintln!("sandbox-net: the guest's frames ended: {e}");
+        }
+    }))
 }

@@ -45,6 +45,15 @@ fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
         libc::SYS_fchown,
         libc::SYS_truncate,
         libc::SYS_memfd_create,
+        libc::SYS_utimensat,
+        libc::SYS_setxattr,
+        libc::SYS_lsetxattr,
+        libc::SYS_fsetxattr,
+        libc::SYS_removexattr,
+        libc::SYS_lremovexattr,
+        libc::SYS_fremovexattr,
+        // fchmodat2 (Linux 6.6), by number: the same on both architectures.
+        452,
     ]
     .into_iter()
     .map(|nr| (nr, vec![]))
@@ -117,12 +126,25 @@ fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
         SeccompAction::Errno(libc::ENOSYS as u32),
         ARCH,
     )?;
-    Ok(vec![
+    Ok([
+        // x32's numbers match none of the rules below (the jail's floor kills them too, when it
+        // is applied).
+        #[cfg(target_arch = "x86_64")]
+        sandbox_jail::filter::no_x32(),
         kill.try_into()?,
         refuse.try_into()?,
         clone3.try_into()?,
-    ])
+    ]
+    .into())
 }
+
+/// How many programs [`seal`] installs: the service checks that a started process has at least
+/// these (`Seccomp_filters` of its status; the jail's floor has fewer).
+#[cfg(target_arch = "x86_64")]
+pub const PROGRAMS: usize = 4;
+/// How many programs [`seal`] installs.
+#[cfg(target_arch = "aarch64")]
+pub const PROGRAMS: usize = 3;
 
 /// Installs the filter on every thread of the process.
 pub fn seal() -> Result<(), SealError> {
@@ -130,4 +152,12 @@ pub fn seal() -> Result<(), SealError> {
         seccompiler::apply_filter_all_threads(&p).map_err(|e| SealError::Apply(e.to_string()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn it_has_the_programs_the_service_counts() {
+        assert_eq!(super::programs().unwrap().len(), super::PROGRAMS);
+    }
 }

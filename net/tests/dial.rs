@@ -82,6 +82,8 @@ fn the_service_connects_only_what_the_sandbox_may_reach() {
         "{d:?}"
     );
     let mut s = std::net::TcpStream::from(reader.take_fd().expect("the socket came"));
+    // It comes as the service's runtime made it, non-blocking.
+    s.set_nonblocking(false).unwrap();
     let mut hi = [0u8; 2];
     s.read_exact(&mut hi).unwrap();
     assert_eq!(&hi, b"hi");

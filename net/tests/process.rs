@@ -73,12 +73,11 @@ fn start(channel: &UnixStream, cfg: NetConfig, dialer: &UnixStream) {
 }
 
 /// Moves frames between the guest's link and the frames' socket, as the VM process would.
-fn pump(rt: &tokio::runtime::Runtime, stack: StackEnd, frames: UnixStream) {
+fn pump(rt: &tokio::runtime::Runtime, stack: Arc<StackEnd>, frames: UnixStream) {
     frames.set_nonblocking(true).unwrap();
     let _in = rt.enter();
     let frames = tokio::net::UnixStream::from_std(frames).unwrap();
     let (mut r, mut w) = frames.into_split();
-    let stack = Arc::new(stack);
     let from_guest = stack.clone();
     rt.spawn(async move {
         use tokio::io::AsyncWriteExt;
@@ -137,7 +136,7 @@ fn the_network_process_carries_a_guest_and_reports_it() {
         "its own filter is on once it started: {status}"
     );
     let (guest, stack) = link();
-    pump(&rt, stack, frames);
+    pump(&rt, Arc::new(stack), frames);
     let mut g = GuestSim::new(guest, MAC);
     let within = Duration::from_secs(20);
     let addr = g
@@ -237,4 +236,65 @@ fn settings_without_the_dialer_are_refused() {
     assert!(!child.wait().unwrap().success(), "it ends with an error");
     let mut reader = Reader::new(&channel);
     assert!(matches!(reader.read::<Event>(), Ok(None)), "no answer");
+}
+
+/// A resumed sandbox's VM process gets a socket pair of its own: the service hands the network
+/// process its end (`Request::Relink`), and the same stack carries the guest on through it.
+#[test]
+fn a_resumed_vm_gets_a_socket_of_its_own_and_the_stack_carries_on() {
+    let port = hello_server();
+    let (mut child, channel, frames, (dial, their_dial)) = spawn();
+    start(&channel, config(port), &their_dial);
+    drop(their_dial);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let rules = sandbox_net::start::dial_rules(&config(port)).unwrap();
+    sandbox_net::dial::serve(dial, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
+    let mut reader = Reader::with_limit(&channel, MAX_REPORT);
+    assert!(matches!(
+        reader.read::<Event>().unwrap(),
+        Some(Event::Started { .. })
+    ));
+    let (guest, stack) = link();
+    let stack = Arc::new(stack);
+    pump(&rt, stack.clone(), frames);
+    let mut g = GuestSim::new(guest, MAC);
+    let within = Duration::from_secs(20);
+    let addr = g.resolve("local.test", within).expect("resolves");
+
+    // The first VM process ends (its socket closes); the next one's socket is handed over.
+    let (vm, theirs) = UnixStream::pair().unwrap();
+    send(&channel, &Request::Relink, Some(theirs.as_raw_fd())).unwrap();
+    drop(theirs);
+    assert!(matches!(
+        reader.read::<Event>().unwrap(),
+        Some(Event::Relinked)
+    ));
+    pump(&rt, stack, vm);
+    let h = g.connect(addr, port, 16 * 1024);
+    assert!(
+        g.run_until(within, |g| g.tcp(h).may_send()),
+        "connected after the relink"
+    );
+    g.tcp(h)
+        .send_slice(b"GET / HTTP/1.1\r\nhost: local.test\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    let done = g.run_until(within, |g| {
+        let s = g.tcp(h);
+        while s.can_recv() {
+            let _ = s.recv(|b| {
+                got.extend_from_slice(b);
+                (b.len(), ())
+            });
+        }
+        got.ends_with(b"hello")
+    });
+    assert!(done, "{:?}", String::from_utf8_lossy(&got));
+    // A relink without its socket ends the process: it is not a service's request.
+    send(&channel, &Request::Relink, None).unwrap();
+    assert!(!child.wait().unwrap().success());
 }

@@ -87,3 +87,34 @@ fn the_filter_holds() {
     );
     assert!(!dir.path().join("made").exists());
 }
+
+const X32_PAYLOAD: &str = "SANDBOX_NET_SEAL_X32";
+
+/// An x32 system call (x86_64's numbers with bit 30 set), which no rule written for x86_64's
+/// numbers matches: the filter kills the process that makes one, where the kernel would run it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn x32_payload() {
+    if std::env::var_os(X32_PAYLOAD).is_none() {
+        return;
+    }
+    sandbox_net::seal::seal().expect("sealed");
+    println!("X32-SEALED");
+    // SAFETY: getpid under x32's number: no memory is touched.
+    let r = unsafe { libc::syscall(0x4000_0000 | libc::SYS_getpid) };
+    println!("ESCAPED {r}");
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn an_x32_call_kills_it() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "x32_payload", "--nocapture", "--test-threads=1"])
+        .env(X32_PAYLOAD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("X32-SEALED"), "{stdout}");
+    assert!(!stdout.contains("ESCAPED"), "{stdout}");
+    assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}", out.status);
+}

@@ -63,9 +63,14 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let dead = all.iter().filter(|e| e.state() == "dead").count() as u64;
     let states = [("ready", all.len() as u64 - dead), ("dead", dead)];
     let (mut live, mut live_unmetered): (Vec<(&'static str, u64)>, Vec<_>) = Default::default();
-    for e in all.iter() {
-        if let Some(net) = &e.net {
-            let report = crate::egress::counts(net).await;
+    // Every sandbox's counts at once: a network process that answers late (each is bounded, and
+    // one that runs out is not asked again) delays the scrape by its own bound, not by the sum.
+    let mut asked = tokio::task::JoinSet::new();
+    for net in all.iter().filter_map(|e| e.net.clone()) {
+        asked.spawn(async move { crate::egress::counts(&net).await });
+    }
+    while let Some(answer) = asked.join_next().await {
+        if let Ok(report) = answer {
             live.extend(crate::egress::refusal_counts(&report));
             live_unmetered.extend(crate::egress::unmetered_counts(&report));
         }

@@ -201,7 +201,20 @@ async fn resume_entry(
         from.take_disk = true;
     }
     let mut spec = p.spec.clone();
-    spec.net = Some(p.net.clone());
+    // The new VM process gets a socket pair of its own to the network process; the old one's
+    // ended with it.
+    if let Some(net) = &entry.net {
+        let (vm, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| {
+            ApiError::Internal(format!("a socket for the resumed VM's frames: {e}"))
+        })?;
+        net.relink_async(theirs.into())
+            .await
+            .map_err(|e| ApiError::Internal(format!("the sandbox's network process: {e}")))?;
+        spec.net = Some(sandbox_vmm::NetAttachment {
+            mac: p.mac,
+            link: sandbox_vmm::NetLink::Socket(std::sync::Arc::new(vm.into())),
+        });
+    }
     spec.restore_from = Some(from);
     // The new VM maps the snapshot it comes from, so it writes its own to the other set.
     spec.snapshot_to = Some(p.files[1 - slot].clone());

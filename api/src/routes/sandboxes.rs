@@ -268,7 +268,7 @@ async fn create(
         vm_dir: std::sync::Mutex::new(base_spec.state_dir.clone()),
         resumes: std::sync::atomic::AtomicU64::new(0),
         spec: base_spec,
-        net: started.net.clone(),
+        mac: started.mac,
     });
     if !from_template && let Some(templates) = state.templates() {
         // The first sandbox of its shape: the next ones are restored.
@@ -329,8 +329,8 @@ async fn create(
 struct Started {
     egress: std::sync::Arc<crate::netproc::NetProcess>,
     env: Vec<(String, String)>,
-    /// The VM's end of it, kept for a resume.
-    net: sandbox_vmm::NetAttachment,
+    /// The guest's MAC address, for a resume.
+    mac: [u8; 6],
 }
 
 /// Two empty files for a sandbox's snapshot, in a directory of their own.
@@ -369,7 +369,6 @@ async fn start_vm(
             }
         })?;
     let mac = started.attachment.mac;
-    let net = started.attachment.clone();
     spec.net = Some(started.attachment);
     spec.restore_from = template.map(|t| t.files.clone());
     let liveness = state.config().liveness();
@@ -418,7 +417,7 @@ async fn start_vm(
         Started {
             egress: started.net,
             env: started.env,
-            net,
+            mac,
         },
     ))
 }
