@@ -19,3 +19,10 @@ export { packDirectory, extractInto, type ByteSource, type ByteSink, type PackOp
 export { DEFAULT_RETRY, type RetryOptions } from './transport.js';
 export * from './errors.js';
 export type * from './types.js';
+/**
+ * The types generated from docs/openapi.json (`npm run generate`), for what the aliases above
+ * do not name. Left out of the reference: docs/openapi.json and docs/api.md document them.
+ *
+ * @hidden
+ */
+export type { components, operations, paths } from './generated/openapi.js';

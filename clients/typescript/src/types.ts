@@ -8,7 +8,8 @@
  */
 import type { components, operations as Operations } from './generated/openapi.js';
 
-type Schemas = components['schemas'];
+/** The contract's schemas (docs/openapi.json `components.schemas`). */
+export type Schemas = components['schemas'];
 
 /** `GET /v1/health`: whether this host can start microVMs, its backend and its budgets. */
 export type Health = Schemas['Health'];
