@@ -45,6 +45,8 @@ export async function packDirectory(dir: string, options: PackOptions = {}): Pro
   const pack = tar.create(
     {
       cwd: dir,
+      // A file that cannot be read fails the upload instead of being left out with a warning.
+      strict: true,
       gzip: options.gzip ?? false,
       portable: options.portable ?? true,
       ...(filter !== undefined ? { filter: (path: string) => filter(path.replace(/^\.\//, '')) } : {}),

@@ -114,23 +114,34 @@ export class SandboxHost {
    * `activeRunIds` (operator guide: "When the server starts again, it disposes of the sandboxes
    * of runs that ended"), and keeps the others. A sandbox that is gone meanwhile counts as
    * disposed of; one whose disposal fails is reported in `failed`, the others still go.
+   * Disposals run `concurrency` at once (default 4).
    */
-  async disposeEnded(activeRunIds: Iterable<string>, options: CallOptions = {}): Promise<DisposeEndedResult> {
+  async disposeEnded(activeRunIds: Iterable<string>, options: CallOptions & { concurrency?: number } = {}): Promise<DisposeEndedResult> {
     const active = new Set(activeRunIds);
+    const all = await this.list(options);
+    const ended = all.filter((s) => !active.has(s.run_id));
+    const outcome = new Map<string, { error: unknown } | null>();
+    // A few at once: each disposal waits for its VM to stop (seconds), and a server that was
+    // down for long may find many.
+    const queue = [...ended];
+    const worker = async (): Promise<void> => {
+      for (let s = queue.shift(); s !== undefined; s = queue.shift()) {
+        try {
+          await this.sandbox(s.id).dispose(options);
+          outcome.set(s.id, null);
+        } catch (error) {
+          if (options.signal?.aborted) throw options.signal.reason;
+          outcome.set(s.id, error instanceof NoSandboxError ? null : { error });
+        }
+      }
+    };
+    await Promise.all(Array.from({ length: Math.max(1, options.concurrency ?? 4) }, worker));
     const result: DisposeEndedResult = { disposed: [], kept: [], failed: [] };
-    for (const s of await this.list(options)) {
-      if (active.has(s.run_id)) {
-        result.kept.push(s);
-        continue;
-      }
-      try {
-        await this.sandbox(s.id).dispose(options);
-        result.disposed.push(s);
-      } catch (error) {
-        if (options.signal?.aborted) throw options.signal.reason;
-        if (error instanceof NoSandboxError) result.disposed.push(s);
-        else result.failed.push({ sandbox: s, error });
-      }
+    for (const s of all) {
+      const o = outcome.get(s.id);
+      if (active.has(s.run_id)) result.kept.push(s);
+      else if (o === null) result.disposed.push(s);
+      else if (o !== undefined) result.failed.push({ sandbox: s, error: o.error });
     }
     return result;
   }

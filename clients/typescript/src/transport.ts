@@ -259,6 +259,11 @@ export class Transport {
         if (!answered) req.destroy(new SourceError(err));
         else req.destroy();
       });
+      // A request that ends before its body was all sent (an abort, an early answer, a reset)
+      // ends the source too: a directory being packed stops reading files.
+      req.once('close', () => {
+        if (!stream.readableEnded) stream.destroy();
+      });
       stream.pipe(req);
     });
   }

@@ -168,6 +168,24 @@ describe('archives', () => {
     await assert.rejects(host.client().sandbox('sbx-2').getArchive('/workspace', join(work, 'cut')), StreamCutError);
   });
 
+  it('an upload aborted midway throws the signal\'s reason, and the source stops being read', async () => {
+    let serverSawClose: Promise<boolean> = Promise.resolve(false);
+    host.on('PUT /v1/sandboxes/sbx-3/archive', async (req, res) => {
+      serverSawClose = new Promise((resolve) => req.on('close', () => resolve(!req.complete)));
+      req.resume();
+      // Never answers: the client gives up first.
+      await new Promise((r) => req.on('close', r));
+    });
+    const source = new PassThrough();
+    source.write(Buffer.alloc(64 * 1024));
+    const ac = new AbortController();
+    setTimeout(() => ac.abort(), 50);
+    await assert.rejects(host.client().sandbox('sbx-3').putArchive(source, '/workspace', { signal: ac.signal }), (e: unknown) => e instanceof DOMException && e.name === 'AbortError');
+    assert.equal(await serverSawClose, true, 'the host saw the upload end before its end');
+    await new Promise((r) => setTimeout(r, 20));
+    assert.equal(source.destroyed, true, 'the source was ended with the request');
+  });
+
   it("a hostile guest's archive writes nothing outside the target", async () => {
     const target = join(work, 'hostile', 'into');
     const outside = join(work, 'hostile');
