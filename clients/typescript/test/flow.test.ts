@@ -130,7 +130,7 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
     opened.push(sb);
     assert.equal(sb.created?.image, GUEST_IMAGE);
     // Two more: one the (old) server stops keeping alive, one of a run that ends.
-    const idle = await client.create({ run_id: 'run-idle', time_limit_ms: 600_000, review: false, memory_mib: 256, vcpus: 1, image: 'stock' });
+    const idle = await client.create({ run_id: 'run-idle', time_limit_ms: 600_000, review: false, memory_mib: 256, vcpus: 1, image: 'stock' }, { keepalive: { intervalMs: 1000 } });
     const ended = await client.create({ run_id: 'run-ended', time_limit_ms: 600_000, review: false, memory_mib: 256, vcpus: 1, image: 'stock' }, { keepalive: { intervalMs: 1000 } });
     opened.push(idle, ended);
 
@@ -162,6 +162,9 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
     assert.doesNotMatch(curl.out, /rc=0/);
 
     // An idle gap longer than SANDBOX_HOST_IDLE_MS: the loop holds `sb` (and `ended`); `idle` goes.
+    // `idle`'s server stops keeping it alive (its last request now); `sb` and `ended` keep theirs.
+    idle.stopKeepalive();
+    await idle.keepalive();
     const sentBefore = sb.keepaliveLoop!.sent;
     const gapStart = Date.now();
     let idleGoneAfter: number | undefined;
@@ -170,6 +173,8 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
       if (idleGoneAfter === undefined && !(await client.list()).some((s) => s.id === idle.id)) idleGoneAfter = Date.now() - gapStart;
     }
     assert.ok(idleGoneAfter !== undefined, 'the sandbox without keepalives was disposed of in the gap');
+    assert.ok(idleGoneAfter >= IDLE_MS - 1000, `disposed of ${idleGoneAfter} ms after its last request, not before SANDBOX_HOST_IDLE_MS`);
+    process.stderr.write(`# the sandbox without keepalives went ${idleGoneAfter} ms after its last request; the one with them sent ${sb.keepaliveLoop!.sent - sentBefore} in the gap\n`);
     await assert.rejects(idle.keepalive(), NoSandboxError);
     assert.ok(sb.keepaliveLoop!.sent - sentBefore >= 5, `keepalives sent in the gap: ${sb.keepaliveLoop!.sent - sentBefore}`);
     assert.deepEqual(keepaliveErrors, []);
