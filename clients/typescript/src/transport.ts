@@ -218,14 +218,28 @@ export class Transport {
     if (call.contentType !== undefined) headers['content-type'] = call.contentType;
     if (bytes !== undefined) headers['content-length'] = bytes.byteLength;
     const stream = call.body !== undefined && !(call.body instanceof Uint8Array) ? call.body : undefined;
+    // A raw body (a file, an archive) waits for the host's `100 Continue`: a host that refuses
+    // the request at once (413 for a declared length over its limit, 404, 409) answers before a
+    // byte of it is sent. Sent anyway, it would close the connection under the upload and the
+    // client would get a broken pipe instead of the host's answer.
+    const expectContinue = call.body !== undefined;
+    if (expectContinue) headers.expect = '100-continue';
     const lib = target.protocol === 'https:' ? https : http;
 
     return new Promise<Answer>((resolve, reject) => {
       let answered = false;
+      let bodyStarted = false;
+      let continueTimer: NodeJS.Timeout | undefined;
       const options: http.RequestOptions = { method: call.method, headers, agent: this.#agent };
       if (call.signal !== undefined) options.signal = call.signal;
       const req = lib.request(target, options, (res) => {
         answered = true;
+        clearTimeout(continueTimer);
+        // An answer before the body was all sent is a refusal: stop sending, read the answer.
+        if ((res.statusCode ?? 0) >= 300) {
+          bodyStarted = true;
+          stream?.unpipe(req);
+        }
         resolve({
           status: res.statusCode ?? 0,
           headers: res.headers,
@@ -238,6 +252,7 @@ export class Transport {
         });
       });
       req.on('error', (err) => {
+        clearTimeout(continueTimer);
         // After the answer, errors belong to its body (an upload the host stopped reading).
         if (!answered) reject(err);
       });
@@ -250,21 +265,33 @@ export class Transport {
         socket.once('connect', clear);
         socket.once('close', clear);
       });
-      if (stream === undefined) {
+      if (!expectContinue) {
         req.end(bytes);
         return;
       }
-      // Piped, not copied: the stream is read only as fast as the connection takes it.
-      stream.once('error', (err) => {
-        if (!answered) req.destroy(new SourceError(err));
-        else req.destroy();
-      });
-      // A request that ends before its body was all sent (an abort, an early answer, a reset)
-      // ends the source too: a directory being packed stops reading files.
-      req.once('close', () => {
-        if (!stream.readableEnded) stream.destroy();
-      });
-      stream.pipe(req);
+      if (stream !== undefined) {
+        stream.once('error', (err) => {
+          if (!answered) req.destroy(new SourceError(err));
+          else req.destroy();
+        });
+        // A request that ends before its body was all sent (an abort, an early answer, a reset)
+        // ends the source too: a directory being packed stops reading files.
+        req.once('close', () => {
+          if (!stream.readableEnded) stream.destroy();
+        });
+      }
+      const sendBody = (): void => {
+        if (bodyStarted) return;
+        bodyStarted = true;
+        clearTimeout(continueTimer);
+        // Piped, not copied: the stream is read only as fast as the connection takes it.
+        if (stream !== undefined) stream.pipe(req);
+        else req.end(bytes);
+      };
+      req.on('continue', sendBody);
+      req.flushHeaders();
+      // A host (or proxy) that ignores `Expect` gets the body after a second, as curl does.
+      continueTimer = setTimeout(sendBody, 1000);
     });
   }
 }

@@ -86,8 +86,10 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
   });
 
   after(async () => {
-    for (const sb of opened) await sb.dispose().catch(() => undefined);
+    const t0 = Date.now();
+    for (const sb of opened) if (!sb.disposed) await sb.dispose().catch(() => undefined);
     if (real !== undefined) await stopHost(real);
+    process.stderr.write(`# clean-up took ${Date.now() - t0} ms\n`);
     if (work) await rm(work, { recursive: true, force: true });
   });
 
@@ -155,7 +157,7 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
     // The agent's work: change, add, remove; git sees it.
     const change = await run(sb, "sed -i 's/a + b/a - -b/' src/add.mjs && echo new > NEW.txt && rm README.md && git status --porcelain");
     assert.equal(change.code, 0, change.out);
-    assert.deepEqual(change.out.trim().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
+    assert.deepEqual(change.out.trimEnd().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
 
     // A refused name, counted.
     const curl = await run(sb, 'curl -sS --max-time 10 https://example.com/ 2>&1; echo "rc=$?"');
@@ -189,7 +191,7 @@ describe('the server\'s flow against the real sandbox host', { skip }, () => {
     await writeFile(join(expected, 'NEW.txt'), 'new\n');
     await unlink(join(expected, 'README.md'));
     assert.deepEqual(await files(back), await files(expected));
-    assert.deepEqual((await git(back, 'status', '--porcelain')).trim().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
+    assert.deepEqual((await git(back, 'status', '--porcelain')).trimEnd().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
 
     // Usage and refusals.
     const usage = await sb.usage();

@@ -78,10 +78,17 @@ export async function startHost(state: string, env: Record<string, string>): Pro
     });
     child.once('exit', (code) => reject(new Error(`sandbox-host exited with ${code} before listening:\n${logs.slice(-20).join('\n')}`)));
   });
-  const timeout = sleep(180_000).then(() => {
+  // The wait is bounded, and its timer goes once the host listens (it would keep the test alive).
+  const bound = new AbortController();
+  const timeout = sleep(180_000, undefined, { signal: bound.signal }).then(() => {
     throw new Error(`no Listening on line within 180 s:\n${logs.slice(-20).join('\n')}`);
   });
-  await Promise.race([listening, timeout]);
+  timeout.catch(() => undefined);
+  try {
+    await Promise.race([listening, timeout]);
+  } finally {
+    bound.abort();
+  }
   return { child, url: `http://127.0.0.1:${port}`, logs };
 }
 
@@ -90,6 +97,8 @@ export async function stopHost(host: RealHost): Promise<void> {
   if (host.child.exitCode !== null || host.child.signalCode !== null) return;
   const exited = new Promise((resolve) => host.child.once('exit', resolve));
   host.child.kill('SIGTERM');
-  await Promise.race([exited, sleep(30_000)]);
+  const bound = new AbortController();
+  await Promise.race([exited, sleep(30_000, undefined, { signal: bound.signal }).catch(() => undefined)]);
+  bound.abort();
   if (host.child.exitCode === null && host.child.signalCode === null) host.child.kill('SIGKILL');
 }
