@@ -170,8 +170,15 @@ impl NetProcess {
         std::thread::spawn(move || log_lines(&log_id, log_r));
         let pid = jailed.pid();
         let hostile = id.to_string();
+        // A process that breaks the dialer's protocol no longer follows its own code: it is
+        // ended (its sandbox loses its network), not only logged.
+        let me: Arc<std::sync::OnceLock<std::sync::Weak<NetProcess>>> = Arc::default();
+        let end = me.clone();
         sandbox_net::dial::serve(dialer, rules, tokio::runtime::Handle::current(), move |e| {
-            tracing::warn!(id = hostile, pid, "a sandbox's network process: {e}");
+            tracing::warn!(id = hostile, pid, "a sandbox's network process, ended: {e}");
+            if let Some(p) = end.get().and_then(std::sync::Weak::upgrade) {
+                p.kill();
+            }
         })
         .map_err(|e| internal("its dialer", &e))?;
         let mut start = Request::Start(cfg.clone());
@@ -214,16 +221,18 @@ impl NetProcess {
         #[cfg(target_os = "linux")]
         sealed(pid).map_err(|e| internal("its seal", &e))?;
         let reader = reader.within(REPORT_TIMEOUT);
-        Ok(Started {
-            process: Arc::new(NetProcess {
-                jailed,
-                channel: Mutex::new(Channel {
-                    sock,
-                    reader,
-                    broken: false,
-                }),
-                last: Mutex::new(Report::default()),
+        let process = Arc::new(NetProcess {
+            jailed,
+            channel: Mutex::new(Channel {
+                sock,
+                reader,
+                broken: false,
             }),
+            last: Mutex::new(Report::default()),
+        });
+        let _ = me.set(Arc::downgrade(&process));
+        Ok(Started {
+            process,
             vm_socket: vm_socket.into(),
             ca_pem,
             env,
