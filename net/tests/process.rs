@@ -101,6 +101,53 @@ fn pump(rt: &tokio::runtime::Runtime, stack: Arc<StackEnd>, frames: UnixStream) 
     });
 }
 
+/// `sandbox-net` started for a guest that may reach `local.test` at `port`, its upstream
+/// connections made by the service's own dialer on a runtime of the test's: the process, the
+/// channel, the frames' socket, the runtime and the channel's reader (its first answer unread).
+fn started(
+    port: u16,
+) -> (
+    Child,
+    UnixStream,
+    UnixStream,
+    tokio::runtime::Runtime,
+    Reader,
+) {
+    let (child, channel, frames, (dial, their_dial)) = spawn();
+    start(&channel, config(port), &their_dial);
+    drop(their_dial);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let rules = sandbox_net::start::dial_rules(&config(port)).unwrap();
+    sandbox_net::dial::serve(dial, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
+    let reader = Reader::with_limit(&channel, MAX_REPORT);
+    (child, channel, frames, rt, reader)
+}
+
+/// Reads connection `h` until it has the hello server's body or its end (then `true`), or
+/// `within` passes.
+fn read_answer(
+    g: &mut GuestSim,
+    h: smoltcp::iface::SocketHandle,
+    within: Duration,
+) -> (bool, Vec<u8>) {
+    let mut got = Vec::new();
+    let done = g.run_until(within, |g| {
+        let s = g.tcp(h);
+        while s.can_recv() {
+            let _ = s.recv(|b| {
+                got.extend_from_slice(b);
+                (b.len(), ())
+            });
+        }
+        matches!(s.state(), State::CloseWait | State::Closed) || got.ends_with(b"hello")
+    });
+    (done, got)
+}
+
 fn report(channel: &UnixStream, reader: &mut Reader) -> sandbox_control::net::Report {
     send(channel, &Request::Report, None).unwrap();
     match reader.read::<Event>().unwrap() {
@@ -112,17 +159,7 @@ fn report(channel: &UnixStream, reader: &mut Reader) -> sandbox_control::net::Re
 #[test]
 fn the_network_process_carries_a_guest_and_reports_it() {
     let port = hello_server();
-    let (mut child, channel, frames, (dial, their_dial)) = spawn();
-    start(&channel, config(port), &their_dial);
-    drop(their_dial);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let rules = sandbox_net::start::dial_rules(&config(port)).unwrap();
-    sandbox_net::dial::serve(dial, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
-    let mut reader = Reader::with_limit(&channel, MAX_REPORT);
+    let (mut child, channel, frames, rt, mut reader) = started(port);
     match reader.read::<Event>().unwrap() {
         Some(Event::Started { ca_pem, env }) => {
             assert!(ca_pem.is_none(), "nothing to intercept, no CA");
@@ -148,17 +185,7 @@ fn the_network_process_carries_a_guest_and_reports_it() {
     g.tcp(h)
         .send_slice(b"GET / HTTP/1.1\r\nhost: local.test\r\n\r\n")
         .unwrap();
-    let mut got = Vec::new();
-    let done = g.run_until(within, |g| {
-        let s = g.tcp(h);
-        while s.can_recv() {
-            let _ = s.recv(|b| {
-                got.extend_from_slice(b);
-                (b.len(), ())
-            });
-        }
-        matches!(s.state(), State::CloseWait | State::Closed) || got.ends_with(b"hello")
-    });
+    let (done, got) = read_answer(&mut g, h, within);
     assert!(done, "the answer came: {:?}", String::from_utf8_lossy(&got));
     assert!(
         got.starts_with(b"HTTP/1.1 200 OK"),
@@ -243,17 +270,7 @@ fn settings_without_the_dialer_are_refused() {
 #[test]
 fn a_resumed_vm_gets_a_socket_of_its_own_and_the_stack_carries_on() {
     let port = hello_server();
-    let (mut child, channel, frames, (dial, their_dial)) = spawn();
-    start(&channel, config(port), &their_dial);
-    drop(their_dial);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let rules = sandbox_net::start::dial_rules(&config(port)).unwrap();
-    sandbox_net::dial::serve(dial, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
-    let mut reader = Reader::with_limit(&channel, MAX_REPORT);
+    let (mut child, channel, frames, rt, mut reader) = started(port);
     assert!(matches!(
         reader.read::<Event>().unwrap(),
         Some(Event::Started { .. })
@@ -282,18 +299,12 @@ fn a_resumed_vm_gets_a_socket_of_its_own_and_the_stack_carries_on() {
     g.tcp(h)
         .send_slice(b"GET / HTTP/1.1\r\nhost: local.test\r\n\r\n")
         .unwrap();
-    let mut got = Vec::new();
-    let done = g.run_until(within, |g| {
-        let s = g.tcp(h);
-        while s.can_recv() {
-            let _ = s.recv(|b| {
-                got.extend_from_slice(b);
-                (b.len(), ())
-            });
-        }
-        got.ends_with(b"hello")
-    });
-    assert!(done, "{:?}", String::from_utf8_lossy(&got));
+    let (_, got) = read_answer(&mut g, h, within);
+    assert!(
+        got.ends_with(b"hello"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
     // A relink without its socket ends the process: it is not a service's request.
     send(&channel, &Request::Relink, None).unwrap();
     assert!(!child.wait().unwrap().success());
