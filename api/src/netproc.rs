@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use sandbox_control::line::{Reader, send};
 use sandbox_control::net::{Event, MAX_COUNTS, MAX_REPORT, NetConfig, Report, Request};
+use sandbox_vmm::backend::VmExit;
+use sandbox_vmm::supervised::{Classify, Ending, Spawn, Supervised};
 
 /// How long the process may take to start its stack and answer.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -29,6 +31,8 @@ const COUNTS_TIMEOUT: Duration = Duration::from_secs(1);
 pub const ALLOWANCE_MIB: u64 = 32;
 /// The most of its messages kept for the log.
 const MAX_LOG: usize = 16 * 1024;
+/// The longest a reap waits after SIGKILL.
+const REAP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a sandbox's network process did not start.
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +47,7 @@ pub enum NetProcessError {
 
 /// A running network process.
 pub struct NetProcess {
-    jailed: sandbox_jail::Jailed,
+    process: Supervised,
     channel: Mutex<Channel>,
     /// The last report it gave: what the API shows once it has gone (its sandbox's VM died, or
     /// it did).
@@ -157,18 +161,42 @@ impl NetProcess {
             host_network: false,
         };
         std::fs::create_dir_all(staging.join("root")).map_err(|e| internal("its root", &e))?;
-        let jailer = sandbox_jail::global();
-        let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
-            .await
-            .map_err(|e| internal("the jail's spawner", &e));
+        let process = Supervised::spawn(
+            Spawn {
+                name: "the network process",
+                cmd,
+                outputs: vec![],
+                state_dir: None,
+                reap_within: REAP_TIMEOUT,
+            },
+            Box::new(NetEnd),
+        )
+        .await;
         // The root was built in the process's own mount namespace before the spawn returned:
         // the host's staging directory has done its part, so nothing is left for a crash.
         let _ = std::fs::remove_dir_all(&staging);
-        let jailed = jailed?
-            .map_err(|e| internal(&format!("cannot run {} in its jail", program.display()), &e))?;
+        let process = process.map_err(|e| {
+            NetProcessError::Internal(format!("the sandbox's network process: {e}"))
+        })?;
         let log_id = id.to_string();
         std::thread::spawn(move || log_lines(&log_id, log_r));
-        let pid = jailed.pid();
+        let pid = process.pid();
+        // An end the service did not ask for is said in the log, with its cause.
+        let mut ended = process.exit_watch();
+        let ended_id = id.to_string();
+        tokio::spawn(async move {
+            if let Ok(e) = ended.wait_for(Option::is_some).await
+                && let Some(e) = e.as_ref()
+                && !e.requested
+            {
+                tracing::warn!(
+                    id = ended_id,
+                    pid,
+                    "a sandbox's network process ended: {}",
+                    e.reason
+                );
+            }
+        });
         let hostile = id.to_string();
         // A process that breaks the dialer's protocol no longer follows its own code: it is
         // ended (its sandbox loses its network), not only logged.
@@ -222,7 +250,7 @@ impl NetProcess {
         sealed(pid).map_err(|e| internal("its seal", &e))?;
         let reader = reader.within(REPORT_TIMEOUT);
         let process = Arc::new(NetProcess {
-            jailed,
+            process,
             channel: Mutex::new(Channel {
                 sock,
                 reader,
@@ -264,13 +292,13 @@ impl NetProcess {
                 Ok(_) => {
                     ch.broken = true;
                     tracing::warn!(
-                        pid = self.jailed.pid(),
+                        pid = self.process.pid(),
                         "a sandbox's network process answered a request for counts with lists"
                     );
                 }
                 Err(e) => {
                     ch.broken = true;
-                    tracing::warn!(pid = self.jailed.pid(), "a sandbox's network process: {e}");
+                    tracing::warn!(pid = self.process.pid(), "a sandbox's network process: {e}");
                 }
             }
         }
@@ -279,7 +307,7 @@ impl NetProcess {
 
     /// Ends it (its sandbox is disposed of; dropping the last reference does the same).
     pub fn kill(&self) {
-        self.jailed.signal(libc::SIGKILL);
+        self.process.signal(libc::SIGKILL);
     }
 
     /// Its report, from an async context.
@@ -328,6 +356,42 @@ impl NetProcess {
         tokio::task::spawn_blocking(move || me.counts())
             .await
             .unwrap_or_default()
+    }
+}
+
+/// How a network process ended, for the log and the sandbox's errors.
+struct NetEnd;
+
+impl Classify for NetEnd {
+    fn classify(self: Box<Self>, e: Ending) -> VmExit {
+        let reason = if let Some(killed) = e.killed {
+            killed
+        } else if e.status.oom_kills > 0 {
+            format!(
+                "out of memory: the sandbox's network process used more than its limit of {} MiB \
+                 (the egress memory, SANDBOX_HOST_EGRESS_MEMORY_MIB, and its allowance) and the \
+                 kernel killed it",
+                e.memory_mib
+            )
+        } else if e.status.signal() == Some(libc::SIGSYS) {
+            "the network process made a system call outside its seccomp filter: a bug of \
+             sandbox-net, or a guest that took it over"
+                .into()
+        } else if e.requested {
+            "stopped by the host".into()
+        } else if let Some(sig) = e.status.signal() {
+            format!("the network process was killed by signal {sig}")
+        } else {
+            format!(
+                "the network process exited with status {}",
+                e.status.code().unwrap_or(-1)
+            )
+        };
+        VmExit {
+            reason,
+            requested: e.requested,
+            console: e.console,
+        }
     }
 }
 

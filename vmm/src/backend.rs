@@ -1,10 +1,10 @@
 //! The VMM trait: what the rest of sandbox-host needs from a virtual machine backend.
 //!
 //! It is deliberately lifecycle-level (start, talk, wait, stop), as Kata's runtime is over its
-//! hypervisors: QEMU is another process and our KVM VMM is threads in this one, so a finer trait
-//! (vCPUs, devices) would fit only one of them.
+//! hypervisors: QEMU and our KVM VMM (`sandbox-vm`) are processes of their own that speak
+//! different control protocols, so a finer trait (vCPUs, devices) would fit only one of them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -220,7 +220,7 @@ pub trait Vm: Send + Sync {
 /// Makes the VM's state directory and its scratch disk, and returns the spec with that disk
 /// in `disks`. On failure nothing is left behind.
 pub(crate) fn prepare(spec: &VmSpec) -> Result<VmSpec, VmError> {
-    crate::qemu::make_state_dir(&spec.state_dir)?;
+    make_state_dir(&spec.state_dir)?;
     let mut spec = spec.clone();
     if let Some(mib) = spec.scratch_disk_mib.take() {
         let path = spec.state_dir.join("sandbox-disk.ext4");
@@ -282,4 +282,21 @@ pub(crate) fn validate_spec(spec: &VmSpec) -> Result<(), VmError> {
         }
     }
     Ok(())
+}
+
+/// Makes a VM's state directory, its own (mode 0700); one that exists already is refused, so
+/// two VMs never share one.
+pub(crate) fn make_state_dir(dir: &Path) -> Result<(), VmError> {
+    use std::os::unix::fs::DirBuilderExt;
+    if dir.exists() {
+        return Err(VmError::InvalidSpec(format!(
+            "the VM state directory {} already exists",
+            dir.display()
+        )));
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| VmError::io(format!("creating {}", dir.display()), e))
 }

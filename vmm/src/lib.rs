@@ -12,12 +12,13 @@ pub mod host;
 pub mod image;
 #[cfg(target_os = "linux")]
 pub mod kvm;
+mod netpump;
 pub mod probe;
 pub mod qemu;
 pub mod sandbox;
 pub mod scratch;
 pub mod select;
-mod vm_process;
+pub mod supervised;
 
 pub use backend::{
     Backend, Channel, Disk, SnapshotDone, SnapshotFiles, StartedVm, Vm, VmError, VmExit, VmSpec,

@@ -12,12 +12,10 @@ use tokio::sync::{oneshot, watch};
 
 use super::backend::{AGENT_PORT, GUEST_CID, kernel_cmdline};
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
-use crate::vm_process::{remove_state_dir, unknown_exit};
+use crate::supervised::{EXIT_CONSOLE_LINES, remove_state_dir, unknown_exit};
 
 /// How long a guest gets from start to listening on the agent port.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
-/// Console lines kept in a `VmExit`.
-const EXIT_CONSOLE_LINES: usize = 20;
 
 fn to_vm_exit(e: &MachineExit) -> VmExit {
     VmExit {

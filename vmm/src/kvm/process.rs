@@ -9,11 +9,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use sandbox_devices::ConsoleLog;
 use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
-use crate::vm_process::{pipe, pump_console, remove_state_dir, unknown_exit};
+use crate::supervised::{Classify, EXIT_CONSOLE_LINES, Ending, Spawn, Supervised, pipe};
 use sandbox_control::link::NetLink;
 use sandbox_control::vm::{self as control, DiskFd, Event, NetFd, Request, SnapshotFds, VmConfig};
 
@@ -24,8 +23,6 @@ pub const VMM_ALLOWANCE_MIB: u64 = 64;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest a stop waits for the process to end before SIGKILL, and then to be reaped.
 const STOP_TIMEOUT: Duration = sandbox_control::vm::STOP_TIMEOUT;
-/// Console lines kept in a `VmExit`.
-const EXIT_CONSOLE_LINES: usize = 20;
 /// The longest a snapshot may take: the vCPUs stop within the machine's own bound, and writing
 /// the touched part of guest memory takes seconds at most on a real disk (minutes only on an
 /// emulated host under load).
@@ -254,21 +251,6 @@ async fn start_program(
         host_network: false,
     };
     let spawned = Instant::now();
-    let jailer = sandbox_jail::global();
-    let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
-        .await
-        .map_err(|e| VmError::Start(format!("the jail's spawner failed: {e}")))?
-        .map_err(|e| {
-            VmError::Start(format!("cannot run {} in its jail: {e}", program.display()))
-        })?;
-    let jailed = Arc::new(jailed);
-
-    let console = Arc::new(Mutex::new(ConsoleLog::default()));
-    for (fd, prefix) in [(console_r, ""), (log_r, "sandbox-vm: ")] {
-        if let Ok(r) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-            tokio::spawn(pump_console(r, console.clone(), prefix));
-        }
-    }
     let writer = ctl_host
         .try_clone()
         .map_err(|e| VmError::io("the control socket", e))?;
@@ -281,6 +263,20 @@ async fn start_program(
         writer: Mutex::new(writer),
     });
     let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
+    let process = Supervised::spawn(
+        Spawn {
+            name: "the VM process",
+            cmd,
+            outputs: vec![(console_r, ""), (log_r, "sandbox-vm: ")],
+            state_dir: Some(spec.state_dir.clone()),
+            reap_within: STOP_TIMEOUT,
+        },
+        Box::new(ProcessEnd {
+            control: control.clone(),
+            reader_done: Some(reader_done_rx),
+        }),
+    )
+    .await?;
     {
         let control = control.clone();
         std::thread::Builder::new()
@@ -291,36 +287,18 @@ async fn start_program(
             })
             .map_err(|e| VmError::io("starting the control reader", e))?;
     }
-    let (exit_tx, exit_rx) = watch::channel(None);
-    let exit_tx = Arc::new(exit_tx);
-    let kill_reason = Arc::new(Mutex::new(None));
-    let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    tokio::spawn(wait_exit(
-        jailed.clone(),
-        limits,
-        control.clone(),
-        console.clone(),
-        exit_tx.clone(),
-        kill_reason.clone(),
-        stop_requested.clone(),
-        reader_done_rx,
-    ));
+    let exit_rx = process.exit_watch();
     if let Some((Some((host, link)), _)) = net {
         host.set_nonblocking(true)
             .map_err(|e| VmError::io("the network socket", e))?;
         let s = tokio::net::UnixStream::from_std(host)
             .map_err(|e| VmError::io("the network socket", e))?;
-        tokio::spawn(crate::qemu::netpump::run(s, link, exit_rx.clone()));
+        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
     }
     let vm = ProcessVm {
-        jailed,
+        process,
         control: control.clone(),
-        console,
         exit: exit_rx.clone(),
-        exit_tx,
-        kill_reason,
-        stop_requested,
-        state_dir: spec.state_dir.clone(),
         snapshots: std::sync::atomic::AtomicU64::new(0),
         snapshot_to: spec.snapshot_to.clone(),
         memory_mib: spec.memory_mib,
@@ -473,83 +451,55 @@ fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn wait_exit(
-    jailed: Arc<sandbox_jail::Jailed>,
-    limits: sandbox_jail::Limits,
+/// How a VM process ended: [`judge`] over the kernel's word, the service's and the process's
+/// own last report, read from its control socket once it is gone.
+struct ProcessEnd {
     control: Arc<Control>,
-    console: Arc<Mutex<ConsoleLog>>,
-    tx: Arc<watch::Sender<Option<VmExit>>>,
-    kill_reason: Arc<Mutex<Option<String>>>,
-    stop_requested: Arc<std::sync::atomic::AtomicBool>,
-    reader_done: tokio::sync::oneshot::Receiver<()>,
-) {
-    let status = jailed.wait().await;
-    // The process is gone. Shut the socket down: a descriptor of its own end that it passed
-    // back (SCM_RIGHTS) must not keep the reader, and what it queued, alive.
-    let _ = control
-        .writer
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .shutdown(std::net::Shutdown::Both);
-    // The reader reaches the end of what it said (bounded anyway).
-    let _ = tokio::time::timeout(Duration::from_secs(2), reader_done).await;
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let lines: Vec<String> = console
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .tail(EXIT_CONSOLE_LINES)
-        .into_iter()
-        .map(told)
-        .collect();
-    let reported = control
-        .learned
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .exit
-        .take();
-    let killed = kill_reason
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let requested = stop_requested.load(std::sync::atomic::Ordering::SeqCst);
-    let exit = judge(
-        Ending {
-            status,
-            killed,
-            requested,
-            memory_mib: limits.memory_bytes >> 20,
-            reported,
-        },
-        lines,
-        jailed.pid(),
-    );
-    tx.send_replace(Some(exit));
+    /// Resolves when the control reader has read all the process said.
+    reader_done: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
-/// What the service knows when a VM process has ended.
-struct Ending {
-    /// The kernel's word: how the process ended, and the OOM kills in its cgroup.
-    status: sandbox_jail::Exit,
-    /// Why the service killed it, if it did.
-    killed: Option<String>,
-    /// The service asked it to stop.
-    requested: bool,
-    /// Its cgroup's memory limit, for the out-of-memory message.
-    memory_mib: u64,
-    /// What the VM process said of its end (its word, which a guest that took it over writes).
-    reported: Option<VmExit>,
+#[async_trait]
+impl Classify for ProcessEnd {
+    async fn reaped(&mut self) {
+        // The process is gone. Shut the socket down: a descriptor of its own end that it
+        // passed back (SCM_RIGHTS) must not keep the reader, and what it queued, alive.
+        let _ = self
+            .control
+            .writer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .shutdown(std::net::Shutdown::Both);
+        // The reader reaches the end of what it said (bounded anyway).
+        if let Some(done) = self.reader_done.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), done).await;
+        }
+    }
+
+    fn classify(self: Box<Self>, mut e: Ending) -> VmExit {
+        let reported = self
+            .control
+            .learned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .exit
+            .take();
+        e.console = e.console.into_iter().map(told).collect();
+        judge(e, reported)
+    }
 }
 
 /// Why a VM ended: the kernel's word first (the OOM killer, the seccomp trap's status or
 /// signal), then the service's own kill, then another signal, and only then what the VM process
 /// reported, whose `requested` counts only if the service asked. A report the kernel
 /// contradicts is logged.
-fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
+/// `reported` is what the VM process said of its end (its word, which a guest that took it over
+/// writes).
+fn judge(e: Ending, reported: Option<VmExit>) -> VmExit {
+    let console = e.console;
     let from_kernel = |reason: String| {
-        if let Some(r) = &e.reported {
+        if let Some(r) = &reported {
             tracing::warn!(
-                pid,
                 reported = %r.reason,
                 reported_requested = r.requested,
                 kernel = %reason,
@@ -600,7 +550,7 @@ fn judge(e: Ending, console: Vec<String>, pid: u32) -> VmExit {
         Some(sig) => return from_kernel(format!("the VM process was killed by signal {sig}")),
         None => {}
     }
-    if let Some(mut r) = e.reported {
+    if let Some(mut r) = reported {
         r.requested &= e.requested;
         if r.console.is_empty() {
             r.console = console;
@@ -651,14 +601,9 @@ const DIAGNOSTICS_CHARS: usize = 16 * 1024;
 
 /// A VM in a process of its own.
 pub struct ProcessVm {
-    jailed: Arc<sandbox_jail::Jailed>,
+    process: Supervised,
     control: Arc<Control>,
-    console: Arc<Mutex<ConsoleLog>>,
     exit: watch::Receiver<Option<VmExit>>,
-    exit_tx: Arc<watch::Sender<Option<VmExit>>>,
-    kill_reason: Arc<Mutex<Option<String>>>,
-    stop_requested: Arc<std::sync::atomic::AtomicBool>,
-    state_dir: PathBuf,
     /// Numbers snapshot requests.
     snapshots: std::sync::atomic::AtomicU64,
     /// Where a snapshot goes: opened, and handed over, only when one is asked for.
@@ -689,86 +634,42 @@ impl ProcessVm {
             let _ = f.set_len(want);
         }
     }
-
-    /// Waits for the process's end for at most `within`; SIGKILL and a bounded reap after that.
-    async fn ended(&self, within: Duration) -> VmExit {
-        if let Ok(e) = tokio::time::timeout(within, self.wait()).await {
-            return e;
-        }
-        self.jailed.signal(libc::SIGKILL);
-        match tokio::time::timeout(STOP_TIMEOUT, self.wait()).await {
-            Ok(e) => e,
-            Err(_) => {
-                let exit = VmExit {
-                    reason: format!(
-                        "the VM process (pid {}) did not end within {STOP_TIMEOUT:?} of SIGKILL; it is left behind",
-                        self.jailed.pid()
-                    ),
-                    requested: false,
-                    console: self.console_tail(EXIT_CONSOLE_LINES),
-                };
-                self.exit_tx.send_if_modified(|e| {
-                    if e.is_some() {
-                        return false;
-                    }
-                    *e = Some(exit.clone());
-                    true
-                });
-                exit
-            }
-        }
-    }
 }
 
 #[async_trait]
 impl Vm for ProcessVm {
     fn exit(&self) -> Option<VmExit> {
-        self.exit.borrow().clone()
+        self.process.exit()
     }
 
     async fn wait(&self) -> VmExit {
-        let mut rx = self.exit.clone();
-        match rx.wait_for(Option::is_some).await {
-            Ok(e) => e.clone().unwrap_or_else(unknown_exit),
-            Err(_) => unknown_exit(),
-        }
+        self.process.wait().await
     }
 
     async fn stop(&self, _grace: Duration) -> VmExit {
         // As in-process: no grace is needed (disks are written through); the machine stops
         // its vCPUs at once and the process reports and ends.
-        if self.exit().is_none() {
-            self.stop_requested
-                .store(true, std::sync::atomic::Ordering::SeqCst);
-            if !self.control.ask(&Request::Stop) {
-                self.jailed.signal(libc::SIGKILL);
-            }
-        }
-        let exit = self.ended(STOP_TIMEOUT).await;
+        let control = &self.control;
+        let exit = self
+            .process
+            .stop(STOP_TIMEOUT, |p| {
+                if !control.ask(&Request::Stop) {
+                    p.signal(libc::SIGKILL);
+                }
+            })
+            .await;
         self.trim_snapshot();
-        remove_state_dir(&self.state_dir);
         exit
     }
 
     async fn kill(&self, reason: String) -> VmExit {
-        if self.exit().is_none() {
-            *self.kill_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
-            self.jailed.signal(libc::SIGKILL);
-        }
-        let exit = self.ended(Duration::ZERO).await;
+        let exit = self.process.kill(reason).await;
         self.trim_snapshot();
-        remove_state_dir(&self.state_dir);
         exit
     }
 
     fn console_tail(&self, n: usize) -> Vec<String> {
-        self.console
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .tail(n)
-            .into_iter()
-            .map(told)
-            .collect()
+        self.process.console_tail(n).into_iter().map(told).collect()
     }
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
@@ -903,7 +804,7 @@ impl Vm for ProcessVm {
     }
 
     fn pid(&self) -> Option<u32> {
-        Some(self.jailed.pid())
+        Some(self.process.pid())
     }
 
     fn boot_marker(&self) -> Option<Duration> {
@@ -912,15 +813,6 @@ impl Vm for ProcessVm {
 
     fn vmm_start(&self) -> Option<Duration> {
         self.control.vmm_start.get().copied()
-    }
-}
-
-impl Drop for ProcessVm {
-    fn drop(&mut self) {
-        if self.exit().is_none() {
-            self.jailed.signal(libc::SIGKILL);
-        }
-        remove_state_dir(&self.state_dir);
     }
 }
 
@@ -951,8 +843,14 @@ mod tests {
             killed: None,
             requested,
             memory_mib: 576,
-            reported: lie(),
+            console: vec![],
         }
+    }
+
+    /// [`super::judge`] of an ending the VM process reported as a requested stop (a lie unless
+    /// the service asked), with `console`.
+    fn judge(e: Ending, console: Vec<String>, _pid: u32) -> VmExit {
+        super::judge(Ending { console, ..e }, lie())
     }
 
     #[test]

@@ -4,12 +4,11 @@
 
 mod accel;
 pub mod args;
-pub(crate) mod netpump;
 mod process;
 mod qmp;
 mod snapshot;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use async_trait::async_trait;
 
@@ -149,19 +148,4 @@ fn validate(spec: &VmSpec) -> Result<(), VmError> {
         )));
     }
     Ok(())
-}
-
-pub(crate) fn make_state_dir(dir: &Path) -> Result<(), VmError> {
-    use std::os::unix::fs::DirBuilderExt;
-    if dir.exists() {
-        return Err(VmError::InvalidSpec(format!(
-            "the VM state directory {} already exists",
-            dir.display()
-        )));
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(|e| VmError::io(format!("creating {}", dir.display()), e))
 }

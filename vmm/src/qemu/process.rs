@@ -2,34 +2,23 @@
 //! removing everything it had on disk.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sandbox_devices::ConsoleLog;
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::supervised::{Classify, Ending, Spawn, Supervised, pipe};
 
-/// Console lines kept in a `VmExit`.
-const EXIT_CONSOLE_LINES: usize = 20;
 /// The longest a stop waits for QEMU to be reaped after SIGKILL.
 const REAP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A QEMU process and what belongs to it.
 pub struct QemuVm {
-    pid: u32,
     /// The jailed QEMU process (signals go through its pidfd, never to a recycled pid).
-    jailed: Arc<sandbox_jail::Jailed>,
-    console: Arc<Mutex<ConsoleLog>>,
-    exit: watch::Receiver<Option<VmExit>>,
-    /// The waiter task sets the exit; a stop that cannot reap QEMU sets it too.
-    exit_tx: Arc<watch::Sender<Option<VmExit>>>,
-    stop_requested: Arc<std::sync::atomic::AtomicBool>,
-    /// Set by `kill`: the reason the host gave up on the VM, reported as its exit.
-    kill_reason: Arc<Mutex<Option<String>>>,
-    state_dir: PathBuf,
+    process: Supervised,
     /// From spawning QEMU to the guest's boot marker, once it came.
     marker: Arc<std::sync::OnceLock<Duration>>,
     /// A VM that may be snapshotted: its monitor (taken by the one snapshot it may have), what
@@ -90,8 +79,8 @@ pub async fn spawn(
         }),
         None => None,
     };
-    let (out_r, out_w) = crate::vm_process::pipe("QEMU output")?;
-    let (err_r, err_w) = crate::vm_process::pipe("QEMU error")?;
+    let (out_r, out_w) = pipe("QEMU output")?;
+    let (err_r, err_w) = pipe("QEMU error")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
 
     let mut fds: Vec<OwnedFd> = vec![null.into(), out_w, err_w, agent_vm];
@@ -251,37 +240,18 @@ pub async fn spawn(
         host_network: false,
     };
     let started = std::time::Instant::now();
-    let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
-        .await
-        .map_err(|e| VmError::Start(format!("the jail's spawner failed: {e}")))?
-        .map_err(|e| {
-            VmError::Start(format!("cannot run {} in its jail: {e}", program.display()))
-        })?;
-    let jailed = Arc::new(jailed);
-    let pid = jailed.pid();
-
-    let console = Arc::new(Mutex::new(ConsoleLog::default()));
-    for (fd, prefix) in [(out_r, ""), (err_r, "qemu: ")] {
-        match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
-            Ok(r) => {
-                tokio::spawn(crate::vm_process::pump_console(r, console.clone(), prefix));
-            }
-            Err(e) => tracing::warn!("cannot read QEMU's console: {e}"),
-        }
-    }
-
-    let (exit_tx, exit_rx) = watch::channel(None);
-    let exit_tx = Arc::new(exit_tx);
-    let stop_requested = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let kill_reason = Arc::new(Mutex::new(None));
-    tokio::spawn(wait_exit(
-        jailed.clone(),
-        limits,
-        console.clone(),
-        exit_tx.clone(),
-        stop_requested.clone(),
-        kill_reason.clone(),
-    ));
+    let process = Supervised::spawn(
+        Spawn {
+            name: "QEMU",
+            cmd,
+            outputs: vec![(out_r, ""), (err_r, "qemu: ")],
+            state_dir: Some(spec.state_dir.clone()),
+            reap_within: REAP_TIMEOUT,
+        },
+        Box::new(QemuEnd),
+    )
+    .await?;
+    let exit_rx = process.exit_watch();
 
     let marker_time = Arc::new(std::sync::OnceLock::new());
     if let Some(host) = marker {
@@ -297,7 +267,7 @@ pub async fn spawn(
     if let Some((host, link)) = net {
         let s = tokio::net::UnixStream::from_std(host)
             .map_err(|e| VmError::io("connecting the network socket", e))?;
-        tokio::spawn(super::netpump::run(s, link, exit_rx.clone()));
+        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
     }
     let snapshot = match (monitor, &spec.snapshot_to) {
         (Some(m), Some(to)) => Some(SnapshotTarget {
@@ -321,14 +291,7 @@ pub async fn spawn(
     }
     let vm = QemuVm {
         snapshot,
-        pid,
-        jailed,
-        console,
-        exit: exit_rx,
-        exit_tx,
-        stop_requested,
-        kill_reason,
-        state_dir: spec.state_dir.clone(),
+        process,
         marker: marker_time,
     };
     let stream = tokio::net::UnixStream::from_std(agent_host)
@@ -373,47 +336,34 @@ async fn time_marker(
     }
 }
 
-async fn wait_exit(
-    jailed: Arc<sandbox_jail::Jailed>,
-    limits: sandbox_jail::Limits,
-    console: Arc<Mutex<ConsoleLog>>,
-    tx: Arc<watch::Sender<Option<VmExit>>>,
-    stop_requested: Arc<std::sync::atomic::AtomicBool>,
-    kill_reason: Arc<Mutex<Option<String>>>,
-) {
-    let exit = jailed.wait().await;
-    // Give the console pumps a moment to take QEMU's last words.
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let lines = console
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .tail(EXIT_CONSOLE_LINES);
-    let killed = kill_reason
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    let requested = killed.is_none() && stop_requested.load(std::sync::atomic::Ordering::SeqCst);
-    let reason = killed.unwrap_or_else(|| {
-        if exit.oom_kills > 0 && !requested {
-            return format!(
-                "out of memory: the VM's process used more than its limit of {} MiB (the guest's \
-                 memory and QEMU's own allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and the kernel \
-                 killed it",
-                limits.memory_bytes >> 20
-            );
-        }
-        use std::os::unix::process::ExitStatusExt;
-        classify(
-            Some(std::process::ExitStatus::from_raw(exit.status)),
+/// How QEMU ended: the service's own kill, the OOM killer, then its status and console.
+struct QemuEnd;
+
+impl Classify for QemuEnd {
+    fn classify(self: Box<Self>, e: Ending) -> VmExit {
+        let requested = e.killed.is_none() && e.requested;
+        let reason = e.killed.unwrap_or_else(|| {
+            if e.status.oom_kills > 0 && !requested {
+                return format!(
+                    "out of memory: the VM's process used more than its limit of {} MiB (the \
+                     guest's memory and QEMU's own allowance, SANDBOX_HOST_VMM_ALLOWANCE_MIB) and \
+                     the kernel killed it",
+                    e.memory_mib
+                );
+            }
+            use std::os::unix::process::ExitStatusExt;
+            classify(
+                Some(std::process::ExitStatus::from_raw(e.status.status)),
+                requested,
+                &e.console,
+            )
+        });
+        VmExit {
+            reason,
             requested,
-            &lines,
-        )
-    });
-    tx.send_replace(Some(VmExit {
-        reason,
-        requested,
-        console: lines,
-    }));
+            console: e.console,
+        }
+    }
 }
 
 /// One line saying why QEMU ended.
@@ -449,59 +399,27 @@ impl Vm for QemuVm {
     }
 
     fn exit(&self) -> Option<VmExit> {
-        self.exit.borrow().clone()
+        self.process.exit()
     }
 
     async fn wait(&self) -> VmExit {
-        let mut rx = self.exit.clone();
-        loop {
-            if let Some(e) = rx.borrow_and_update().clone() {
-                return e;
-            }
-            if rx.changed().await.is_err() {
-                // The waiter task is gone without a result; only possible at runtime shutdown.
-                return VmExit {
-                    reason: "the VM monitor task ended".into(),
-                    requested: false,
-                    console: vec![],
-                };
-            }
-        }
+        self.process.wait().await
     }
 
     async fn stop(&self, grace: Duration) -> VmExit {
-        if self.exit().is_none() {
-            self.stop_requested
-                .store(true, std::sync::atomic::Ordering::SeqCst);
-            self.signal(libc::SIGTERM);
-            if tokio::time::timeout(grace, self.wait()).await.is_err() {
-                self.signal(libc::SIGKILL);
-            }
-        }
-        let exit = self.reaped().await;
-        crate::vm_process::remove_state_dir(&self.state_dir);
-        exit
+        self.process.stop(grace, |p| p.signal(libc::SIGTERM)).await
     }
 
     async fn kill(&self, reason: String) -> VmExit {
-        if self.exit().is_none() {
-            *self.kill_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
-            self.signal(libc::SIGKILL);
-        }
-        let exit = self.reaped().await;
-        crate::vm_process::remove_state_dir(&self.state_dir);
-        exit
+        self.process.kill(reason).await
     }
 
     fn console_tail(&self, n: usize) -> Vec<String> {
-        self.console
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .tail(n)
+        self.process.console_tail(n)
     }
 
     fn pid(&self) -> Option<u32> {
-        Some(self.pid)
+        Some(self.process.pid())
     }
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
@@ -549,59 +467,5 @@ impl Vm for QemuVm {
                 exit.reason
             ))),
         }
-    }
-}
-
-impl Drop for QemuVm {
-    fn drop(&mut self) {
-        // Dropped without a stop (an error path, a panic): kill now, clean up now. The waiter task
-        // reaps the process.
-        if self.exit().is_none() {
-            self.stop_requested
-                .store(true, std::sync::atomic::Ordering::SeqCst);
-            self.signal(libc::SIGKILL);
-        }
-        crate::vm_process::remove_state_dir(&self.state_dir);
-    }
-}
-
-impl QemuVm {
-    /// The exit once QEMU (sent SIGKILL) has been reaped, or after [`REAP_TIMEOUT`] an exit
-    /// that says it could not be: a process in uninterruptible sleep is never waited for
-    /// without bound.
-    async fn reaped(&self) -> VmExit {
-        if self.exit().is_none() {
-            self.signal(libc::SIGKILL);
-        }
-        match tokio::time::timeout(REAP_TIMEOUT, self.wait()).await {
-            Ok(exit) => exit,
-            Err(_) => {
-                tracing::error!(
-                    pid = self.pid,
-                    "QEMU did not end within {REAP_TIMEOUT:?} of SIGKILL"
-                );
-                let exit = VmExit {
-                    reason: format!(
-                        "QEMU (pid {}) did not end within {REAP_TIMEOUT:?} of SIGKILL; it is left behind",
-                        self.pid
-                    ),
-                    requested: false,
-                    console: self.console_tail(EXIT_CONSOLE_LINES),
-                };
-                // Waiters learn it now; the waiter task replaces it if QEMU is reaped later.
-                self.exit_tx.send_if_modified(|e| {
-                    if e.is_some() {
-                        return false;
-                    }
-                    *e = Some(exit.clone());
-                    true
-                });
-                exit
-            }
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        self.jailed.signal(sig);
     }
 }

@@ -1,6 +1,7 @@
-//! The QEMU side of the guest's network: QEMU's `-netdev stream` inherits one end of a socket
-//! pair; [`sandbox_control::pump`] moves its frames to and from the VM's [`FrameLink`] until the
-//! VM ends.
+//! A VM process's network served from this process (the in-process link the benches and the
+//! stack's own VM tests use): the VM process (QEMU's `-netdev stream`, `sandbox-vm`'s net device)
+//! inherits one end of a socket pair; [`sandbox_control::pump`] moves its frames to and from the
+//! VM's [`FrameLink`] until the VM ends. Sandboxes' networks are their network processes'.
 
 use std::sync::Arc;
 
