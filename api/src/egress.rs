@@ -69,17 +69,14 @@ pub async fn start(
     spec: &EgressSpec,
     config: &Config,
     mac: Option<[u8; 6]>,
-) -> Result<Started, StartError> {
+) -> Result<Started, NetProcessError> {
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
     let mut cfg = net_config(id, spec, config, mac);
     let started = NetProcess::start(id, &cfg, &config.state_dir).await;
     for s in &mut cfg.secrets {
         zeroize::Zeroize::zeroize(&mut s.value);
     }
-    let started = started.map_err(|e| match e {
-        NetProcessError::Bad(m) => StartError::Bad(m),
-        NetProcessError::Internal(m) => StartError::Internal(m),
-    })?;
+    let started = started?;
     Ok(Started {
         net: started.process,
         attachment: NetAttachment {
@@ -89,15 +86,6 @@ pub async fn start(
         ca_pem: started.ca_pem,
         env: started.env,
     })
-}
-
-/// Why a sandbox's egress could not start.
-#[derive(Debug)]
-pub enum StartError {
-    /// The request's settings cannot be used.
-    Bad(String),
-    /// The host's side failed.
-    Internal(String),
 }
 
 /// Gives the guest its clock, address, route and resolver through the agent (as root), with

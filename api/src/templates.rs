@@ -279,7 +279,7 @@ async fn build(
     // guest never reaches anything, and a clone's device gets its run's egress.
     let egress = crate::egress::start(&name, &Default::default(), state.config(), None)
         .await
-        .map_err(|e| fail(format!("the template's egress: {e:?}")))?;
+        .map_err(|e| fail(format!("the template's egress: {e}")))?;
     let mac = egress.attachment.mac;
     spec.net = Some(egress.attachment);
     let sandbox =

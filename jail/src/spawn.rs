@@ -12,7 +12,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::cgroup::{CgroupError, Leaf};
-use crate::child::{BindPlan, Plan, STEPS};
+use crate::child::{BindPlan, Plan, Step};
 use crate::ids::{IdError, IdLease, IdMode};
 use crate::spec::{Command, Exit, Root};
 
@@ -556,13 +556,13 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
     let n = read_bounded(&err_read, &mut msg, Duration::from_secs(10))
         .map_err(prep("waiting for the jailed process to start"))?;
     if n == 8 {
-        let step = u32::from_ne_bytes(msg[..4].try_into().expect("4 bytes")) as usize;
+        let step = u32::from_ne_bytes(msg[..4].try_into().expect("4 bytes"));
         let errno = i32::from_ne_bytes(msg[4..].try_into().expect("4 bytes"));
         // Reap it now, so its ids and cgroup are free when we return.
         let _ = waitid(&jailed.pidfd, 0);
         let _ = jailed.finish(0);
         return Err(SpawnError::Child {
-            step: STEPS.get(step).copied().unwrap_or("an unknown step"),
+            step: Step::from_number(step).map_or("an unknown step", Step::describe),
             source: std::io::Error::from_raw_os_error(errno),
         });
     }

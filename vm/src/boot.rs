@@ -25,7 +25,7 @@ const MAX_INITRD: u64 = 1 << 30;
 
 /// Why the guest could not be put in memory.
 #[derive(Debug, Error)]
-pub enum BootError {
+pub enum LoadError {
     /// The kernel file could not be opened or read.
     #[error("cannot read the kernel {path}: {source}")]
     Kernel {
@@ -64,22 +64,22 @@ pub fn load(
     kernel: &FileRef,
     initrd: Option<&FileRef>,
     cmdline: &str,
-) -> Result<GuestAddress, BootError> {
-    let mut f = kernel.open(false).map_err(|e| BootError::Kernel {
+) -> Result<GuestAddress, LoadError> {
+    let mut f = kernel.open(false).map_err(|e| LoadError::Kernel {
         path: kernel.to_string(),
         source: e,
     })?;
     let loaded = Elf::load(mem, None, &mut f, Some(layout::HIMEM_START))
-        .map_err(|e| BootError::Load(e.to_string()))?;
+        .map_err(|e| LoadError::Load(e.to_string()))?;
     let PvhBootCapability::PvhEntryPresent(entry) = loaded.pvh_boot_cap else {
-        return Err(BootError::NoPvh);
+        return Err(LoadError::NoPvh);
     };
 
     let mut cl =
-        Cmdline::new(layout::CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
+        Cmdline::new(layout::CMDLINE_MAX).map_err(|e| LoadError::Cmdline(e.to_string()))?;
     cl.insert_str(cmdline)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    load_cmdline(mem, layout::CMDLINE, &cl).map_err(|e| BootError::Cmdline(e.to_string()))?;
+        .map_err(|e| LoadError::Cmdline(e.to_string()))?;
+    load_cmdline(mem, layout::CMDLINE, &cl).map_err(|e| LoadError::Cmdline(e.to_string()))?;
 
     let mut start = hvm_start_info {
         magic: XEN_HVM_START_MAGIC,
@@ -101,7 +101,7 @@ pub fn load(
 
     let mut module = None;
     if let Some(path) = initrd {
-        let bad = |why: String| BootError::Initrd {
+        let bad = |why: String| LoadError::Initrd {
             path: path.to_string(),
             why,
         };
@@ -135,6 +135,6 @@ pub fn load(
         params.set_modules::<hvm_modlist_entry>(&[m], layout::MODLIST);
     }
     PvhBootConfigurator::write_bootparams::<GuestMemoryMmap>(&params, mem)
-        .map_err(|e| BootError::StartInfo(e.to_string()))?;
+        .map_err(|e| LoadError::StartInfo(e.to_string()))?;
     Ok(entry)
 }

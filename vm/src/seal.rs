@@ -54,7 +54,7 @@ impl ThreadKind {
 
 /// A filter that could not be built or applied.
 #[derive(Debug, Error)]
-pub enum SealError {
+pub enum VmSealError {
     /// seccompiler refused the rules (a bug of ours).
     #[error("building the {0} thread's system call filter: {1}")]
     Build(&'static str, String),
@@ -63,13 +63,13 @@ pub enum SealError {
     Apply(&'static str, String),
 }
 
-type Sealer = Box<dyn Fn(ThreadKind) -> Result<(), SealError> + Send + Sync>;
+type Sealer = Box<dyn Fn(ThreadKind) -> Result<(), VmSealError> + Send + Sync>;
 
 static SEALER: OnceLock<Sealer> = OnceLock::new();
 
 /// Makes every later [`enter`] apply its kind's filter: the VM process calls this before it
 /// builds the machine.
-pub fn install() -> Result<(), SealError> {
+pub fn install() -> Result<(), VmSealError> {
     // Built once, up front: a thread that starts later only loads its program.
     let programs: Vec<(ThreadKind, BpfProgram)> = [
         ThreadKind::Main,
@@ -79,7 +79,7 @@ pub fn install() -> Result<(), SealError> {
     ]
     .into_iter()
     .map(|k| Ok((k, program(k)?)))
-    .collect::<Result<_, SealError>>()?;
+    .collect::<Result<_, VmSealError>>()?;
     settle_the_allocator();
     install_sigsys_handler();
     let _ = SEALER.set(Box::new(move |kind| {
@@ -87,7 +87,7 @@ pub fn install() -> Result<(), SealError> {
             .iter()
             .find(|(k, _)| *k == kind)
             .expect("a program per kind");
-        seccompiler::apply_filter(p).map_err(|e| SealError::Apply(kind.name(), e.to_string()))
+        seccompiler::apply_filter(p).map_err(|e| VmSealError::Apply(kind.name(), e.to_string()))
     }));
     Ok(())
 }
@@ -118,7 +118,7 @@ fn settle_the_allocator() {
 }
 
 /// Applies this thread's filter if the process installed a sealer; a no-op otherwise.
-pub fn enter(kind: ThreadKind) -> Result<(), SealError> {
+pub fn enter(kind: ThreadKind) -> Result<(), VmSealError> {
     KIND.with(|k| k.set(Some(kind)));
     match SEALER.get() {
         Some(seal) => seal(kind),
@@ -496,8 +496,8 @@ fn rules(
 }
 
 /// The program of one kind of thread.
-pub fn program(kind: ThreadKind) -> Result<BpfProgram, SealError> {
-    let err = |e: &dyn std::fmt::Display| SealError::Build(kind.name(), e.to_string());
+pub fn program(kind: ThreadKind) -> Result<BpfProgram, VmSealError> {
+    let err = |e: &dyn std::fmt::Display| VmSealError::Build(kind.name(), e.to_string());
     let rules = rules(kind, std::process::id()).map_err(|e| err(&e))?;
     let f = SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, ARCH)
         .map_err(|e| err(&e))?;

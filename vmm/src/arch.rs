@@ -2,7 +2,7 @@
 //! QEMU then emulates (TCG): how an x86_64 machine runs the aarch64 guest that Apple silicon and
 //! aarch64 Linux hosts run natively, to test it.
 
-use crate::config::ConfigError;
+use crate::config::SettingError;
 
 /// Guest architecture, which picks the QEMU binary and machine, the kernel and the image store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,12 +25,12 @@ impl Arch {
 
     /// `SANDBOX_HOST_ARCH`: `auto` (or unset) is the host's; `x86_64` or `aarch64` (`arm64`) pick
     /// one, emulated when it is not the host's.
-    pub fn parse(value: &str) -> Result<Arch, ConfigError> {
+    pub fn parse(value: &str) -> Result<Arch, SettingError> {
         match value.trim() {
             "" | "auto" => Ok(Arch::host()),
             "x86_64" | "amd64" => Ok(Arch::X86_64),
             "aarch64" | "arm64" => Ok(Arch::Aarch64),
-            other => Err(ConfigError {
+            other => Err(SettingError {
                 var: "SANDBOX_HOST_ARCH",
                 value: other.into(),
                 allowed: "one of auto, x86_64, aarch64",
@@ -39,7 +39,7 @@ impl Arch {
     }
 
     /// Reads `SANDBOX_HOST_ARCH`.
-    pub fn from_env() -> Result<Arch, ConfigError> {
+    pub fn from_env() -> Result<Arch, SettingError> {
         Arch::parse(&std::env::var("SANDBOX_HOST_ARCH").unwrap_or_default())
     }
 

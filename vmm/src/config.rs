@@ -7,7 +7,7 @@ use thiserror::Error;
 /// A setting with a value it does not accept.
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("{var} must be {allowed}; it is `{value}`. Fix it in the environment or in .env")]
-pub struct ConfigError {
+pub struct SettingError {
     /// The variable.
     pub var: &'static str,
     /// Its value.
@@ -70,13 +70,13 @@ pub fn no_kvm_device() -> &'static str {
 
 /// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before
 /// its VM is killed as unresponsive (60000; at least 2000).
-pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
+pub fn unresponsive() -> Result<std::time::Duration, SettingError> {
     let Some(v) = non_empty_env("SANDBOX_HOST_UNRESPONSIVE_MS") else {
         return Ok(UNRESPONSIVE_DEFAULT);
     };
     match v.trim().parse::<u64>() {
         Ok(ms) if ms >= 2000 => Ok(std::time::Duration::from_millis(ms)),
-        _ => Err(ConfigError {
+        _ => Err(SettingError {
             var: "SANDBOX_HOST_UNRESPONSIVE_MS",
             value: v,
             allowed: "a number of milliseconds, at least 2000",
@@ -87,7 +87,7 @@ pub fn unresponsive() -> Result<std::time::Duration, ConfigError> {
 /// `SANDBOX_HOST_VMM_ALLOWANCE_MIB`: memory a VM process may use beyond its guest's memory, in
 /// its cgroup. Unset: the backend's own figure (64 MiB for `sandbox-vm`; for QEMU 512 MiB under
 /// TCG, 256 MiB with an accelerator).
-pub fn vmm_allowance_mib() -> Result<Option<u64>, ConfigError> {
+pub fn vmm_allowance_mib() -> Result<Option<u64>, SettingError> {
     let Some(v) = non_empty_env("SANDBOX_HOST_VMM_ALLOWANCE_MIB") else {
         return Ok(None);
     };
@@ -96,7 +96,7 @@ pub fn vmm_allowance_mib() -> Result<Option<u64>, ConfigError> {
         .ok()
         .filter(|&n| n <= 1 << 20)
         .map(Some)
-        .ok_or(ConfigError {
+        .ok_or(SettingError {
             var: "SANDBOX_HOST_VMM_ALLOWANCE_MIB",
             value: v,
             allowed: "a number of MiB from 0 to 1048576",
@@ -122,13 +122,13 @@ pub enum AccelSetting {
 
 impl AccelSetting {
     /// Parses the variable's value (empty means `auto`).
-    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+    pub fn parse(value: &str) -> Result<Self, SettingError> {
         match value.trim() {
             "" | "auto" => Ok(Self::Auto),
             "kvm" => Ok(Self::Kvm),
             "hvf" => Ok(Self::Hvf),
             "tcg" => Ok(Self::Tcg),
-            other => Err(ConfigError {
+            other => Err(SettingError {
                 var: "SANDBOX_HOST_QEMU_ACCEL",
                 value: other.into(),
                 allowed: "one of auto, kvm, hvf, tcg",
@@ -137,7 +137,7 @@ impl AccelSetting {
     }
 
     /// Reads `SANDBOX_HOST_QEMU_ACCEL`.
-    pub fn from_env() -> Result<Self, ConfigError> {
+    pub fn from_env() -> Result<Self, SettingError> {
         Self::parse(&std::env::var("SANDBOX_HOST_QEMU_ACCEL").unwrap_or_default())
     }
 }
@@ -155,12 +155,12 @@ pub enum VmmSetting {
 
 impl VmmSetting {
     /// Parses the variable's value (empty means `auto`).
-    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+    pub fn parse(value: &str) -> Result<Self, SettingError> {
         match value.trim() {
             "" | "auto" => Ok(Self::Auto),
             "kvm" => Ok(Self::Kvm),
             "qemu" => Ok(Self::Qemu),
-            other => Err(ConfigError {
+            other => Err(SettingError {
                 var: "SANDBOX_HOST_VMM",
                 value: other.into(),
                 allowed: "one of auto, kvm, qemu",
@@ -169,7 +169,7 @@ impl VmmSetting {
     }
 
     /// Reads `SANDBOX_HOST_VMM`.
-    pub fn from_env() -> Result<Self, ConfigError> {
+    pub fn from_env() -> Result<Self, SettingError> {
         Self::parse(&std::env::var("SANDBOX_HOST_VMM").unwrap_or_default())
     }
 }

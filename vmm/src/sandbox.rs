@@ -72,7 +72,7 @@ pub struct Liveness {
 
 impl Liveness {
     /// Pings every 5 s; `SANDBOX_HOST_UNRESPONSIVE_MS` (60000) without an answer ends the VM.
-    pub fn from_env() -> Result<Liveness, crate::config::ConfigError> {
+    pub fn from_env() -> Result<Liveness, crate::config::SettingError> {
         Ok(Liveness {
             interval: Duration::from_secs(5),
             timeout: crate::config::unresponsive()?,

@@ -363,8 +363,8 @@ async fn start_vm(
     let started = crate::egress::start(id, &req.egress, state.config(), template.map(|t| t.mac))
         .await
         .map_err(|e| match e {
-            crate::egress::StartError::Bad(m) => bad(m),
-            crate::egress::StartError::Internal(m) => {
+            crate::netproc::NetProcessError::Bad(m) => bad(m),
+            crate::netproc::NetProcessError::Internal(m) => {
                 ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
             }
         })?;

@@ -201,7 +201,7 @@ pub enum MachineError {
     Memory(String),
     /// The guest could not be loaded.
     #[error(transparent)]
-    Boot(#[from] boot::BootError),
+    Boot(#[from] boot::LoadError),
     /// A vCPU could not be set up.
     #[error(transparent)]
     Cpu(#[from] cpu::CpuError),
