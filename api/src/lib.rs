@@ -4,7 +4,6 @@
 #![forbid(unsafe_code)]
 
 mod auth;
-mod backend_select;
 mod capacity;
 pub mod client;
 pub mod config;
@@ -12,6 +11,7 @@ mod egress;
 mod error;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod lifecycle;
 mod metrics;
 mod netproc;
 mod registry;

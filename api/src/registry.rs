@@ -487,47 +487,54 @@ pub async fn dispose_all(state: &AppState) -> usize {
     n
 }
 
-/// Builds and registers an entry for a booted sandbox, and watches its VM.
-#[allow(clippy::too_many_arguments)]
+/// What a started sandbox has besides its plan.
+pub struct Running {
+    /// Variables every command gets from its start (the secrets' placeholders, the CA's paths),
+    /// besides the run's own.
+    pub env: Vec<(String, String)>,
+    /// Its network process.
+    pub net: Option<Arc<crate::netproc::NetProcess>>,
+    /// Its VM and agent.
+    pub sandbox: Sandbox,
+    /// Its share of the host's budgets.
+    pub reservation: crate::capacity::Reservation,
+    /// What pausing it needs, where the backend can.
+    pub pausable: Option<Pausable>,
+}
+
+/// Builds and registers the entry of the sandbox `plan` made, and watches its VM. The run's
+/// secrets' values are not kept (issue 32: the network process holds them; the service keeps
+/// what it shows, each secret's variable and hosts, and never needs a value again).
 pub fn new_entry(
     state: &AppState,
-    id: String,
-    run_id: String,
-    image: String,
-    stock_image: bool,
-    harness_version_match: Option<bool>,
-    disk_limit_mib: u64,
-    memory_mib: u32,
-    vcpus: u8,
-    env: BTreeMap<String, String>,
-    egress: EgressSpec,
-    net: Option<Arc<crate::netproc::NetProcess>>,
-    time_limit: Duration,
-    sandbox: Sandbox,
-    reservation: crate::capacity::Reservation,
-    pausable: Option<Pausable>,
+    plan: crate::lifecycle::Plan,
+    running: Running,
 ) -> Arc<SandboxEntry> {
     let created_at = SystemTime::now();
+    let mut egress = plan.egress;
+    for s in &mut egress.secrets {
+        zeroize::Zeroize::zeroize(&mut s.value);
+    }
     let entry = Arc::new(SandboxEntry {
-        id,
-        run_id,
-        image,
-        stock_image,
-        harness_version_match,
-        disk_limit_mib,
-        memory_mib,
-        vcpus,
-        env,
+        id: plan.id,
+        run_id: plan.run_id,
+        image: plan.image_name,
+        stock_image: plan.stock_image,
+        harness_version_match: plan.harness_version_match,
+        disk_limit_mib: plan.disk_limit_mib,
+        memory_mib: plan.memory_mib,
+        vcpus: plan.vcpus,
+        env: plan.env.into_iter().chain(running.env).collect(),
         egress,
-        net,
+        net: running.net,
         created_at,
-        expires_at: created_at + time_limit,
-        sandbox: std::sync::RwLock::new(Arc::new(sandbox)),
+        expires_at: created_at + plan.time_limit,
+        sandbox: std::sync::RwLock::new(Arc::new(running.sandbox)),
         counters: Counters::default(),
         last_activity: Mutex::new((Instant::now(), created_at)),
         in_flight: AtomicU64::new(0),
-        reservation: Mutex::new(reservation),
-        pausable,
+        reservation: Mutex::new(running.reservation),
+        pausable: running.pausable,
         paused: tokio::sync::Mutex::new(false),
         paused_now: std::sync::atomic::AtomicBool::new(false),
         lost: std::sync::atomic::AtomicBool::new(false),

@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Args;
 use sandbox_protocol::client::ExecEvent;
@@ -10,10 +9,7 @@ use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::{ImageStore, config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::backend_select;
-
-/// How long a sandbox may take to come up before `run` gives up. TCG boots take seconds.
-const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+use sandbox_vmm::select as backend_select;
 
 /// `sandbox-host run`'s options: one sandbox, one command, without the service.
 #[derive(Debug, Args)]
@@ -89,10 +85,14 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
         config::state_dir().join(&id),
     );
     let liveness = sandbox_vmm::Liveness::from_env().map_err(|e| e.to_string())?;
-    let sandbox =
-        sandbox_vmm::boot_watched(selected.backend.as_ref(), spec, BOOT_TIMEOUT, liveness)
-            .await
-            .map_err(|e| e.to_string())?;
+    let sandbox = sandbox_vmm::boot_watched(
+        selected.backend.as_ref(),
+        spec,
+        crate::lifecycle::BOOT_TIMEOUT,
+        liveness,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     tracing::info!(
         boot_ms = sandbox.boot_time.as_millis() as u64,
         "sandbox ready"

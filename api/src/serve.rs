@@ -11,7 +11,8 @@ use sandbox_vmm::image::STOCK;
 
 use crate::config::{self, Config};
 use crate::state::{AppState, Availability};
-use crate::{backend_select, registry, routes};
+use crate::{lifecycle, registry, routes};
+use sandbox_vmm::select as backend_select;
 
 /// How long disposal at shutdown may take before the process exits anyway.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -145,14 +146,14 @@ pub async fn serve() -> ExitCode {
              SANDBOX_HOST_STATE_DIR on a disk"
         );
     }
-    if store.resolve(routes::sandboxes::DEFAULT_IMAGE).is_err() {
+    if store.resolve(lifecycle::DEFAULT_IMAGE).is_err() {
         tracing::warn!(
-            image = routes::sandboxes::DEFAULT_IMAGE,
+            image = lifecycle::DEFAULT_IMAGE,
             store = %store.dir().display(),
             "The guest image {} is not in the image store, so sandboxes use the stock image: each run keeps \
              its checkout in memory (/workspace is a tmpfs of three quarters of the guest's memory). Build \
              the guest image to give runs a disk",
-            routes::sandboxes::DEFAULT_IMAGE
+            lifecycle::DEFAULT_IMAGE
         );
     }
 

@@ -169,6 +169,11 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// The accelerator in use (`kvm`, `hvf`, `tcg`).
     fn accel(&self) -> String;
+    /// Whether a VM can be paused into a snapshot and started again from it, any number of
+    /// times (the KVM backend; a QEMU VM is snapshotted at most once, for templates).
+    fn can_pause(&self) -> bool {
+        false
+    }
     /// Starts a VM and returns it once its agent channel is connected (not yet ready).
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError>;
 }

@@ -13,11 +13,8 @@ pub fn router() -> Router<AppState> {
 
 /// The image a create request gets by default, and whether it is the stock fallback.
 pub fn default_image(state: &AppState) -> (String, bool) {
-    match state
-        .store()
-        .resolve(crate::routes::sandboxes::DEFAULT_IMAGE)
-    {
-        Ok(_) => (crate::routes::sandboxes::DEFAULT_IMAGE.to_string(), false),
+    match state.store().resolve(crate::lifecycle::DEFAULT_IMAGE) {
+        Ok(_) => (crate::lifecycle::DEFAULT_IMAGE.to_string(), false),
         Err(_) => (sandbox_vmm::image::STOCK.to_string(), true),
     }
 }

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::SandboxId;
-use super::sandboxes::BOOT_TIMEOUT;
 use crate::error::ApiError;
+use crate::lifecycle::BOOT_TIMEOUT;
 use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 

@@ -8,27 +8,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use sandbox_vmm::image::STOCK;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{ApiJson, SandboxId, integral, present};
 use crate::error::ApiError;
+use crate::lifecycle;
 use crate::registry::{self, EgressSpec, SandboxEntry};
 use crate::state::AppState;
 use crate::time::rfc3339;
-
-/// The image a create request gets when it names none.
-pub const DEFAULT_IMAGE: &str = "vantik-guest:latest";
-
-/// Disk limit of a run with the review cycle, and without (MiB), from the operator guide.
-const DISK_LIMIT_REVIEW_MIB: u64 = 30_720;
-const DISK_LIMIT_MIB: u64 = 20_480;
-
-/// Longest a sandbox may take to boot before the create fails (TCG boots take seconds).
-pub(super) const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
-/// The longest the guest's network set-up may take, host side.
-const NET_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -147,166 +135,30 @@ async fn create(
     ApiJson(req): ApiJson<CreateRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     validate(&req)?;
-    let Some(backend) = state.backend().cloned() else {
-        let reason = state
-            .availability()
-            .reason
-            .clone()
-            .unwrap_or_else(|| "no backend".into());
-        return Err(ApiError::Unavailable(reason));
-    };
-    let wanted = req
-        .image
-        .clone()
-        .unwrap_or_else(|| DEFAULT_IMAGE.to_string());
-    // Looked up now, so a newly built image applies to this sandbox without a restart.
-    let (image, stock_image) = match state.store().resolve(&wanted) {
-        Ok(img) => {
-            let stock = wanted == STOCK;
-            (img, stock)
-        }
-        Err(sandbox_vmm::ImageError::Missing { .. }) => {
-            let img = state
-                .store()
-                .resolve(STOCK)
-                .map_err(|e| ApiError::Unavailable(e.to_string()))?;
-            tracing::warn!(wanted = %wanted, "image not in the image store; using the stock image (/workspace in memory)");
-            (img, true)
-        }
-        Err(e) => return Err(bad(e.to_string())),
-    };
-    let harness_version_match = match (&req.harness_version, &image.harness_version) {
-        (Some(want), Some(have)) => Some(want == have),
-        _ => None,
-    };
-    let id = registry::new_id();
-    let disk_limit_mib = if req.review {
-        DISK_LIMIT_REVIEW_MIB
-    } else {
-        DISK_LIMIT_MIB
-    };
-    let spec = image.vm_spec(
-        id.clone(),
-        req.memory_mib,
-        req.vcpus,
-        disk_limit_mib,
-        state.config().state_dir.join(&id),
-    );
-    // Admission: the sandbox's share of the host's budgets, held until it is gone.
-    let reservation = state
-        .capacity()
-        .reserve(
-            u64::from(req.memory_mib),
-            state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
-            spec.scratch_disk_mib.unwrap_or(0),
-        )
-        .map_err(|why| {
-            state.metrics().refused_for_capacity();
-            ApiError::NoCapacity(why)
-        })?;
-    // A sandbox of a shape that has a template is restored from it; a
-    // template that fails is discarded and the sandbox boots cold (templates.rs).
-    let shape = crate::templates::Shape {
-        image_dir: image.dir.clone(),
-        memory_mib: req.memory_mib,
-        vcpus: req.vcpus,
-        disk_mib: spec.scratch_disk_mib,
-    };
-    // On the KVM backend every sandbox can be paused: its VM gets, at start, the two files its
-    // snapshot goes to (created empty here; the VM process opens nothing itself).
-    let pause_dir = state.config().state_dir.join(format!("{id}.paused"));
-    let mut spec = spec;
-    let pausable_files = if backend.name() == "kvm" {
-        match snapshot_files(&pause_dir)
-            .and_then(|a| Ok([a, snapshot_files(&pause_dir.join("b"))?]))
-        {
-            Ok(f) => Some(f),
-            Err(e) => {
-                return Err(ApiError::Internal(format!(
-                    "creating the sandbox's snapshot files in {}: {e}",
-                    pause_dir.display()
-                )));
-            }
-        }
-    } else {
-        None
-    };
-    spec.snapshot_to = pausable_files.as_ref().map(|f| f[0].clone());
-    let base_spec = spec.clone();
-    let template = state.templates().and_then(|t| t.get(&shape));
-    let from_template = template.is_some();
-    let booted = match template {
-        Some(t) => {
-            match start_vm(&state, backend.as_ref(), &id, &req, spec.clone(), Some(&t)).await {
-                Err(e @ ApiError::BadRequest(_)) => return Err(e),
-                Err(e) => {
-                    if let Some(templates) = state.templates() {
-                        templates.discard(&shape, &e.to_string());
-                    }
-                    start_vm(&state, backend.as_ref(), &id, &req, spec, None)
-                        .await
-                        .map(|b| (b, false))
-                }
-                Ok(b) => Ok((b, true)),
-            }
-        }
-        None => start_vm(&state, backend.as_ref(), &id, &req, spec, None)
-            .await
-            .map(|b| (b, false)),
-    };
-    let ((sandbox, started), restored) = match booted {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&pause_dir);
-            return Err(e);
-        }
-    };
-    let pausable = pausable_files.map(|files| registry::Pausable {
-        dir: pause_dir.clone(),
-        files,
-        slot: std::sync::atomic::AtomicUsize::new(0),
-        vm_dir: std::sync::Mutex::new(base_spec.state_dir.clone()),
-        resumes: std::sync::atomic::AtomicU64::new(0),
-        spec: base_spec,
-        mac: started.mac,
-    });
-    if !from_template && let Some(templates) = state.templates() {
-        // The first sandbox of its shape: the next ones are restored.
-        templates.ensure(&state, backend.clone(), image.clone(), shape);
-    }
-    state.metrics().started(restored);
-    state.metrics().boot(sandbox.boot_time);
-    let image_name = if stock_image {
-        STOCK.to_string()
-    } else {
-        wanted
-    };
-    let entry = registry::new_entry(
+    let plan = lifecycle::Plan::new(
         &state,
-        id,
-        req.run_id,
-        image_name,
-        stock_image,
-        harness_version_match,
-        disk_limit_mib,
-        req.memory_mib,
-        req.vcpus,
-        // The secrets' placeholders (and the CA's paths) for every command.
-        req.env.into_iter().chain(started.env).collect(),
-        without_values(req.egress),
-        Some(started.egress),
-        Duration::from_millis(req.time_limit_ms),
-        sandbox,
-        reservation,
-        pausable,
-    );
+        lifecycle::Asked {
+            run_id: req.run_id,
+            time_limit: Duration::from_millis(req.time_limit_ms),
+            review: req.review,
+            memory_mib: req.memory_mib,
+            vcpus: req.vcpus,
+            image: req.image,
+            env: req.env,
+            harness_version: req.harness_version,
+            egress: req.egress,
+        },
+    )?;
+    let lifecycle::Created { entry, restored } = lifecycle::create(&state, plan).await?;
+    let started_from = if restored { "template" } else { "boot" };
+    let boot_ms = entry.sandbox().boot_time.as_millis() as u64;
     tracing::info!(
         id = %entry.id,
         run_id = %entry.run_id,
         image = %entry.image,
         stock_image = entry.stock_image,
-        boot_ms = entry.sandbox().boot_time.as_millis() as u64,
-        started_from = if restored { "template" } else { "boot" },
+        boot_ms,
+        started_from,
         "Created sandbox"
     );
     Ok((
@@ -319,106 +171,9 @@ async fn create(
             "harness_version_match": entry.harness_version_match,
             "disk_limit_mib": entry.disk_limit_mib,
             "expires_at": rfc3339(entry.expires_at),
-            "boot_ms": entry.sandbox().boot_time.as_millis() as u64,
-            "started_from": if restored { "template" } else { "boot" },
+            "boot_ms": boot_ms,
+            "started_from": started_from,
         })),
-    ))
-}
-
-/// The egress stack and what the create's boot needs of it, once the guest is configured.
-struct Started {
-    egress: std::sync::Arc<crate::netproc::NetProcess>,
-    env: Vec<(String, String)>,
-    /// The guest's MAC address, for a resume.
-    mac: [u8; 6],
-}
-
-/// Two empty files for a sandbox's snapshot, in a directory of their own.
-fn snapshot_files(dir: &std::path::Path) -> std::io::Result<sandbox_vmm::SnapshotFiles> {
-    std::fs::create_dir_all(dir)?;
-    let files = sandbox_vmm::SnapshotFiles {
-        state: dir.join("snapshot.state"),
-        memory: dir.join("snapshot.mem"),
-        disk: None,
-        take_disk: false,
-    };
-    for p in [&files.state, &files.memory] {
-        std::fs::File::create(p)?;
-    }
-    Ok(files)
-}
-
-/// Starts the sandbox's egress, then its VM (restored from `template` or booted), then gives
-/// the guest its network and CA. On failure nothing of it is left.
-async fn start_vm(
-    state: &AppState,
-    backend: &dyn sandbox_vmm::Backend,
-    id: &str,
-    req: &CreateRequest,
-    mut spec: sandbox_vmm::VmSpec,
-    template: Option<&crate::templates::Template>,
-) -> Result<(sandbox_vmm::Sandbox, Started), ApiError> {
-    // The egress stack starts first: the VM's network device is its other end. A clone keeps
-    // the template's MAC address, which its guest's driver read at the template's boot.
-    let started = crate::egress::start(id, &req.egress, state.config(), template.map(|t| t.mac))
-        .await
-        .map_err(|e| match e {
-            crate::netproc::NetProcessError::Bad(m) => bad(m),
-            crate::netproc::NetProcessError::Internal(m) => {
-                ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
-            }
-        })?;
-    let mac = started.attachment.mac;
-    spec.net = Some(started.attachment);
-    spec.restore_from = template.map(|t| t.files.clone());
-    let liveness = state.config().liveness();
-    let sandbox = match sandbox_vmm::boot_watched(backend, spec, BOOT_TIMEOUT, liveness).await {
-        Ok(s) => s,
-        Err(e) => {
-            state.metrics().boot_failed();
-            tracing::error!(run_id = %req.run_id, error = %e, restored = template.is_some(), "a sandbox did not start");
-            return Err(ApiError::Internal(format!(
-                "the microVM did not start: {e}"
-            )));
-        }
-    };
-    // The guest's own timeout for the script is 10 s; the host's bound covers a guest that
-    // never answers at all.
-    // Either failure carries the guest's last console lines: a guest that closed its channel
-    // has usually said why there.
-    let console = || {
-        sandbox_vmm::backend::console_suffix(&sandbox_vmm::sandbox::diagnostic_lines(
-            sandbox.vm.as_ref(),
-        ))
-    };
-    let configured = match tokio::time::timeout(
-        NET_SETUP_TIMEOUT,
-        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
-    )
-    .await
-    {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("{e}{}", console())),
-        Err(_) => Err(format!(
-            "the guest did not finish its network set-up within {NET_SETUP_TIMEOUT:?}{}",
-            console()
-        )),
-    };
-    if let Err(e) = configured {
-        sandbox.stop().await;
-        state.metrics().boot_failed();
-        tracing::error!(run_id = %req.run_id, error = %e, "a sandbox's network could not be set up");
-        return Err(ApiError::Internal(format!(
-            "the microVM started but its network could not be set up: {e}"
-        )));
-    }
-    Ok((
-        sandbox,
-        Started {
-            egress: started.net,
-            env: started.env,
-            mac,
-        },
     ))
 }
 
@@ -493,16 +248,6 @@ async fn keepalive(
     let e = state.registry().get(&id)?;
     e.ensure_alive()?;
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// The run's egress as the registry keeps it: the secrets' values go (issue 32: the network
-/// process holds them; the service keeps what it shows, each secret's variable and hosts, and
-/// never needs a value again).
-fn without_values(mut spec: crate::registry::EgressSpec) -> crate::registry::EgressSpec {
-    for s in &mut spec.secrets {
-        zeroize::Zeroize::zeroize(&mut s.value);
-    }
-    spec
 }
 
 #[cfg(test)]

@@ -96,6 +96,10 @@ pub fn kernel_cmdline(spec: &VmSpec) -> String {
 
 #[async_trait]
 impl Backend for KvmBackend {
+    fn can_pause(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "kvm"
     }

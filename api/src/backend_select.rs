@@ -1,3 +1,0 @@
-//! Picking the VMM backend: see `sandbox_vmm::select`.
-
-pub use sandbox_vmm::select::select;

@@ -1,0 +1,368 @@
+//! How a sandbox comes to run, whatever asked for it: a [`Plan`] checked against the image
+//! store, its share of the host's budgets, its network process, its VM (restored from a
+//! template of its shape, or booted) on that network with the guest's network set up, and its
+//! registry entry built from the plan. The create handler only turns JSON into a plan and the
+//! entry into JSON.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbox_vmm::image::STOCK;
+use sandbox_vmm::{Backend, Image, VmSpec};
+
+use crate::error::ApiError;
+use crate::registry::{self, EgressSpec, SandboxEntry};
+use crate::state::AppState;
+
+/// The image a run gets when it names none.
+pub const DEFAULT_IMAGE: &str = "vantik-guest:latest";
+
+/// Disk limit of a run with the review cycle, and without (MiB), from the operator guide.
+const DISK_LIMIT_REVIEW_MIB: u64 = 30_720;
+const DISK_LIMIT_MIB: u64 = 20_480;
+
+/// Longest a sandbox may take to boot before the create fails (TCG boots take seconds).
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The longest the guest's network set-up may take, host side.
+const NET_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a run asked for, checked by the API (lengths, names, patterns).
+pub struct Asked {
+    /// The platform's run id.
+    pub run_id: String,
+    /// Its time limit.
+    pub time_limit: Duration,
+    /// The review cycle's larger disk.
+    pub review: bool,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    pub vcpus: u8,
+    /// The image by name; [`DEFAULT_IMAGE`] if none.
+    pub image: Option<String>,
+    /// Variables of every command.
+    pub env: BTreeMap<String, String>,
+    /// The harness version the run expects, if it says.
+    pub harness_version: Option<String>,
+    /// Its egress, secrets' values included until its network process has them.
+    pub egress: EgressSpec,
+}
+
+/// A sandbox to be: what was asked, resolved against the image store.
+pub struct Plan {
+    /// Its new id.
+    pub id: String,
+    /// The platform's run id.
+    pub run_id: String,
+    /// The image it boots (the stock one when the one asked for is not in the store).
+    pub image: Image,
+    /// The image's name as the run sees it.
+    pub image_name: String,
+    /// Whether it is the stock image (asked for, or a fallback).
+    pub stock_image: bool,
+    /// The run's harness version against the image's, when both have one.
+    pub harness_version_match: Option<bool>,
+    /// Its disk's size.
+    pub disk_limit_mib: u64,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    pub vcpus: u8,
+    /// Variables of every command.
+    pub env: BTreeMap<String, String>,
+    /// Its egress.
+    pub egress: EgressSpec,
+    /// Its time limit.
+    pub time_limit: Duration,
+}
+
+impl Plan {
+    /// The plan of `asked`: its image looked up now, so a newly built image applies without a
+    /// restart; an image missing from the store falls back to the stock one, as the operator
+    /// guide says, with a warning in the log.
+    pub fn new(state: &AppState, asked: Asked) -> Result<Plan, ApiError> {
+        let wanted = asked.image.unwrap_or_else(|| DEFAULT_IMAGE.to_string());
+        let (image, stock_image) = match state.store().resolve(&wanted) {
+            Ok(img) => {
+                let stock = wanted == STOCK;
+                (img, stock)
+            }
+            Err(sandbox_vmm::ImageError::Missing { .. }) => {
+                let img = state
+                    .store()
+                    .resolve(STOCK)
+                    .map_err(|e| ApiError::Unavailable(e.to_string()))?;
+                tracing::warn!(wanted = %wanted, "image not in the image store; using the stock image (/workspace in memory)");
+                (img, true)
+            }
+            Err(e) => return Err(ApiError::BadRequest(e.to_string())),
+        };
+        let harness_version_match = match (&asked.harness_version, &image.harness_version) {
+            (Some(want), Some(have)) => Some(want == have),
+            _ => None,
+        };
+        Ok(Plan {
+            id: registry::new_id(),
+            run_id: asked.run_id,
+            image,
+            image_name: if stock_image {
+                STOCK.to_string()
+            } else {
+                wanted
+            },
+            stock_image,
+            harness_version_match,
+            disk_limit_mib: if asked.review {
+                DISK_LIMIT_REVIEW_MIB
+            } else {
+                DISK_LIMIT_MIB
+            },
+            memory_mib: asked.memory_mib,
+            vcpus: asked.vcpus,
+            env: asked.env,
+            egress: asked.egress,
+            time_limit: asked.time_limit,
+        })
+    }
+
+    /// Its VM's spec, in its own state directory.
+    fn vm_spec(&self, state: &AppState) -> VmSpec {
+        self.image.vm_spec(
+            self.id.clone(),
+            self.memory_mib,
+            self.vcpus,
+            self.disk_limit_mib,
+            state.config().state_dir.join(&self.id),
+        )
+    }
+
+    /// The template shape its VM matches.
+    fn shape(&self, spec: &VmSpec) -> crate::templates::Shape {
+        crate::templates::Shape {
+            image_dir: self.image.dir.clone(),
+            memory_mib: self.memory_mib,
+            vcpus: self.vcpus,
+            disk_mib: spec.scratch_disk_mib,
+        }
+    }
+}
+
+/// A sandbox that runs, and how it came to.
+pub struct Created {
+    /// Its registry entry.
+    pub entry: Arc<SandboxEntry>,
+    /// Restored from a template rather than booted.
+    pub restored: bool,
+}
+
+/// Makes the sandbox `plan` describes, on the host's backend: admitted, started (from a
+/// template of its shape when there is one; a template that fails is discarded and the sandbox
+/// boots cold), registered and watched. On failure nothing of it is left.
+pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
+    let Some(backend) = state.backend().cloned() else {
+        let reason = state
+            .availability()
+            .reason
+            .clone()
+            .unwrap_or_else(|| "no backend".into());
+        return Err(ApiError::Unavailable(reason));
+    };
+    let mut spec = plan.vm_spec(state);
+    // Admission: the sandbox's share of the host's budgets, held until it is gone.
+    let reservation = state
+        .capacity()
+        .reserve(
+            u64::from(plan.memory_mib),
+            state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
+            spec.scratch_disk_mib.unwrap_or(0),
+        )
+        .map_err(|why| {
+            state.metrics().refused_for_capacity();
+            ApiError::NoCapacity(why)
+        })?;
+    let shape = plan.shape(&spec);
+    // Where the backend can pause a VM, every sandbox's VM gets at start the two files its
+    // snapshot goes to (created empty here; the VM process opens nothing itself).
+    let pause_dir = state.config().state_dir.join(format!("{}.paused", plan.id));
+    let pausable_files = if backend.can_pause() {
+        let files = snapshot_files(&pause_dir)
+            .and_then(|a| Ok([a, snapshot_files(&pause_dir.join("b"))?]))
+            .map_err(|e| {
+                ApiError::Internal(format!(
+                    "creating the sandbox's snapshot files in {}: {e}",
+                    pause_dir.display()
+                ))
+            })?;
+        Some(files)
+    } else {
+        None
+    };
+    spec.snapshot_to = pausable_files.as_ref().map(|f| f[0].clone());
+    let base_spec = spec.clone();
+    let booted = start_from_template_or_boot(state, backend.as_ref(), &plan, spec, &shape).await;
+    let ((sandbox, started), restored, had_template) = match booted {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&pause_dir);
+            return Err(e);
+        }
+    };
+    let pausable = pausable_files.map(|files| registry::Pausable {
+        dir: pause_dir.clone(),
+        files,
+        slot: std::sync::atomic::AtomicUsize::new(0),
+        vm_dir: std::sync::Mutex::new(base_spec.state_dir.clone()),
+        resumes: std::sync::atomic::AtomicU64::new(0),
+        spec: base_spec,
+        mac: started.mac,
+    });
+    if !had_template && let Some(templates) = state.templates() {
+        // The first sandbox of its shape: the next ones are restored.
+        templates.ensure(state, backend.clone(), plan.image.clone(), shape);
+    }
+    state.metrics().started(restored);
+    state.metrics().boot(sandbox.boot_time);
+    let entry = registry::new_entry(
+        state,
+        plan,
+        registry::Running {
+            // The secrets' placeholders (and the CA's paths) for every command.
+            env: started.env,
+            net: Some(started.egress),
+            sandbox,
+            reservation,
+            pausable,
+        },
+    );
+    Ok(Created { entry, restored })
+}
+
+/// The VM of `plan` started from its shape's template, if there is one and it works, else
+/// booted; with whether it was restored, and whether its shape had a template.
+async fn start_from_template_or_boot(
+    state: &AppState,
+    backend: &dyn Backend,
+    plan: &Plan,
+    spec: VmSpec,
+    shape: &crate::templates::Shape,
+) -> Result<((sandbox_vmm::Sandbox, Started), bool, bool), ApiError> {
+    let Some(t) = state.templates().and_then(|t| t.get(shape)) else {
+        return start(state, backend, plan, spec, None)
+            .await
+            .map(|b| (b, false, false));
+    };
+    match start(state, backend, plan, spec.clone(), Some(&t)).await {
+        Ok(b) => Ok((b, true, true)),
+        Err(e @ ApiError::BadRequest(_)) => Err(e),
+        Err(e) => {
+            if let Some(templates) = state.templates() {
+                templates.discard(shape, &e.to_string());
+            }
+            start(state, backend, plan, spec, None)
+                .await
+                .map(|b| (b, false, true))
+        }
+    }
+}
+
+/// The network process and what the guest got of it, once the guest is configured.
+struct Started {
+    egress: Arc<crate::netproc::NetProcess>,
+    env: Vec<(String, String)>,
+    /// The guest's MAC address, for a resume.
+    mac: [u8; 6],
+}
+
+/// Two empty files for a sandbox's snapshot, in a directory of their own.
+fn snapshot_files(dir: &std::path::Path) -> std::io::Result<sandbox_vmm::SnapshotFiles> {
+    std::fs::create_dir_all(dir)?;
+    let files = sandbox_vmm::SnapshotFiles {
+        state: dir.join("snapshot.state"),
+        memory: dir.join("snapshot.mem"),
+        disk: None,
+        take_disk: false,
+    };
+    for p in [&files.state, &files.memory] {
+        std::fs::File::create(p)?;
+    }
+    Ok(files)
+}
+
+/// Starts the sandbox's network process, then its VM (restored from `template` or booted),
+/// then gives the guest its network and CA. On failure nothing of it is left.
+async fn start(
+    state: &AppState,
+    backend: &dyn Backend,
+    plan: &Plan,
+    mut spec: VmSpec,
+    template: Option<&crate::templates::Template>,
+) -> Result<(sandbox_vmm::Sandbox, Started), ApiError> {
+    // The network process starts first: the VM's network device is its other end. A clone
+    // keeps the template's MAC address, which its guest's driver read at the template's boot.
+    let started = crate::egress::start(
+        &plan.id,
+        &plan.egress,
+        state.config(),
+        template.map(|t| t.mac),
+    )
+    .await
+    .map_err(|e| match e {
+        crate::netproc::NetProcessError::Bad(m) => ApiError::BadRequest(m),
+        crate::netproc::NetProcessError::Internal(m) => {
+            ApiError::Internal(format!("the sandbox's egress could not start: {m}"))
+        }
+    })?;
+    let mac = started.attachment.mac;
+    spec.net = Some(started.attachment);
+    spec.restore_from = template.map(|t| t.files.clone());
+    let liveness = state.config().liveness();
+    let sandbox = match sandbox_vmm::boot_watched(backend, spec, BOOT_TIMEOUT, liveness).await {
+        Ok(s) => s,
+        Err(e) => {
+            state.metrics().boot_failed();
+            tracing::error!(run_id = %plan.run_id, error = %e, restored = template.is_some(), "a sandbox did not start");
+            return Err(ApiError::Internal(format!(
+                "the microVM did not start: {e}"
+            )));
+        }
+    };
+    // The guest's own timeout for the script is 10 s; the host's bound covers a guest that
+    // never answers at all.
+    // Either failure carries the guest's last console lines: a guest that closed its channel
+    // has usually said why there.
+    let console = || {
+        sandbox_vmm::backend::console_suffix(&sandbox_vmm::sandbox::diagnostic_lines(
+            sandbox.vm.as_ref(),
+        ))
+    };
+    let configured = match tokio::time::timeout(
+        NET_SETUP_TIMEOUT,
+        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
+    )
+    .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("{e}{}", console())),
+        Err(_) => Err(format!(
+            "the guest did not finish its network set-up within {NET_SETUP_TIMEOUT:?}{}",
+            console()
+        )),
+    };
+    if let Err(e) = configured {
+        sandbox.stop().await;
+        state.metrics().boot_failed();
+        tracing::error!(run_id = %plan.run_id, error = %e, "a sandbox's network could not be set up");
+        return Err(ApiError::Internal(format!(
+            "the microVM started but its network could not be set up: {e}"
+        )));
+    }
+    Ok((
+        sandbox,
+        Started {
+            egress: started.net,
+            env: started.env,
+            mac,
+        },
+    ))
+}
