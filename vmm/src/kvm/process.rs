@@ -128,15 +128,113 @@ async fn start_program(
     vsock_cid: u64,
 ) -> Result<StartedVm, VmError> {
     let t0 = Instant::now();
+    let (d, mut config) = descriptors(spec)?;
+    config.cmdline = cmdline;
+    config.vsock_cid = vsock_cid;
+    let cmd = jail_command(&program, spec, d.fds, d.fsize)?;
+    let spawned = Instant::now();
+    let writer = d
+        .control
+        .try_clone()
+        .map_err(|e| VmError::io("the control socket", e))?;
+    let control = Arc::new(Control {
+        t0,
+        vmm_start: OnceLock::new(),
+        learned: Mutex::new(Learned::default()),
+        changed: tokio::sync::Notify::new(),
+        marker: OnceLock::new(),
+        writer: Mutex::new(writer),
+    });
+    let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
+    let process = Supervised::spawn(
+        Spawn {
+            name: "the VM process",
+            cmd,
+            outputs: vec![(d.console, ""), (d.log, "sandbox-vm: ")],
+            state_dir: Some(spec.state_dir.clone()),
+            reap_within: STOP_TIMEOUT,
+        },
+        Box::new(ProcessEnd {
+            control: control.clone(),
+            reader_done: Some(reader_done_rx),
+        }),
+    )
+    .await?;
+    {
+        let control = control.clone();
+        let ctl_host = d.control;
+        std::thread::Builder::new()
+            .name("vm-control-reader".into())
+            .spawn(move || {
+                read_events(&ctl_host, &control, spawned);
+                let _ = reader_done_tx.send(());
+            })
+            .map_err(|e| VmError::io("starting the control reader", e))?;
+    }
+    let exit_rx = process.exit_watch();
+    if let Some((host, link)) = d.pumped {
+        host.set_nonblocking(true)
+            .map_err(|e| VmError::io("the network socket", e))?;
+        let s = tokio::net::UnixStream::from_std(host)
+            .map_err(|e| VmError::io("the network socket", e))?;
+        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
+    }
+    let vm = ProcessVm {
+        process,
+        control: control.clone(),
+        exit: exit_rx.clone(),
+        snapshots: std::sync::atomic::AtomicU64::new(0),
+        snapshot_to: spec.snapshot_to.clone(),
+        memory_mib: spec.memory_mib,
+    };
+    vm.build_machine(config).await?;
+    // The caller's bound, as on QEMU: a nested host under load needs more than the default.
+    let within = spec.start_timeout.unwrap_or(Duration::from_secs(60));
+    let stream = vm.connect_agent(agent_port, within).await?;
+    let stream = UnixStream::from(stream);
+    stream
+        .set_nonblocking(true)
+        .map_err(|e| VmError::io("the agent channel", e))?;
+    let stream = tokio::net::UnixStream::from_std(stream)
+        .map_err(|e| VmError::io("the agent channel", e))?;
+    let (read, write) = stream.into_split();
+    Ok(StartedVm {
+        vm: Box::new(vm),
+        channel: Channel {
+            read: Box::new(read),
+            write: Box::new(write),
+        },
+    })
+}
+
+/// What the VM process inherits, and the host's ends.
+struct Descriptors {
+    /// 0: `/dev/null`, 1: the console pipe, 2: its log, 3: the control socket, 4: KVM, then
+    /// its kernel, initramfs, disks, network and snapshot as [`VmConfig`] numbers them.
+    fds: Vec<OwnedFd>,
+    /// Its largest writable disk: the largest file it may write.
+    fsize: u64,
+    /// The host's end of the control socket.
+    control: UnixStream,
+    /// The read ends of its console and log.
+    console: OwnedFd,
+    log: OwnedFd,
+    /// The frames of an in-process link, which a pump here serves.
+    pumped: Option<(UnixStream, Arc<dyn sandbox_control::link::FrameLink>)>,
+}
+
+/// Every file the VM process gets, as a descriptor (it opens nothing itself), and the machine's
+/// configuration that names them; its command line and vsock id are the caller's to set.
+fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
     let kvm = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/kvm")
         .map_err(|e| VmError::io("opening /dev/kvm", e))?;
-    let (ctl_host, ctl_vm) =
+    let (control, ctl_vm) =
         UnixStream::pair().map_err(|e| VmError::io("making the control socket", e))?;
-    let (console_r, console_w) = pipe("console")?;
-    let (log_r, log_w) = pipe("VM log")?;
+    let (console, console_w) = pipe("console")?;
+    let (log, log_w) = pipe("VM log")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
     let mut fds: Vec<OwnedFd> = vec![null.into(), console_w, log_w, ctl_vm.into(), kvm.into()];
     let mut push = |f: OwnedFd| {
@@ -170,22 +268,24 @@ async fn start_program(
     }
     // The network: a socket whose other end the sandbox's network process holds, handed over
     // as it is; or a link in this process, which a pump here serves.
+    let mut pumped = None;
     let net = match &spec.net {
         Some(n) => {
-            let (pumped, vm) = match &n.link {
-                NetLink::Socket(fd) => (
-                    None,
-                    fd.try_clone()
-                        .map_err(|e| VmError::io("the network socket", e))?,
-                ),
+            let vm = match &n.link {
+                NetLink::Socket(fd) => fd
+                    .try_clone()
+                    .map_err(|e| VmError::io("the network socket", e))?,
                 NetLink::Frames(link) => {
                     let (host, vm) = UnixStream::pair()
                         .map_err(|e| VmError::io("making the network socket", e))?;
-                    (Some((host, link.clone())), vm.into())
+                    pumped = Some((host, link.clone()));
+                    vm.into()
                 }
             };
-            let fd = push(vm);
-            Some((pumped, NetFd { fd, mac: n.mac }))
+            Some(NetFd {
+                fd: push(vm),
+                mac: n.mac,
+            })
         }
         None => None,
     };
@@ -209,14 +309,32 @@ async fn start_program(
         kvm_fd: 4,
         kernel_fd,
         initrd_fd,
-        cmdline,
+        cmdline: String::new(),
         memory_mib: spec.memory_mib,
         vcpus: spec.vcpus,
         disks,
-        vsock_cid,
-        net: net.as_ref().map(|(_, n)| n.clone()),
+        vsock_cid: 0,
+        net,
     };
+    let d = Descriptors {
+        fds,
+        fsize,
+        control,
+        console,
+        log,
+        pumped,
+    };
+    Ok((d, config))
+}
 
+/// The jail the VM process runs in: an empty root, its memory (the guest's and its own
+/// allowance), threads and processors bounded.
+fn jail_command(
+    program: &Path,
+    spec: &VmSpec,
+    fds: Vec<OwnedFd>,
+    fsize: u64,
+) -> Result<sandbox_jail::Command, VmError> {
     let staging = spec.state_dir.join("root");
     std::fs::create_dir(&staging)
         .map_err(|e| VmError::io(format!("creating {}", staging.display()), e))?;
@@ -233,9 +351,9 @@ async fn start_program(
         // spinning every vCPU does not starve its own disk and network.
         cpus: u32::from(spec.vcpus) + 1,
     };
-    let cmd = sandbox_jail::Command {
+    Ok(sandbox_jail::Command {
         name: spec.id.clone(),
-        program: Some(program.clone()),
+        program: Some(program.to_path_buf()),
         args: vec![],
         fds,
         root: Some(sandbox_jail::Root {
@@ -249,127 +367,70 @@ async fn start_program(
         keep_groups: vec![],
         seccomp: true,
         host_network: false,
-    };
-    let spawned = Instant::now();
-    let writer = ctl_host
-        .try_clone()
-        .map_err(|e| VmError::io("the control socket", e))?;
-    let control = Arc::new(Control {
-        t0,
-        vmm_start: OnceLock::new(),
-        learned: Mutex::new(Learned::default()),
-        changed: tokio::sync::Notify::new(),
-        marker: OnceLock::new(),
-        writer: Mutex::new(writer),
-    });
-    let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
-    let process = Supervised::spawn(
-        Spawn {
-            name: "the VM process",
-            cmd,
-            outputs: vec![(console_r, ""), (log_r, "sandbox-vm: ")],
-            state_dir: Some(spec.state_dir.clone()),
-            reap_within: STOP_TIMEOUT,
-        },
-        Box::new(ProcessEnd {
-            control: control.clone(),
-            reader_done: Some(reader_done_rx),
-        }),
-    )
-    .await?;
-    {
-        let control = control.clone();
-        std::thread::Builder::new()
-            .name("vm-control-reader".into())
-            .spawn(move || {
-                read_events(&ctl_host, &control, spawned);
-                let _ = reader_done_tx.send(());
-            })
-            .map_err(|e| VmError::io("starting the control reader", e))?;
-    }
-    let exit_rx = process.exit_watch();
-    if let Some((Some((host, link)), _)) = net {
-        host.set_nonblocking(true)
-            .map_err(|e| VmError::io("the network socket", e))?;
-        let s = tokio::net::UnixStream::from_std(host)
-            .map_err(|e| VmError::io("the network socket", e))?;
-        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
-    }
-    let vm = ProcessVm {
-        process,
-        control: control.clone(),
-        exit: exit_rx.clone(),
-        snapshots: std::sync::atomic::AtomicU64::new(0),
-        snapshot_to: spec.snapshot_to.clone(),
-        memory_mib: spec.memory_mib,
-    };
-
-    if !control.ask(&Request::Start(config)) {
-        vm.stop(Duration::ZERO).await;
-        return Err(VmError::Start(
-            "the VM process closed its control socket".into(),
-        ));
-    }
-    match control
-        .wait_for(START_TIMEOUT, &exit_rx, |l| l.started.take())
-        .await
-    {
-        Ok(Ok(())) => {}
-        Ok(Err(why)) => {
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(why));
-        }
-        Err(Some(exit)) => return Err(VmError::DiedEarly(exit)),
-        Err(None) => {
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(format!(
-                "the VM process did not build its machine within {START_TIMEOUT:?}"
-            )));
-        }
-    }
-    // The caller's bound, as on QEMU: a nested host under load needs more than the default.
-    let within = spec.start_timeout.unwrap_or(Duration::from_secs(60));
-    control.ask(&Request::Connect {
-        port: agent_port,
-        timeout_ms: within.as_millis() as u64,
-    });
-    let stream = match control
-        .wait_for(within + Duration::from_secs(5), &exit_rx, |l| {
-            l.connected.take()
-        })
-        .await
-    {
-        Ok(Ok(fd)) => fd,
-        Ok(Err(why)) => {
-            let console = vm.console_tail(8);
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(format!(
-                "the guest agent did not accept the host's connection within {within:?}: {why}{}",
-                crate::backend::console_suffix(&console)
-            )));
-        }
-        Err(Some(exit)) => return Err(VmError::DiedEarly(exit)),
-        Err(None) => {
-            vm.stop(Duration::ZERO).await;
-            return Err(VmError::Start(format!(
-                "the VM process did not answer a connection request within {within:?}"
-            )));
-        }
-    };
-    let stream = UnixStream::from(stream);
-    stream
-        .set_nonblocking(true)
-        .map_err(|e| VmError::io("the agent channel", e))?;
-    let stream = tokio::net::UnixStream::from_std(stream)
-        .map_err(|e| VmError::io("the agent channel", e))?;
-    let (read, write) = stream.into_split();
-    Ok(StartedVm {
-        vm: Box::new(vm),
-        channel: Channel {
-            read: Box::new(read),
-            write: Box::new(write),
-        },
     })
+}
+
+impl ProcessVm {
+    /// Hands the process its machine's configuration and waits until the machine runs.
+    async fn build_machine(&self, config: VmConfig) -> Result<(), VmError> {
+        if !self.control.ask(&Request::Start(config)) {
+            self.stop(Duration::ZERO).await;
+            return Err(VmError::Start(
+                "the VM process closed its control socket".into(),
+            ));
+        }
+        match self
+            .control
+            .wait_for(START_TIMEOUT, &self.exit, |l| l.started.take())
+            .await
+        {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => {
+                self.stop(Duration::ZERO).await;
+                Err(VmError::Start(why))
+            }
+            Err(Some(exit)) => Err(VmError::DiedEarly(exit)),
+            Err(None) => {
+                self.stop(Duration::ZERO).await;
+                Err(VmError::Start(format!(
+                    "the VM process did not build its machine within {START_TIMEOUT:?}"
+                )))
+            }
+        }
+    }
+
+    /// Asks the process to connect to the guest agent's port, and waits for the connection's
+    /// descriptor for at most `within`.
+    async fn connect_agent(&self, port: u32, within: Duration) -> Result<OwnedFd, VmError> {
+        self.control.ask(&Request::Connect {
+            port,
+            timeout_ms: within.as_millis() as u64,
+        });
+        match self
+            .control
+            .wait_for(within + Duration::from_secs(5), &self.exit, |l| {
+                l.connected.take()
+            })
+            .await
+        {
+            Ok(Ok(fd)) => Ok(fd),
+            Ok(Err(why)) => {
+                let console = self.console_tail(8);
+                self.stop(Duration::ZERO).await;
+                Err(VmError::Start(format!(
+                    "the guest agent did not accept the host's connection within {within:?}: {why}{}",
+                    crate::backend::console_suffix(&console)
+                )))
+            }
+            Err(Some(exit)) => Err(VmError::DiedEarly(exit)),
+            Err(None) => {
+                self.stop(Duration::ZERO).await;
+                Err(VmError::Start(format!(
+                    "the VM process did not answer a connection request within {within:?}"
+                )))
+            }
+        }
+    }
 }
 
 /// A snapshot's state as the VM process wrote it into its pipe: at most

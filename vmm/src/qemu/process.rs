@@ -1,6 +1,7 @@
 //! One QEMU process: spawning it, collecting its console, noticing its end, stopping it and
 //! removing everything it had on disk.
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,6 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
+
+use sandbox_control::link::{FrameLink, NetLink};
 
 use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::supervised::{Classify, Ending, Spawn, Supervised, pipe};
@@ -51,6 +54,40 @@ fn socket_pair(
     Ok((host, vm.into()))
 }
 
+/// What QEMU inherits, in order (0, 1, 2, the agent's socket, then the rest as they are
+/// pushed), and where each of its devices finds its own.
+struct Descriptors {
+    fds: Vec<OwnedFd>,
+    marker_fd: Option<i32>,
+    net_fd: Option<i32>,
+    qmp_fd: Option<i32>,
+    restore_fd: Option<i32>,
+    kvm_fd: Option<i32>,
+    disk_fds: Vec<Vec<i32>>,
+    /// The largest file QEMU may write: its disks, and a snapshot.
+    fsize: u64,
+}
+
+impl Descriptors {
+    /// Gives QEMU `fd`; returns its number there.
+    fn push(&mut self, fd: OwnedFd) -> i32 {
+        self.fds.push(fd);
+        self.fds.len() as i32 - 1
+    }
+}
+
+/// The host's ends of QEMU's sockets and pipes. QEMU's ends move into its descriptors: the host
+/// keeps no copy, so QEMU's end closing (it died) is an end of file here.
+struct HostEnds {
+    agent: std::os::unix::net::UnixStream,
+    marker: std::os::unix::net::UnixStream,
+    /// The frames of an in-process link, which a pump here serves.
+    pumped: Option<(std::os::unix::net::UnixStream, Arc<dyn FrameLink>)>,
+    monitor: Option<std::os::unix::net::UnixStream>,
+    out: OwnedFd,
+    err: OwnedFd,
+}
+
 /// Spawns QEMU in its jail, with every socket and disk as an inherited descriptor.
 pub async fn spawn(
     program: &Path,
@@ -58,106 +95,8 @@ pub async fn spawn(
     accel: super::Accel,
     spec: &VmSpec,
 ) -> Result<StartedVm, VmError> {
-    use std::os::fd::OwnedFd;
-    let jailer = sandbox_jail::global();
-    let (agent_host, agent_vm) = socket_pair("agent")?;
-    // The boot marker: an I/O port on x86_64, a virtio-serial port on aarch64 (see args).
-    let marker = Some(socket_pair("boot marker")?);
-    // The network: a socket whose other end the sandbox's network process holds, handed over
-    // as it is; or a link in this process, which a pump here serves.
-    let net = match &spec.net {
-        Some(n) => Some(match &n.link {
-            sandbox_control::link::NetLink::Socket(fd) => (
-                None,
-                fd.try_clone()
-                    .map_err(|e| VmError::io("the network socket", e))?,
-            ),
-            sandbox_control::link::NetLink::Frames(link) => {
-                let (host, vm) = socket_pair("network")?;
-                (Some((host, link.clone())), vm)
-            }
-        }),
-        None => None,
-    };
-    let (out_r, out_w) = pipe("QEMU output")?;
-    let (err_r, err_w) = pipe("QEMU error")?;
-    let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
-
-    let mut fds: Vec<OwnedFd> = vec![null.into(), out_w, err_w, agent_vm];
-    let agent_fd = 3;
-    // QEMU's ends move into its descriptors: the host keeps no copy, so QEMU's end closing
-    // (it died) is an end of file here.
-    let mut marker_fd = None;
-    let marker = marker.map(|(host, vm)| {
-        fds.push(vm);
-        marker_fd = Some(fds.len() as i32 - 1);
-        host
-    });
-    let mut net_fd = None;
-    let net = net.and_then(|(pumped, vm)| {
-        fds.push(vm);
-        net_fd = Some(fds.len() as i32 - 1);
-        pumped
-    });
-    // A VM that may be snapshotted gets its monitor (its snapshot's memory file comes over it
-    // with the snapshot, by `add-fd`: until then QEMU holds no file it could write one to); a
-    // VM restored from one gets that file to read.
-    let mut qmp_fd = None;
-    let mut monitor = None;
-    if spec.snapshot_to.is_some() {
-        let (host, vm) = socket_pair("monitor")?;
-        fds.push(vm);
-        qmp_fd = Some(fds.len() as i32 - 1);
-        monitor = Some(host);
-    }
-    let mut restore_fd = None;
-    if let Some(from) = &spec.restore_from {
-        let f = std::fs::File::open(&from.memory)
-            .map_err(|e| VmError::io(format!("opening {}", from.memory.display()), e))?;
-        fds.push(f.into());
-        restore_fd = Some(fds.len() as i32 - 1);
-    }
-    // KVM's device, opened here: QEMU gets no device node and no group of the service's.
-    let mut kvm_fd = None;
-    if accel == super::Accel::Kvm {
-        let kvm = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/kvm")
-            .map_err(|e| VmError::io("opening /dev/kvm", e))?;
-        fds.push(kvm.into());
-        kvm_fd = Some(fds.len() as i32 - 1);
-    }
-    let mut disk_fds = vec![];
-    // The largest file QEMU may write: its disks, and a snapshot (the guest's memory, a header
-    // per page, and the devices' state).
-    let mut fsize = if spec.snapshot_to.is_some() {
-        (u64::from(spec.memory_mib) << 20) + (u64::from(spec.memory_mib) << 10) * 3 + (64 << 20)
-    } else {
-        0
-    };
-    for d in &spec.disks {
-        let open = |write: bool| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(write)
-                .open(&d.path)
-                .map_err(|e| VmError::io(format!("opening the disk {}", d.path.display()), e))
-        };
-        // QEMU opens a writable disk read-only first, then read-write: its fd set holds both.
-        let mut set = vec![];
-        if !d.read_only {
-            let f = open(true)?;
-            fsize = fsize.max(f.metadata().map(|m| m.len()).unwrap_or(0));
-            fds.push(f.into());
-            set.push(fds.len() as i32 - 1);
-        }
-        fds.push(open(false)?.into());
-        set.push(fds.len() as i32 - 1);
-        disk_fds.push(set);
-    }
-
-    let jailed_paths = jailer.namespaces();
+    let (d, ends) = descriptors(spec, accel)?;
+    let jailed_paths = sandbox_jail::global().namespaces();
     let (kernel, initrd) = if jailed_paths {
         (
             PathBuf::from("/vm/kernel"),
@@ -169,16 +108,183 @@ pub async fn spawn(
     let wiring = super::args::Wiring {
         kernel,
         initrd,
-        agent_fd,
-        marker_fd,
-        net_fd,
-        disk_fds,
-        qmp_fd,
-        restore_fd,
-        kvm_fd,
+        agent_fd: 3,
+        marker_fd: d.marker_fd,
+        net_fd: d.net_fd,
+        disk_fds: d.disk_fds,
+        qmp_fd: d.qmp_fd,
+        restore_fd: d.restore_fd,
+        kvm_fd: d.kvm_fd,
     };
     let args = super::args::qemu_args(arch, accel, spec, &wiring);
+    let cmd = jail_command(program, arch, accel, spec, args, d.fds, d.fsize)?;
+    let started = std::time::Instant::now();
+    let process = Supervised::spawn(
+        Spawn {
+            name: "QEMU",
+            cmd,
+            outputs: vec![(ends.out, ""), (ends.err, "qemu: ")],
+            state_dir: Some(spec.state_dir.clone()),
+            reap_within: REAP_TIMEOUT,
+        },
+        Box::new(QemuEnd),
+    )
+    .await?;
+    let exit_rx = process.exit_watch();
+    let marker_time = Arc::new(std::sync::OnceLock::new());
+    let s = tokio::net::UnixStream::from_std(ends.marker)
+        .map_err(|e| VmError::io("watching the boot marker socket", e))?;
+    tokio::spawn(time_marker(
+        s,
+        started,
+        marker_time.clone(),
+        exit_rx.clone(),
+    ));
+    if let Some((host, link)) = ends.pumped {
+        let s = tokio::net::UnixStream::from_std(host)
+            .map_err(|e| VmError::io("connecting the network socket", e))?;
+        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
+    }
+    let snapshot = match (ends.monitor, &spec.snapshot_to) {
+        (Some(m), Some(to)) => Some(SnapshotTarget {
+            monitor: tokio::sync::Mutex::new(Some(m)),
+            header: super::snapshot::Header::of(arch, accel, spec),
+            state: to.state.clone(),
+            memory: to.memory.clone(),
+        }),
+        _ => None,
+    };
+    if spec.restore_from.is_some() {
+        greet_restored(&ends.agent)?;
+    }
+    let vm = QemuVm {
+        snapshot,
+        process,
+        marker: marker_time,
+    };
+    let stream = tokio::net::UnixStream::from_std(ends.agent)
+        .map_err(|e| VmError::io("connecting the agent socket", e))?;
+    let (read, write) = stream.into_split();
+    Ok(StartedVm {
+        vm: Box::new(vm),
+        channel: Channel {
+            read: Box::new(read),
+            write: Box::new(write),
+        },
+    })
+}
 
+/// QEMU's descriptors for `spec`: standard input from `/dev/null`, its output and errors into
+/// pipes, its agent's and boot marker's sockets, its network, its monitor and snapshot file
+/// where it may be snapshotted or is restored, KVM's device, and its disks.
+fn descriptors(spec: &VmSpec, accel: super::Accel) -> Result<(Descriptors, HostEnds), VmError> {
+    let (agent, agent_vm) = socket_pair("agent")?;
+    let (out, out_w) = pipe("QEMU output")?;
+    let (err, err_w) = pipe("QEMU error")?;
+    let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
+    let mut d = Descriptors {
+        fds: vec![null.into(), out_w, err_w, agent_vm],
+        marker_fd: None,
+        net_fd: None,
+        qmp_fd: None,
+        restore_fd: None,
+        kvm_fd: None,
+        disk_fds: vec![],
+        // A snapshot: the guest's memory, a header per page, and the devices' state.
+        fsize: if spec.snapshot_to.is_some() {
+            (u64::from(spec.memory_mib) << 20) + (u64::from(spec.memory_mib) << 10) * 3 + (64 << 20)
+        } else {
+            0
+        },
+    };
+    // The boot marker: an I/O port on x86_64, a virtio-serial port on aarch64 (see args).
+    let (marker, marker_vm) = socket_pair("boot marker")?;
+    d.marker_fd = Some(d.push(marker_vm));
+    // The network: a socket whose other end the sandbox's network process holds, handed over
+    // as it is; or a link in this process, which a pump here serves.
+    let mut pumped = None;
+    if let Some(n) = &spec.net {
+        let vm = match &n.link {
+            NetLink::Socket(fd) => fd
+                .try_clone()
+                .map_err(|e| VmError::io("the network socket", e))?,
+            NetLink::Frames(link) => {
+                let (host, vm) = socket_pair("network")?;
+                pumped = Some((host, link.clone()));
+                vm
+            }
+        };
+        d.net_fd = Some(d.push(vm));
+    }
+    // A VM that may be snapshotted gets its monitor (its snapshot's memory file comes over it
+    // with the snapshot, by `add-fd`: until then QEMU holds no file it could write one to); a
+    // VM restored from one gets that file to read.
+    let mut monitor = None;
+    if spec.snapshot_to.is_some() {
+        let (host, vm) = socket_pair("monitor")?;
+        d.qmp_fd = Some(d.push(vm));
+        monitor = Some(host);
+    }
+    if let Some(from) = &spec.restore_from {
+        let f = std::fs::File::open(&from.memory)
+            .map_err(|e| VmError::io(format!("opening {}", from.memory.display()), e))?;
+        d.restore_fd = Some(d.push(f.into()));
+    }
+    // KVM's device, opened here: QEMU gets no device node and no group of the service's.
+    if accel == super::Accel::Kvm {
+        let kvm = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .map_err(|e| VmError::io("opening /dev/kvm", e))?;
+        d.kvm_fd = Some(d.push(kvm.into()));
+    }
+    push_disks(&mut d, spec)?;
+    let ends = HostEnds {
+        agent,
+        marker,
+        pumped,
+        monitor,
+        out,
+        err,
+    };
+    Ok((d, ends))
+}
+
+/// Each disk, twice if writable: QEMU opens a writable disk read-only first, then read-write,
+/// and its fd set holds both.
+fn push_disks(d: &mut Descriptors, spec: &VmSpec) -> Result<(), VmError> {
+    for disk in &spec.disks {
+        let open = |write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(&disk.path)
+                .map_err(|e| VmError::io(format!("opening the disk {}", disk.path.display()), e))
+        };
+        let mut set = vec![];
+        if !disk.read_only {
+            let f = open(true)?;
+            d.fsize = d.fsize.max(f.metadata().map(|m| m.len()).unwrap_or(0));
+            set.push(d.push(f.into()));
+        }
+        set.push(d.push(open(false)?.into()));
+        d.disk_fds.push(set);
+    }
+    Ok(())
+}
+
+/// The jail QEMU runs in: a root with its kernel and initramfs alone, its memory (the guest's
+/// and its own allowance), threads and processors bounded, none of the service's groups.
+fn jail_command(
+    program: &Path,
+    arch: super::Arch,
+    accel: super::Accel,
+    spec: &VmSpec,
+    args: Vec<std::ffi::OsString>,
+    fds: Vec<OwnedFd>,
+    fsize: u64,
+) -> Result<sandbox_jail::Command, VmError> {
     let staging = spec.state_dir.join("root");
     std::fs::create_dir(&staging)
         .map_err(|e| VmError::io(format!("creating {}", staging.display()), e))?;
@@ -220,7 +326,7 @@ pub async fn spawn(
         // Its vCPUs, and one more for the main loop and I/O threads that emulate its devices.
         cpus: u32::from(spec.vcpus) + 1,
     };
-    let cmd = sandbox_jail::Command {
+    Ok(sandbox_jail::Command {
         name: spec.id.clone(),
         program: Some(program.to_path_buf()),
         args,
@@ -238,72 +344,19 @@ pub async fn spawn(
         keep_groups,
         seccomp: true,
         host_network: false,
-    };
-    let started = std::time::Instant::now();
-    let process = Supervised::spawn(
-        Spawn {
-            name: "QEMU",
-            cmd,
-            outputs: vec![(out_r, ""), (err_r, "qemu: ")],
-            state_dir: Some(spec.state_dir.clone()),
-            reap_within: REAP_TIMEOUT,
-        },
-        Box::new(QemuEnd),
-    )
-    .await?;
-    let exit_rx = process.exit_watch();
-
-    let marker_time = Arc::new(std::sync::OnceLock::new());
-    if let Some(host) = marker {
-        let s = tokio::net::UnixStream::from_std(host)
-            .map_err(|e| VmError::io("watching the boot marker socket", e))?;
-        tokio::spawn(time_marker(
-            s,
-            started,
-            marker_time.clone(),
-            exit_rx.clone(),
-        ));
-    }
-    if let Some((host, link)) = net {
-        let s = tokio::net::UnixStream::from_std(host)
-            .map_err(|e| VmError::io("connecting the network socket", e))?;
-        tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
-    }
-    let snapshot = match (monitor, &spec.snapshot_to) {
-        (Some(m), Some(to)) => Some(SnapshotTarget {
-            monitor: tokio::sync::Mutex::new(Some(m)),
-            header: super::snapshot::Header::of(arch, accel, spec),
-            state: to.state.clone(),
-            memory: to.memory.clone(),
-        }),
-        _ => None,
-    };
-    if spec.restore_from.is_some() {
-        // The restored agent waits in a read on its port, as it did when the snapshot was
-        // taken, and does not know the host is new: a ping on the control stream makes it
-        // announce itself there (its `Ready` is what the boot waits for). The socket is empty
-        // and its buffer far larger than one header, so this never blocks.
-        use std::io::Write;
-        let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new());
-        (&agent_host)
-            .write_all(&ping.encode())
-            .map_err(|e| VmError::io("greeting the restored agent", e))?;
-    }
-    let vm = QemuVm {
-        snapshot,
-        process,
-        marker: marker_time,
-    };
-    let stream = tokio::net::UnixStream::from_std(agent_host)
-        .map_err(|e| VmError::io("connecting the agent socket", e))?;
-    let (read, write) = stream.into_split();
-    Ok(StartedVm {
-        vm: Box::new(vm),
-        channel: Channel {
-            read: Box::new(read),
-            write: Box::new(write),
-        },
     })
+}
+
+/// The restored agent waits in a read on its port, as it did when the snapshot was taken, and
+/// does not know the host is new: a ping on the control stream makes it announce itself there
+/// (its `Ready` is what the boot waits for). The socket is empty and its buffer far larger than
+/// one header, so this never blocks.
+fn greet_restored(agent: &std::os::unix::net::UnixStream) -> Result<(), VmError> {
+    use std::io::Write;
+    let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new());
+    (&*agent)
+        .write_all(&ping.encode())
+        .map_err(|e| VmError::io("greeting the restored agent", e))
 }
 
 /// The group that owns `/dev/kvm`, when it is not root's.
