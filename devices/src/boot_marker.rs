@@ -16,9 +16,9 @@ pub struct BootMarker {
 
 impl BootMarker {
     /// The I/O port (unused by anything else on our machine).
-    pub const PORT: u16 = 0x0440;
+    pub const PORT: u16 = sandbox_protocol::boot_marker::PORT;
     /// The value the guest writes.
-    pub const VALUE: u8 = 0x7b;
+    pub const VALUE: u8 = sandbox_protocol::boot_marker::VALUE;
 
     /// A marker counting from `start` (the moment the VMM began building the VM).
     pub fn new(start: Instant) -> BootMarker {

@@ -1,14 +1,11 @@
-//! Device models of sandbox-host.
-//!
-//! The console log is shared by both backends: the bounded record of what a guest printed, kept
-//! so a VM that dies can say why. The virtio devices (block, vsock, net) and their virtio-mmio
-//! transport belong to the KVM backend, which runs them in-process on its device thread.
+//! Device models of sandbox-host's KVM backend, which the VM process (`sandbox-vm`) runs: the
+//! boot marker, and the virtio devices (block, vsock, net) with their virtio-mmio transport. The
+//! service links none of them: what it reads of a VM (its console, the boot marker's byte) is
+//! in `sandbox-control` and `sandbox-protocol`.
 #![forbid(unsafe_code)]
 
 pub mod boot_marker;
-pub mod console_log;
 #[cfg(target_os = "linux")]
 pub mod virtio;
 
 pub use boot_marker::BootMarker;
-pub use console_log::ConsoleLog;

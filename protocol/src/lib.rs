@@ -7,6 +7,7 @@
 //! `docs/protocol.md` is the normative description; this crate is its implementation.
 #![forbid(unsafe_code)]
 
+pub mod boot_marker;
 pub mod frame;
 pub mod kind;
 pub mod message;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sandbox_devices::ConsoleLog;
+use sandbox_control::console::ConsoleLog;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
 

@@ -4,11 +4,9 @@
 //! virtio-serial port `sandbox.marker` when QEMU offers one. Where neither exists the marker is
 //! lost, which is harmless.
 
-/// The value the VMMs listen for (sandbox-devices' BootMarker).
-const VALUE: u8 = 0x7b;
-/// The port the KVM backend's boot marker listens on.
 #[cfg(target_arch = "x86_64")]
-const PORT: u16 = 0x0440;
+use sandbox_protocol::boot_marker::PORT;
+use sandbox_protocol::boot_marker::VALUE;
 
 /// Writes the marker once, if this process may touch I/O ports (it is PID 1, as root).
 #[cfg(target_arch = "x86_64")]

@@ -196,7 +196,7 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
         a.push(match arch {
             Arch::X86_64 => format!(
                 "isa-debugcon,iobase={:#x},chardev=marker",
-                sandbox_devices::BootMarker::PORT
+                sandbox_protocol::boot_marker::PORT
             )
             .into(),
             Arch::Aarch64 => {

@@ -375,7 +375,7 @@ async fn time_marker(
 ) {
     let timed = async {
         let mut b = [0u8; 1];
-        if s.read(&mut b).await.ok()? == 1 && b[0] == sandbox_devices::BootMarker::VALUE {
+        if s.read(&mut b).await.ok()? == 1 && b[0] == sandbox_protocol::boot_marker::VALUE {
             let _ = marker.set(started.elapsed());
         }
         // Drain whatever else the guest writes, so QEMU never blocks on a full socket.
