@@ -69,7 +69,9 @@ pub async fn run(args: RunArgs) -> ExitCode {
 async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
     let t = std::time::Instant::now();
     let store = ImageStore::new(config::image_dir());
-    let selected = backend_select::select(&store).await?;
+    let selected = backend_select::select(&store)
+        .await
+        .map_err(|e| e.to_string())?;
     tracing::info!(select_ms = t.elapsed().as_millis() as u64, backend = selected.backend.name(), accel = %selected.backend.accel(), "backend selected");
     let image = store.resolve(&args.image).map_err(|e| e.to_string())?;
     if let Some(w) = &selected.warning {

@@ -253,7 +253,7 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
         Err(reason) => (
             Availability {
                 available: false,
-                reason: Some(reason),
+                reason: Some(reason.to_string()),
                 backend: "qemu".into(),
                 accel: "none".into(),
                 arch,

@@ -223,7 +223,7 @@ pub async fn backend() -> Option<Box<dyn sandbox_vmm::Backend>> {
     match sandbox_vmm::select::select(&store).await {
         Ok(b) => Some(b.backend),
         Err(e) => {
-            skip(&e);
+            skip(&e.to_string());
             None
         }
     }

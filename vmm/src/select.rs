@@ -2,13 +2,46 @@
 //! `SANDBOX_HOST_QEMU_ACCEL`): `auto` takes the in-process KVM backend whenever it proves it can
 //! boot a guest here, else QEMU; `kvm` and `qemu` force one.
 
+use thiserror::Error;
+
 use crate::arch::Arch;
-use crate::backend::Backend;
-use crate::config::{AccelSetting, VmmSetting};
+use crate::backend::{Backend, VmError};
+use crate::config::{AccelSetting, SettingError, VmmSetting};
 use crate::image::ImageStore;
 #[cfg(target_os = "linux")]
-use crate::kvm::KvmBackend;
+use crate::kvm::{KvmBackend, KvmUnusable};
 use crate::qemu::QemuBackend;
+
+/// Why no backend could be selected; each is a sentence for the operator with its fix.
+#[derive(Debug, Error)]
+pub enum SelectError {
+    /// A setting has a value it does not accept.
+    #[error(transparent)]
+    Setting(#[from] SettingError),
+    /// `SANDBOX_HOST_VMM=kvm` on a host or for a guest the KVM backend does not run.
+    #[error(
+        "SANDBOX_HOST_VMM=kvm but the KVM backend runs x86_64 guests on x86_64 Linux hosts, and \
+         the guest here is {guest} on this {host} {os} host. Set SANDBOX_HOST_VMM=auto (or qemu) \
+         to use QEMU"
+    )]
+    KvmElsewhere {
+        /// The guest's architecture.
+        guest: Arch,
+        /// The host's.
+        host: Arch,
+        /// The host's operating system.
+        os: &'static str,
+    },
+    /// `SANDBOX_HOST_VMM=kvm` and the KVM backend cannot run guests here.
+    #[error(
+        "SANDBOX_HOST_VMM=kvm but the KVM backend cannot run guests here: {0}. Set \
+         SANDBOX_HOST_VMM=auto (or qemu) to use QEMU instead"
+    )]
+    KvmForced(String),
+    /// QEMU, the backend of last resort, cannot be used either.
+    #[error(transparent)]
+    Qemu(#[from] VmError),
+}
 
 /// The backend to use, with a warning for the operator when it is a fallback.
 pub struct Selected {
@@ -20,16 +53,20 @@ pub struct Selected {
 
 /// Whether the KVM backend boots the stock image here (cached per host boot).
 #[cfg(target_os = "linux")]
-pub async fn kvm_usable(store: &ImageStore) -> Result<KvmBackend, String> {
+pub async fn kvm_usable(store: &ImageStore) -> Result<KvmBackend, KvmUnusable> {
     let kvm = KvmBackend::new()?;
-    crate::probe::boots_cached(&kvm, "the KVM backend", "kvm-backend", &[], store).await?;
+    crate::probe::boots_cached(&kvm, "the KVM backend", "kvm-backend", &[], store)
+        .await
+        .map_err(KvmUnusable::DoesNotBoot)?;
     Ok(kvm)
 }
 
 /// The KVM backend, when it boots the stock image here.
 #[cfg(target_os = "linux")]
 async fn kvm_backend(store: &ImageStore) -> Result<Box<dyn Backend>, String> {
-    Ok(Box::new(kvm_usable(store).await?))
+    Ok(Box::new(
+        kvm_usable(store).await.map_err(|e| e.to_string())?,
+    ))
 }
 
 /// The KVM backend is Linux's; `select` never asks for it elsewhere.
@@ -55,17 +92,15 @@ fn fallback_warning(kvm_why: Option<&str>, qemu: Option<&str>) -> Option<String>
     }
 }
 
-/// Resolves the backend settings. An error is a sentence for the operator.
-pub async fn select(store: &ImageStore) -> Result<Selected, String> {
-    let vmm = VmmSetting::from_env().map_err(|e| e.to_string())?;
-    let accel = AccelSetting::from_env().map_err(|e| e.to_string())?;
-    let arch = Arch::from_env().map_err(|e| e.to_string())?;
+/// Resolves the backend settings.
+pub async fn select(store: &ImageStore) -> Result<Selected, SelectError> {
+    let vmm = VmmSetting::from_env()?;
+    let accel = AccelSetting::from_env()?;
+    let arch = Arch::from_env()?;
     let qemu = |kvm_why: Option<String>| async move {
-        let qemu = QemuBackend::new(accel, store)
-            .await
-            .map_err(|e| e.to_string())?;
+        let qemu = QemuBackend::new(accel, store).await?;
         let warning = fallback_warning(kvm_why.as_deref(), qemu.warning());
-        Ok::<Selected, String>(Selected {
+        Ok::<Selected, SelectError>(Selected {
             backend: Box::new(qemu),
             warning,
         })
@@ -74,12 +109,11 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
     // backend of the architecture, not a fallback, so it gets no warning of its own.
     if !(cfg!(target_os = "linux") && arch == Arch::X86_64 && arch.is_native()) {
         return match vmm {
-            VmmSetting::Kvm => Err(format!(
-                "SANDBOX_HOST_VMM=kvm but the KVM backend runs x86_64 guests on x86_64 Linux hosts, and \
-                 the guest here is {arch} on this {} {} host. Set SANDBOX_HOST_VMM=auto (or qemu) to use QEMU",
-                Arch::host(),
-                std::env::consts::OS
-            )),
+            VmmSetting::Kvm => Err(SelectError::KvmElsewhere {
+                guest: arch,
+                host: Arch::host(),
+                os: std::env::consts::OS,
+            }),
             VmmSetting::Auto | VmmSetting::Qemu => qemu(None).await,
         };
     }
@@ -89,10 +123,7 @@ pub async fn select(store: &ImageStore) -> Result<Selected, String> {
                 backend,
                 warning: None,
             }),
-            Err(why) => Err(format!(
-                "SANDBOX_HOST_VMM=kvm but the KVM backend cannot run guests here: {why}. \
-                 Set SANDBOX_HOST_VMM=auto (or qemu) to use QEMU instead"
-            )),
+            Err(why) => Err(SelectError::KvmForced(why)),
         },
         VmmSetting::Qemu => qemu(None).await,
         VmmSetting::Auto => match kvm_backend(store).await {

@@ -3,8 +3,32 @@
 //! port and passes back.
 
 use async_trait::async_trait;
+use thiserror::Error;
 
 use crate::backend::{Backend, StartedVm, VmError, VmSpec, validate_spec};
+
+/// Why the KVM backend cannot be used on this host; each says what to do about it.
+#[derive(Debug, Error)]
+pub enum KvmUnusable {
+    /// There is no `/dev/kvm` (the sentence says how to get one, for this host or container).
+    #[error("{0}")]
+    NoDevice(String),
+    /// `/dev/kvm` exists but this user may not open it (the sentence says how to allow it).
+    #[error("{0}")]
+    NoAccess(String),
+    /// `/dev/kvm` could not be opened for another reason.
+    #[error("/dev/kvm cannot be opened: {0}")]
+    Open(#[source] kvm_ioctls::Error),
+    /// The host's KVM lacks a capability the machine uses.
+    #[error("the host's KVM lacks {0}")]
+    Lacks(&'static str),
+    /// The VM program is not where the service looks for it.
+    #[error("{0}")]
+    NoVmProgram(String),
+    /// The stock image did not boot on it (the probe's sentence).
+    #[error("{0}")]
+    DoesNotBoot(String),
+}
 
 /// The vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;
@@ -23,16 +47,16 @@ pub struct KvmBackend {
 impl KvmBackend {
     /// Checks that /dev/kvm can be opened and has what the machine uses. This does not prove
     /// the host's KVM can run Linux; [`probe`] does.
-    pub fn new() -> Result<KvmBackend, String> {
+    pub fn new() -> Result<KvmBackend, KvmUnusable> {
         check_kvm()?;
-        super::process::vm_binary()?;
+        super::process::vm_binary().map_err(KvmUnusable::NoVmProgram)?;
         Ok(KvmBackend::default())
     }
 
     /// The same backend running each VM's threads in this process (no jail): the reference the
     /// benchmarks measure the VM process against.
     #[cfg(feature = "in-process")]
-    pub fn in_process() -> Result<KvmBackend, String> {
+    pub fn in_process() -> Result<KvmBackend, KvmUnusable> {
         check_kvm()?;
         Ok(KvmBackend { in_process: true })
     }
@@ -56,12 +80,12 @@ fn kvm_access_hint() -> String {
 }
 
 /// Checks that /dev/kvm can be opened and has what the machine uses.
-fn check_kvm() -> Result<(), String> {
+fn check_kvm() -> Result<(), KvmUnusable> {
     {
         let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
-            libc::ENOENT => crate::config::no_kvm_device().to_string(),
-            libc::EACCES | libc::EPERM => kvm_access_hint(),
-            _ => format!("/dev/kvm cannot be opened: {e}"),
+            libc::ENOENT => KvmUnusable::NoDevice(crate::config::no_kvm_device().to_string()),
+            libc::EACCES | libc::EPERM => KvmUnusable::NoAccess(kvm_access_hint()),
+            _ => KvmUnusable::Open(e),
         })?;
         for (cap, name) in [
             (kvm_ioctls::Cap::Irqchip, "an in-kernel irqchip"),
@@ -70,7 +94,7 @@ fn check_kvm() -> Result<(), String> {
             (kvm_ioctls::Cap::Pit2, "an in-kernel PIT"),
         ] {
             if !kvm.check_extension(cap) {
-                return Err(format!("the host's KVM lacks {name}"));
+                return Err(KvmUnusable::Lacks(name));
             }
         }
         Ok(())

@@ -8,4 +8,4 @@ pub mod backend;
 mod in_process;
 pub mod process;
 
-pub use backend::KvmBackend;
+pub use backend::{KvmBackend, KvmUnusable};
