@@ -20,7 +20,7 @@ async fn stop_during_exec_leaves_nothing() {
     if let Some(pid) = pid {
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
     }
-    // The KVM backend's threads, by name.
+    // Threads of a VM in this process, by name: a VM process's control reader, an in-process machine's vCPUs.
     let vm_threads = || {
         std::fs::read_dir("/proc/self/task")
             .unwrap()

@@ -1,7 +1,7 @@
 //! Backend selection on real KVM. With `SANDBOX_HOST_VMM=qemu` and `SANDBOX_HOST_QEMU_ACCEL=auto`,
 //! a host whose /dev/kvm boots Linux gets QEMU on KVM; a host whose /dev/kvm cannot falls back to
 //! TCG. With `SANDBOX_HOST_VMM=auto` (the default) a host whose /dev/kvm boots Linux gets the
-//! in-process KVM backend, else QEMU, and says why. Natively where KVM works; otherwise inside the
+//! KVM backend, else QEMU, and says why. Natively where KVM works; otherwise inside the
 //! nested test host (`tests/nested/run.sh`), where /dev/kvm is real KVM on an emulated AMD SVM
 //! processor.
 

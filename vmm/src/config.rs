@@ -147,7 +147,7 @@ impl AccelSetting {
 pub enum VmmSetting {
     /// The KVM backend when it can boot a guest, else QEMU.
     Auto,
-    /// The in-process KVM backend only.
+    /// The KVM backend only.
     Kvm,
     /// The QEMU backend only.
     Qemu,

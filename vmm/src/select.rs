@@ -1,5 +1,5 @@
 //! Picking the VMM backend from `SANDBOX_HOST_VMM` (and QEMU's accelerator from
-//! `SANDBOX_HOST_QEMU_ACCEL`): `auto` takes the in-process KVM backend whenever it proves it can
+//! `SANDBOX_HOST_QEMU_ACCEL`): `auto` takes the KVM backend (a jailed `sandbox-vm` per VM) whenever it proves it can
 //! boot a guest here, else QEMU; `kvm` and `qemu` force one.
 
 use thiserror::Error;
