@@ -123,48 +123,21 @@ impl NetProcess {
         cfg: &NetConfig,
         state_dir: &Path,
     ) -> Result<Started, NetProcessError> {
-        let internal = |what: &str, e: &dyn std::fmt::Display| {
-            NetProcessError::Internal(format!("the sandbox's network process: {what}: {e}"))
-        };
         let program = net_binary().map_err(NetProcessError::Internal)?;
-        // A staging directory for its root, named apart from the sandboxes' own.
-        let staging = state_dir.join(format!("net-{id}"));
-        std::fs::create_dir_all(&staging).map_err(|e| internal("its root", &e))?;
+        let rules =
+            sandbox_net::start::dial_rules(cfg).map_err(|e| NetProcessError::Bad(e.to_string()))?;
         let (sock, theirs) = UnixStream::pair().map_err(|e| internal("its channel", &e))?;
         let (vm_socket, frames) = UnixStream::pair().map_err(|e| internal("its frames", &e))?;
         let (dialer, their_dialer) = UnixStream::pair().map_err(|e| internal("its dialer", &e))?;
-        let rules =
-            sandbox_net::start::dial_rules(cfg).map_err(|e| NetProcessError::Bad(e.to_string()))?;
         let (log_r, log_w) = std::io::pipe().map_err(|e| internal("its log", &e))?;
-        let cmd = sandbox_jail::Command {
-            name: format!("{id}-net"),
-            program: Some(program.clone()),
-            args: vec![],
-            fds: vec![theirs.into(), frames.into(), log_w.into()],
-            root: Some(sandbox_jail::Root {
-                staging: staging.join("root"),
-                system: true,
-                binds: host_files(),
-                ..Default::default()
-            }),
-            limits: sandbox_jail::Limits {
-                memory_bytes: cfg.memory_bytes.saturating_add(ALLOWANCE_MIB << 20),
-                // The runtime's worker and blocking threads, the dialer's two, the channel's.
-                pids: 16,
-                cpu_weight: 100,
-                cpus: 2,
-            },
-            nofile: 1024,
-            fsize: Some(0),
-            keep_groups: vec![],
-            seccomp: true,
-            host_network: false,
-        };
+        // A staging directory for its root, named apart from the sandboxes' own.
+        let staging = state_dir.join(format!("net-{id}"));
         std::fs::create_dir_all(staging.join("root")).map_err(|e| internal("its root", &e))?;
+        let fds = vec![theirs.into(), frames.into(), log_w.into()];
         let process = Supervised::spawn(
             Spawn {
                 name: "the network process",
-                cmd,
+                cmd: jail_command(id, program, cfg, &staging, fds),
                 outputs: vec![],
                 state_dir: None,
                 reap_within: REAP_TIMEOUT,
@@ -181,27 +154,12 @@ impl NetProcess {
         let log_id = id.to_string();
         std::thread::spawn(move || log_lines(&log_id, log_r));
         let pid = process.pid();
-        // An end the service did not ask for is said in the log, with its cause.
-        let mut ended = process.exit_watch();
-        let ended_id = id.to_string();
-        tokio::spawn(async move {
-            if let Ok(e) = ended.wait_for(Option::is_some).await
-                && let Some(e) = e.as_ref()
-                && !e.requested
-            {
-                tracing::warn!(
-                    id = ended_id,
-                    pid,
-                    "a sandbox's network process ended: {}",
-                    e.reason
-                );
-            }
-        });
-        let hostile = id.to_string();
+        log_unasked_end(&process, id);
         // A process that breaks the dialer's protocol no longer follows its own code: it is
         // ended (its sandbox loses its network), not only logged.
         let me: Arc<std::sync::OnceLock<std::sync::Weak<NetProcess>>> = Arc::default();
         let end = me.clone();
+        let hostile = id.to_string();
         sandbox_net::dial::serve(dialer, rules, tokio::runtime::Handle::current(), move |e| {
             tracing::warn!(id = hostile, pid, "a sandbox's network process, ended: {e}");
             if let Some(p) = end.get().and_then(std::sync::Weak::upgrade) {
@@ -209,51 +167,14 @@ impl NetProcess {
             }
         })
         .map_err(|e| internal("its dialer", &e))?;
-        let mut start = Request::Start(cfg.clone());
-        let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            let sent = send(&sock, &start, Some(their_dialer.as_raw_fd()));
-            drop(their_dialer);
-            if let Request::Start(cfg) = &mut start {
-                for s in &mut cfg.secrets {
-                    zeroize::Zeroize::zeroize(&mut s.value);
-                }
-            }
-            sent.map_err(|e| e.to_string())?;
-            let mut reader = Reader::with_limit(&sock, MAX_REPORT).within(START_TIMEOUT);
-            let event = reader.read::<Event>().map_err(|e| e.to_string())?;
-            if reader.take_fd().is_some() {
-                return Err("it sent a descriptor".into());
-            }
-            Ok((sock, reader, event))
-        })
-        .await
-        .map_err(|e| internal("its start", &e))?;
-        let (sock, reader, event) = answer.map_err(|e| internal("its start", &e))?;
-        let (ca_pem, env) = match event {
-            Some(Event::Started { ca_pem, env }) => (ca_pem, env),
-            Some(Event::Refused {
-                bad_request: true,
-                message,
-            }) => return Err(NetProcessError::Bad(message)),
-            Some(Event::Refused { message, .. }) => {
-                return Err(NetProcessError::Internal(message));
-            }
-            Some(Event::Report(_) | Event::Relinked) => {
-                return Err(internal(
-                    "its start",
-                    &"an answer to no request before it started",
-                ));
-            }
-            None => return Err(internal("its start", &"it ended without an answer")),
-        };
+        let (sock, reader, ca_pem, env) = handshake(sock, cfg, their_dialer).await?;
         #[cfg(target_os = "linux")]
         sealed(pid).map_err(|e| internal("its seal", &e))?;
-        let reader = reader.within(REPORT_TIMEOUT);
         let process = Arc::new(NetProcess {
             process,
             channel: Mutex::new(Channel {
                 sock,
-                reader,
+                reader: reader.within(REPORT_TIMEOUT),
                 broken: false,
             }),
             last: Mutex::new(Report::default()),
@@ -356,6 +277,103 @@ impl NetProcess {
         tokio::task::spawn_blocking(move || me.counts())
             .await
             .unwrap_or_default()
+    }
+}
+
+/// A failure on the host's side of starting the process, said as such.
+fn internal(what: &str, e: &dyn std::fmt::Display) -> NetProcessError {
+    NetProcessError::Internal(format!("the sandbox's network process: {what}: {e}"))
+}
+
+/// The jail of sandbox `id`'s network process: its own uid, an empty network namespace, a root
+/// with the system's TLS roots alone, its memory the sandbox's egress memory and an allowance.
+fn jail_command(
+    id: &str,
+    program: PathBuf,
+    cfg: &NetConfig,
+    staging: &Path,
+    fds: Vec<OwnedFd>,
+) -> sandbox_jail::Command {
+    sandbox_jail::Command {
+        name: format!("{id}-net"),
+        program: Some(program),
+        args: vec![],
+        fds,
+        root: Some(sandbox_jail::Root {
+            staging: staging.join("root"),
+            system: true,
+            binds: host_files(),
+            ..Default::default()
+        }),
+        limits: sandbox_jail::Limits {
+            memory_bytes: cfg.memory_bytes.saturating_add(ALLOWANCE_MIB << 20),
+            // The runtime's worker and blocking threads, the dialer's two, the channel's.
+            pids: 16,
+            cpu_weight: 100,
+            cpus: 2,
+        },
+        nofile: 1024,
+        fsize: Some(0),
+        keep_groups: vec![],
+        seccomp: true,
+        host_network: false,
+    }
+}
+
+/// An end the service did not ask for is said in the log, with its cause.
+fn log_unasked_end(process: &Supervised, id: &str) {
+    let mut ended = process.exit_watch();
+    let (id, pid) = (id.to_string(), process.pid());
+    tokio::spawn(async move {
+        if let Ok(e) = ended.wait_for(Option::is_some).await
+            && let Some(e) = e.as_ref()
+            && !e.requested
+        {
+            tracing::warn!(id, pid, "a sandbox's network process ended: {}", e.reason);
+        }
+    });
+}
+
+/// Sends the process its settings with its dialer's socket (the secrets' values overwritten
+/// once sent) and reads its answer within [`START_TIMEOUT`]: the sandbox CA's certificate and
+/// the guest's variables, or why it refused.
+async fn handshake(
+    sock: UnixStream,
+    cfg: &NetConfig,
+    their_dialer: UnixStream,
+) -> Result<(UnixStream, Reader, Option<String>, Vec<(String, String)>), NetProcessError> {
+    let mut start = Request::Start(cfg.clone());
+    let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let sent = send(&sock, &start, Some(their_dialer.as_raw_fd()));
+        drop(their_dialer);
+        if let Request::Start(cfg) = &mut start {
+            for s in &mut cfg.secrets {
+                zeroize::Zeroize::zeroize(&mut s.value);
+            }
+        }
+        sent.map_err(|e| e.to_string())?;
+        let mut reader = Reader::with_limit(&sock, MAX_REPORT).within(START_TIMEOUT);
+        let event = reader.read::<Event>().map_err(|e| e.to_string())?;
+        if reader.take_fd().is_some() {
+            return Err("it sent a descriptor".into());
+        }
+        Ok((sock, reader, event))
+    })
+    .await
+    .map_err(|e| internal("its start", &e))?;
+    let (sock, reader, event) = answer.map_err(|e| internal("its start", &e))?;
+    match event {
+        Some(Event::Started { ca_pem, env }) => Ok((sock, reader, ca_pem, env)),
+        Some(Event::Refused {
+            bad_request: true,
+            message,
+        }) => Err(NetProcessError::Bad(message)),
+        Some(Event::Refused { message, .. }) => Err(NetProcessError::Internal(message)),
+        Some(Event::Report(_) | Event::Relinked) => Err(internal(
+            "its start",
+            &"an answer to no request before it started",
+        )),
+        None => Err(internal("its start", &"it ended without an answer")),
     }
 }
 
