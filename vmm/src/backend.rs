@@ -92,6 +92,20 @@ pub struct StartedVm {
     pub channel: Channel,
 }
 
+impl StartedVm {
+    /// A started VM whose agent channel is one socket, split into its two halves.
+    pub fn over_socket(vm: Box<dyn Vm>, stream: tokio::net::UnixStream) -> StartedVm {
+        let (read, write) = stream.into_split();
+        StartedVm {
+            vm,
+            channel: Channel {
+                read: Box::new(read),
+                write: Box::new(write),
+            },
+        }
+    }
+}
+
 /// How and why a VM ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmExit {

@@ -11,7 +11,7 @@ use sandbox_vm::machine::{DiskConfig, Machine, MachineConfig, MachineExit};
 use tokio::sync::{oneshot, watch};
 
 use super::backend::{AGENT_PORT, GUEST_CID, kernel_cmdline};
-use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::supervised::{EXIT_CONSOLE_LINES, remove_state_dir, unknown_exit};
 
 /// How long a guest gets from start to listening on the agent port.
@@ -100,16 +100,7 @@ pub(super) async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
     // The caller's bound, as on QEMU: a nested host under load needs more than the default.
     let within = spec.start_timeout.unwrap_or(CONNECT_TIMEOUT);
     match connect(&machine, &vm.exit, within).await {
-        Ok(stream) => {
-            let (read, write) = stream.into_split();
-            Ok(StartedVm {
-                vm: Box::new(vm),
-                channel: Channel {
-                    read: Box::new(read),
-                    write: Box::new(write),
-                },
-            })
-        }
+        Ok(stream) => Ok(StartedVm::over_socket(Box::new(vm), stream)),
         Err(e) => {
             vm.stop(Duration::ZERO).await;
             Err(e)

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use super::control::{Control, Learned, read_events, told};
 use super::judge::ProcessEnd;
-use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::supervised::{Spawn, Supervised, pipe};
 use sandbox_control::link::NetLink;
 use sandbox_control::vm::{self as control, DiskFd, NetFd, Request, SnapshotFds, VmConfig};
@@ -142,14 +142,7 @@ async fn start_program(
         .map_err(|e| VmError::io("the agent channel", e))?;
     let stream = tokio::net::UnixStream::from_std(stream)
         .map_err(|e| VmError::io("the agent channel", e))?;
-    let (read, write) = stream.into_split();
-    Ok(StartedVm {
-        vm: Box::new(vm),
-        channel: Channel {
-            read: Box::new(read),
-            write: Box::new(write),
-        },
-    })
+    Ok(StartedVm::over_socket(Box::new(vm), stream))
 }
 
 /// What the VM process inherits, and the host's ends.

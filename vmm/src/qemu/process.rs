@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use sandbox_control::link::{FrameLink, NetLink};
 
-use crate::backend::{Channel, StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::supervised::{Classify, Ending, Spawn, Supervised, pipe};
 
 /// The longest a stop waits for QEMU to be reaped after SIGKILL.
@@ -164,14 +164,7 @@ pub async fn spawn(
     };
     let stream = tokio::net::UnixStream::from_std(ends.agent)
         .map_err(|e| VmError::io("connecting the agent socket", e))?;
-    let (read, write) = stream.into_split();
-    Ok(StartedVm {
-        vm: Box::new(vm),
-        channel: Channel {
-            read: Box::new(read),
-            write: Box::new(write),
-        },
-    })
+    Ok(StartedVm::over_socket(Box::new(vm), stream))
 }
 
 /// QEMU's descriptors for `spec`: standard input from `/dev/null`, its output and errors into
