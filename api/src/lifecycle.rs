@@ -49,32 +49,12 @@ pub struct Asked {
     pub egress: EgressSpec,
 }
 
-/// A sandbox to be: what was asked, resolved against the image store.
+/// A sandbox to be: the run as its registry entry will hold it, and the image it boots.
 pub struct Plan {
-    /// Its new id.
-    pub id: String,
-    /// The platform's run id.
-    pub run_id: String,
+    /// The run, checked and resolved.
+    pub run: registry::Run,
     /// The image it boots (the stock one when the one asked for is not in the store).
     pub image: Image,
-    /// The image's name as the run sees it.
-    pub image_name: String,
-    /// Whether it is the stock image (asked for, or a fallback).
-    pub stock_image: bool,
-    /// The run's harness version against the image's, when both have one.
-    pub harness_version_match: Option<bool>,
-    /// Its disk's size.
-    pub disk_limit_mib: u64,
-    /// Guest memory.
-    pub memory_mib: u32,
-    /// Guest vCPUs.
-    pub vcpus: u8,
-    /// Variables of every command.
-    pub env: BTreeMap<String, String>,
-    /// Its egress.
-    pub egress: EgressSpec,
-    /// Its time limit.
-    pub time_limit: Duration,
 }
 
 impl Plan {
@@ -103,37 +83,40 @@ impl Plan {
             _ => None,
         };
         Ok(Plan {
-            id: registry::new_id(),
-            run_id: asked.run_id,
+            run: registry::Run {
+                id: registry::new_id(),
+                run_id: asked.run_id,
+                image: if stock_image {
+                    STOCK.to_string()
+                } else {
+                    wanted
+                },
+                stock_image,
+                harness_version_match,
+                disk_limit_mib: if asked.review {
+                    DISK_LIMIT_REVIEW_MIB
+                } else {
+                    DISK_LIMIT_MIB
+                },
+                memory_mib: asked.memory_mib,
+                vcpus: asked.vcpus,
+                env: asked.env,
+                egress: asked.egress,
+                time_limit: asked.time_limit,
+            },
             image,
-            image_name: if stock_image {
-                STOCK.to_string()
-            } else {
-                wanted
-            },
-            stock_image,
-            harness_version_match,
-            disk_limit_mib: if asked.review {
-                DISK_LIMIT_REVIEW_MIB
-            } else {
-                DISK_LIMIT_MIB
-            },
-            memory_mib: asked.memory_mib,
-            vcpus: asked.vcpus,
-            env: asked.env,
-            egress: asked.egress,
-            time_limit: asked.time_limit,
         })
     }
 
     /// Its VM's spec, in its own state directory.
     fn vm_spec(&self, state: &AppState) -> VmSpec {
+        let run = &self.run;
         self.image.vm_spec(
-            self.id.clone(),
-            self.memory_mib,
-            self.vcpus,
-            self.disk_limit_mib,
-            state.config().state_dir.join(&self.id),
+            run.id.clone(),
+            run.memory_mib,
+            run.vcpus,
+            run.disk_limit_mib,
+            state.config().state_dir.join(&run.id),
         )
     }
 
@@ -141,8 +124,8 @@ impl Plan {
     fn shape(&self, spec: &VmSpec) -> crate::templates::Shape {
         crate::templates::Shape {
             image_dir: self.image.dir.clone(),
-            memory_mib: self.memory_mib,
-            vcpus: self.vcpus,
+            memory_mib: self.run.memory_mib,
+            vcpus: self.run.vcpus,
             disk_mib: spec.scratch_disk_mib,
         }
     }
@@ -173,7 +156,7 @@ pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
     let reservation = state
         .capacity()
         .reserve(
-            u64::from(plan.memory_mib),
+            u64::from(plan.run.memory_mib),
             state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
             spec.scratch_disk_mib.unwrap_or(0),
         )
@@ -184,7 +167,10 @@ pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
     let shape = plan.shape(&spec);
     // Where the backend can pause a VM, every sandbox's VM gets at start the two files its
     // snapshot goes to (created empty here; the VM process opens nothing itself).
-    let pause_dir = state.config().state_dir.join(format!("{}.paused", plan.id));
+    let pause_dir = state
+        .config()
+        .state_dir
+        .join(format!("{}.paused", plan.run.id));
     let pausable_files = if backend.can_pause() {
         let files = snapshot_files(&pause_dir)
             .and_then(|a| Ok([a, snapshot_files(&pause_dir.join("b"))?]))
@@ -225,7 +211,7 @@ pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
     state.metrics().boot(sandbox.boot_time);
     let entry = registry::new_entry(
         state,
-        plan,
+        plan.run,
         registry::Running {
             // The secrets' placeholders (and the CA's paths) for every command.
             env: started.env,
@@ -301,8 +287,8 @@ async fn start(
     // The network process starts first: the VM's network device is its other end. A clone
     // keeps the template's MAC address, which its guest's driver read at the template's boot.
     let started = crate::egress::start(
-        &plan.id,
-        &plan.egress,
+        &plan.run.id,
+        &plan.run.egress,
         state.config(),
         template.map(|t| t.mac),
     )
@@ -321,7 +307,7 @@ async fn start(
         Ok(s) => s,
         Err(e) => {
             state.metrics().boot_failed();
-            tracing::error!(run_id = %plan.run_id, error = %e, restored = template.is_some(), "a sandbox did not start");
+            tracing::error!(run_id = %plan.run.run_id, error = %e, restored = template.is_some(), "a sandbox did not start");
             return Err(ApiError::Internal(format!(
                 "the microVM did not start: {e}"
             )));
@@ -352,7 +338,7 @@ async fn start(
     if let Err(e) = configured {
         sandbox.stop().await;
         state.metrics().boot_failed();
-        tracing::error!(run_id = %plan.run_id, error = %e, "a sandbox's network could not be set up");
+        tracing::error!(run_id = %plan.run.run_id, error = %e, "a sandbox's network could not be set up");
         return Err(ApiError::Internal(format!(
             "the microVM started but its network could not be set up: {e}"
         )));

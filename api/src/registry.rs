@@ -487,7 +487,33 @@ pub async fn dispose_all(state: &AppState) -> usize {
     n
 }
 
-/// What a started sandbox has besides its plan.
+/// A run as its entry holds it: what the create asked for, checked and resolved.
+pub struct Run {
+    /// The sandbox's id.
+    pub id: String,
+    /// The platform's run id.
+    pub run_id: String,
+    /// The image's name as the run sees it.
+    pub image: String,
+    /// Whether it is the stock image (asked for, or a fallback).
+    pub stock_image: bool,
+    /// The run's harness version against the image's, when both have one.
+    pub harness_version_match: Option<bool>,
+    /// Its disk's size.
+    pub disk_limit_mib: u64,
+    /// Guest memory.
+    pub memory_mib: u32,
+    /// Guest vCPUs.
+    pub vcpus: u8,
+    /// Variables of every command.
+    pub env: BTreeMap<String, String>,
+    /// Its egress, secrets' values included until its network process has them.
+    pub egress: EgressSpec,
+    /// Its time limit.
+    pub time_limit: Duration,
+}
+
+/// What a started sandbox has besides its run.
 pub struct Running {
     /// Variables every command gets from its start (the secrets' placeholders, the CA's paths),
     /// besides the run's own.
@@ -502,33 +528,29 @@ pub struct Running {
     pub pausable: Option<Pausable>,
 }
 
-/// Builds and registers the entry of the sandbox `plan` made, and watches its VM. The run's
+/// Builds and registers the entry of `run`'s sandbox, and watches its VM. The run's
 /// secrets' values are not kept (issue 32: the network process holds them; the service keeps
 /// what it shows, each secret's variable and hosts, and never needs a value again).
-pub fn new_entry(
-    state: &AppState,
-    plan: crate::lifecycle::Plan,
-    running: Running,
-) -> Arc<SandboxEntry> {
+pub fn new_entry(state: &AppState, run: Run, running: Running) -> Arc<SandboxEntry> {
     let created_at = SystemTime::now();
-    let mut egress = plan.egress;
+    let mut egress = run.egress;
     for s in &mut egress.secrets {
         zeroize::Zeroize::zeroize(&mut s.value);
     }
     let entry = Arc::new(SandboxEntry {
-        id: plan.id,
-        run_id: plan.run_id,
-        image: plan.image_name,
-        stock_image: plan.stock_image,
-        harness_version_match: plan.harness_version_match,
-        disk_limit_mib: plan.disk_limit_mib,
-        memory_mib: plan.memory_mib,
-        vcpus: plan.vcpus,
-        env: plan.env.into_iter().chain(running.env).collect(),
+        id: run.id,
+        run_id: run.run_id,
+        image: run.image,
+        stock_image: run.stock_image,
+        harness_version_match: run.harness_version_match,
+        disk_limit_mib: run.disk_limit_mib,
+        memory_mib: run.memory_mib,
+        vcpus: run.vcpus,
+        env: run.env.into_iter().chain(running.env).collect(),
         egress,
         net: running.net,
         created_at,
-        expires_at: created_at + plan.time_limit,
+        expires_at: created_at + run.time_limit,
         sandbox: std::sync::RwLock::new(Arc::new(running.sandbox)),
         counters: Counters::default(),
         last_activity: Mutex::new((Instant::now(), created_at)),
