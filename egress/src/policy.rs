@@ -105,11 +105,15 @@ impl Allowlist {
         normalize(name).is_some_and(|n| self.patterns.iter().any(|(p, _)| p.matches(&n)))
     }
 
-    /// This allowlist, plus each `name:port` of `overrides` whose name it allows: a port the
-    /// operator routes for a name is a port it means the name to be reached on.
-    pub fn with_routed_ports(mut self, overrides: &crate::resolve::ResolveOverrides) -> Self {
-        let extra: Vec<(HostPattern, Option<u16>)> = overrides
-            .routes()
+    /// This allowlist, plus each `name:port` the operator routes (`ResolveOverrides::routes`)
+    /// whose name it allows: a port the operator routes for a name is a port it means the name
+    /// to be reached on.
+    pub fn with_routed_ports<'a>(
+        mut self,
+        routes: impl IntoIterator<Item = (&'a str, u16)>,
+    ) -> Self {
+        let extra: Vec<(HostPattern, Option<u16>)> = routes
+            .into_iter()
             .filter(|(name, _)| self.allows(name))
             .map(|(name, port)| (HostPattern::Exact(name.to_string()), Some(port)))
             .collect();

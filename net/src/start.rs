@@ -80,7 +80,7 @@ fn overrides(cfg: &NetConfig) -> Result<Arc<ResolveOverrides>, StartError> {
 pub fn dial_rules(cfg: &NetConfig) -> Result<crate::dial::Rules, StartError> {
     let overrides = overrides(cfg)?;
     Ok(crate::dial::Rules {
-        allow: allowlist(cfg)?.with_routed_ports(&overrides),
+        allow: allowlist(cfg)?.with_routed_ports(overrides.routes()),
         overrides,
     })
 }

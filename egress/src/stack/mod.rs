@@ -236,7 +236,7 @@ impl Stack {
         iface.set_any_ip(true);
         // A port the operator routes for an allowed name (SANDBOX_HOST_EGRESS_RESOLVE, for tests
         // and private upstreams) is allowed for it too.
-        let allow = config.allow.with_routed_ports(&config.overrides);
+        let allow = config.allow.with_routed_ports(config.overrides.routes());
         let gate = Gate::with_refusals(config.guest_mac, allow, stats.refusal_log());
         let cx = Arc::new(Context {
             dial: config.dial.unwrap_or_else(|| {

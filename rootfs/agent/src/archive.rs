@@ -27,7 +27,7 @@ use sandbox_protocol::message::{Done, PathRequest, code};
 use tar::EntryType;
 
 use crate::files::io_error;
-use crate::server::StreamCtx;
+use crate::streams::StreamCtx;
 use crate::transfer::Download;
 
 type Failure = (&'static str, String);

@@ -13,7 +13,7 @@ use sandbox_protocol::Kind;
 use sandbox_protocol::message::{ExecRequest, ExitStatus, code};
 
 use crate::reaper::{Reaper, Status};
-use crate::server::{StreamCtx, kill_group};
+use crate::streams::{StreamCtx, kill_group};
 use crate::transfer::Download;
 
 /// PATH of every exec unless the request sets its own.

@@ -8,7 +8,7 @@ use std::path::Path;
 use sandbox_protocol::Kind;
 use sandbox_protocol::message::{Done, FilePut, PathRequest, code};
 
-use crate::server::StreamCtx;
+use crate::streams::StreamCtx;
 use crate::transfer::Download;
 
 /// Writes the upload to `req.path` through a temporary file renamed into place, so a reader never

@@ -19,6 +19,7 @@ mod identity;
 mod outbox;
 mod reaper;
 mod server;
+mod streams;
 mod transfer;
 
 #[cfg(feature = "fuzzing")]

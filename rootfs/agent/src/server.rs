@@ -1,12 +1,11 @@
 //! The frame loop: reads the channel, answers control frames, and hands each stream to a
 //! worker thread. The reader never blocks on a worker, so one stalled stream stalls no other.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use sandbox_protocol::message::{self, Ready, code};
@@ -17,91 +16,9 @@ use crate::channel::{ChannelSpec, Conn};
 use crate::credit::Credit;
 use crate::outbox::Outbox;
 use crate::reaper::Reaper;
+use crate::streams::{Entry, MAX_STREAMS, StreamCtx, Streams, kill_group};
 use crate::transfer::Upload;
 use crate::{archive, exec, files};
-
-/// Streams that may be open at once; more get a `busy` error.
-const MAX_STREAMS: usize = 128;
-
-/// What a worker thread needs to serve its stream.
-pub struct StreamCtx {
-    pub id: u32,
-    pub out: Outbox,
-    /// Credit for what this stream sends to the host.
-    pub credit: Arc<Credit>,
-    /// Process group of an exec, once started (0 before).
-    pub pgid: Arc<AtomicI32>,
-    /// Set when the host cancelled the stream or went away.
-    pub cancelled: Arc<AtomicBool>,
-    upload: Option<Upload>,
-    streams: Streams,
-}
-
-impl StreamCtx {
-    /// The stream's upload (stdin or put data); taken once.
-    pub fn take_upload(&mut self) -> Option<Upload> {
-        self.upload.take()
-    }
-
-    /// Sends an error that ends the stream.
-    pub fn fail(&self, code: &str, message: impl Into<String>) {
-        self.out.error(self.id, code, message);
-    }
-}
-
-impl Drop for StreamCtx {
-    fn drop(&mut self) {
-        self.credit.close();
-        self.streams.remove(self.id);
-    }
-}
-
-/// The reader thread's view of one stream.
-struct Entry {
-    credit: Arc<Credit>,
-    /// Upload bytes go here; `None` once the host closed its side.
-    inbox: Option<Sender<Vec<u8>>>,
-    /// Upload bytes the host may still send before the agent grants more.
-    allowance: Arc<AtomicU64>,
-    pgid: Arc<AtomicI32>,
-    cancelled: Arc<AtomicBool>,
-}
-
-impl Entry {
-    fn cancel(&mut self) {
-        self.cancelled.store(true, Ordering::SeqCst);
-        self.credit.close();
-        self.inbox = None;
-        kill_group(self.pgid.load(Ordering::SeqCst), libc::SIGKILL);
-    }
-}
-
-#[derive(Clone, Default)]
-struct Streams(Arc<Mutex<HashMap<u32, Entry>>>);
-
-impl Streams {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Entry>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn remove(&self, id: u32) {
-        self.lock().remove(&id);
-    }
-
-    fn cancel_all(&self) {
-        for (_, e) in self.lock().iter_mut() {
-            e.cancel();
-        }
-    }
-}
-
-/// Sends `sig` to process group `pgid` (a no-op for 0).
-pub fn kill_group(pgid: i32, sig: i32) {
-    if pgid > 0 {
-        // SAFETY: killpg has no memory preconditions; a stale pgid at worst yields ESRCH.
-        unsafe { libc::killpg(pgid, sig) };
-    }
-}
 
 /// Serves one connection until the host goes away. On a serial port the device stays open and
 /// EOF means "host disconnected for now", so this only returns for vsock.
