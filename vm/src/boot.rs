@@ -15,7 +15,7 @@ use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::layout;
-use crate::machine::FileRef;
+use crate::machine::config::FileRef;
 
 /// The PVH start info magic.
 const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;

@@ -14,6 +14,7 @@ pub mod layout;
 pub mod machine;
 pub mod mptable;
 pub mod net;
+pub mod saved;
 pub mod seal;
 pub mod serial;
 pub mod snapshot;

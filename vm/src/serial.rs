@@ -27,7 +27,7 @@ impl Trigger for IrqTrigger {
 /// Where the guest's console output goes: the bounded log, and a copy to the sink if any.
 pub struct LogWriter(
     pub Arc<Mutex<ConsoleLog>>,
-    pub Option<crate::machine::ConsoleSink>,
+    pub Option<crate::machine::config::ConsoleSink>,
 );
 
 impl io::Write for LogWriter {
@@ -50,7 +50,7 @@ pub type Console = Serial<IrqTrigger, vm_superio::serial::NoEvents, LogWriter>;
 pub fn console(
     irq: EventFd,
     log: Arc<Mutex<ConsoleLog>>,
-    sink: Option<crate::machine::ConsoleSink>,
+    sink: Option<crate::machine::config::ConsoleSink>,
 ) -> Console {
     Serial::new(IrqTrigger(irq), LogWriter(log, sink))
 }
@@ -60,7 +60,7 @@ pub fn restored(
     state: &crate::snapshot::SerialSnapshot,
     irq: EventFd,
     log: Arc<Mutex<ConsoleLog>>,
-    sink: Option<crate::machine::ConsoleSink>,
+    sink: Option<crate::machine::config::ConsoleSink>,
 ) -> Result<Console, String> {
     Serial::from_state(
         &state.state(),

@@ -11,10 +11,11 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 
+#[cfg(test)]
+use kvm_bindings::kvm_lapic_state;
 use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, Msrs, kvm_clock_data,
-    kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    kvm_irqchip, kvm_msr_entry,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use sandbox_devices::virtio::mmio::TransportState;
@@ -26,6 +27,7 @@ use vm_memory::{
 };
 
 use crate::layout;
+pub use crate::saved::{VcpuState, VmState};
 
 /// The state file's format; another is refused.
 pub const FORMAT: u32 = 1;
@@ -123,40 +125,6 @@ fn kernel_release() -> String {
     unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) }
         .to_string_lossy()
         .into_owned()
-}
-
-/// One vCPU, as KVM gives it back.
-#[derive(Serialize, Deserialize)]
-pub struct VcpuState {
-    /// General registers.
-    pub regs: kvm_regs,
-    /// Segments, control registers, EFER, the APIC base.
-    pub sregs: kvm_sregs,
-    /// FPU, SSE and AVX state.
-    pub xsave: kvm_xsave,
-    /// XCR0.
-    pub xcrs: kvm_xcrs,
-    /// Debug registers.
-    pub debugregs: kvm_debugregs,
-    /// The local APIC's registers.
-    pub lapic: kvm_lapic_state,
-    /// Running, halted, or waiting for INIT/SIPI.
-    pub mp_state: kvm_mp_state,
-    /// Pending exceptions, interrupts and NMIs.
-    pub events: kvm_vcpu_events,
-    /// Every MSR KVM would give, as (index, value).
-    pub msrs: Vec<(u32, u64)>,
-}
-
-/// The in-kernel devices of the VM.
-#[derive(Clone, Serialize, Deserialize)]
-pub struct VmState {
-    /// The two 8259s and the IOAPIC, in that order.
-    pub irqchips: Vec<kvm_irqchip>,
-    /// The 8254.
-    pub pit: kvm_pit_state2,
-    /// kvmclock.
-    pub clock: kvm_clock_data,
 }
 
 /// The 16550's registers (vm-superio's `SerialState`, in a form we serialize).

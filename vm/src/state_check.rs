@@ -14,7 +14,7 @@ use kvm_bindings::{
 };
 use thiserror::Error;
 
-use crate::snapshot::{VcpuState, VmState};
+use crate::saved::{VcpuState, VmState};
 
 /// A field of a saved state that no processor or chipset could be in.
 #[derive(Debug, Error, PartialEq, Eq)]
