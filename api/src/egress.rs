@@ -12,11 +12,86 @@ use sandbox_protocol::message::ExecRequest;
 use sandbox_vmm::NetAttachment;
 
 use crate::netproc::{NetProcess, NetProcessError};
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::config::Config;
-use crate::registry::{EgressSpec, InterceptMode};
 use crate::time::rfc3339;
+
+/// A secret of a run: the guest sees only a placeholder; the egress stack puts the value in
+/// requests to `hosts` (issue 5). Never printed.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretSpec {
+    /// Environment variable the guest's SDK reads.
+    pub env: String,
+    /// The real key.
+    pub value: String,
+    /// Hosts that may receive it.
+    pub hosts: Vec<String>,
+    /// Request headers the placeholder is replaced in (default `authorization`, `x-api-key`).
+    #[serde(default, deserialize_with = "crate::json::present")]
+    pub headers: Option<Vec<String>>,
+    /// Path prefixes the key may be sent to (default: a known provider's inference endpoints
+    /// on its host, any path on other hosts).
+    #[serde(default, deserialize_with = "crate::json::present")]
+    pub paths: Option<Vec<String>>,
+    /// A `*.domain` host is meant: every name under it is the run's.
+    #[serde(default)]
+    pub wildcard: bool,
+}
+
+impl Drop for SecretSpec {
+    /// The value is overwritten wherever a copy ends, a create that fails or is cancelled
+    /// midway (its client went away) included.
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.value);
+    }
+}
+
+impl std::fmt::Debug for SecretSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretSpec")
+            .field("env", &self.env)
+            .field("value", &"<redacted>")
+            .field("hosts", &self.hosts)
+            .field("headers", &self.headers)
+            .field("paths", &self.paths)
+            .field("wildcard", &self.wildcard)
+            .finish()
+    }
+}
+
+/// The egress settings of a run, stored for the egress stack (issue 5).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSpec {
+    /// Hosts the guest may reach: exact names and `*.domain` wildcards.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Secrets to substitute.
+    #[serde(default)]
+    pub secrets: Vec<SecretSpec>,
+    /// Provider hosts whose responses are metered.
+    #[serde(default)]
+    pub meter: Vec<String>,
+    /// `"all"`: every allowed TLS connection is intercepted, not only secret and meter hosts.
+    #[serde(default, deserialize_with = "crate::json::present")]
+    pub intercept: Option<InterceptMode>,
+    /// Refuse a model call to a meter or secret host whose usage the meter could not read.
+    #[serde(default)]
+    pub meter_strict: bool,
+}
+
+/// Which TLS connections the egress reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InterceptMode {
+    /// Every allowed name: the `Host` (or `:authority`) of each request is checked against the
+    /// connection's name, which closes domain fronting through a shared CDN; the guest sees the
+    /// sandbox's CA for every host.
+    All,
+}
 
 /// A started network process and what the guest needs to use it.
 pub struct Started {

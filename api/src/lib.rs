@@ -11,6 +11,7 @@ mod egress;
 mod error;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod json;
 mod lifecycle;
 mod metrics;
 mod netproc;

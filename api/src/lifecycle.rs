@@ -11,8 +11,9 @@ use std::time::Duration;
 use sandbox_vmm::image::STOCK;
 use sandbox_vmm::{Backend, Image, VmSpec};
 
+use crate::egress::EgressSpec;
 use crate::error::ApiError;
-use crate::registry::{self, EgressSpec, SandboxEntry};
+use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 
 /// The image a run gets when it names none.

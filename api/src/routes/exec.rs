@@ -15,8 +15,9 @@ use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{ApiJson, SandboxId, channel_body, integral_present, present};
+use super::{ApiJson, SandboxId, channel_body};
 use crate::error::ApiError;
+use crate::json::{integral_present, present};
 use crate::registry::count;
 use crate::state::AppState;
 

@@ -11,10 +11,12 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiJson, SandboxId, integral, present};
+use super::{ApiJson, SandboxId};
+use crate::egress::EgressSpec;
 use crate::error::ApiError;
+use crate::json::{integral, present};
 use crate::lifecycle;
-use crate::registry::{self, EgressSpec, SandboxEntry};
+use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 use crate::time::rfc3339;
 
