@@ -6,13 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use sandbox_vmm::image::STOCK;
 use sandbox_vmm::{Backend, Image, VmSpec};
 
 use crate::egress::EgressSpec;
 use crate::error::ApiError;
+use crate::metrics::Disposal;
 use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 
@@ -210,7 +211,7 @@ pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
     }
     state.metrics().started(restored);
     state.metrics().boot(sandbox.boot_time);
-    let entry = registry::new_entry(
+    let entry = register(
         state,
         plan.run,
         registry::Running {
@@ -352,4 +353,117 @@ async fn start(
             mac,
         },
     ))
+}
+
+/// Registers the entry of `run`'s sandbox and watches its VM.
+fn register(state: &AppState, run: registry::Run, running: registry::Running) -> Arc<SandboxEntry> {
+    let entry = Arc::new(SandboxEntry::new(run, running));
+    state.registry().insert(entry.clone());
+    registry::watch(entry.clone());
+    entry
+}
+
+/// Stops a sandbox's VM, removes its files, logs and counts the disposal.
+pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
+    // A pause or resume under way finishes first (each is bounded).
+    let _turn = entry.paused.lock().await;
+    let exit = entry.sandbox().stop().await;
+    if let Some(p) = &entry.pausable {
+        let _ = std::fs::remove_dir_all(&p.dir);
+    }
+    state.metrics().disposed(why);
+    if let Some(net) = &entry.net {
+        let report = crate::egress::report(net).await;
+        net.kill();
+        state.metrics().retire_egress(
+            &crate::egress::refusal_counts(&report),
+            &crate::egress::unmetered_counts(&report),
+        );
+    }
+    tracing::info!(
+        id = %entry.id,
+        run_id = %entry.run_id,
+        reason = why.as_str(),
+        vm_exit = %exit.reason,
+        "Disposed of sandbox"
+    );
+}
+
+/// Disposes of a sandbox by id (DELETE).
+pub async fn delete(state: &AppState, id: &str) -> Result<(), ApiError> {
+    let entry = state
+        .registry()
+        .take(id)
+        .ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
+    dispose(state, entry, Disposal::Deleted).await;
+    Ok(())
+}
+
+/// One pass of the sweep: dead VMs, idle sandboxes, expired runs.
+pub async fn sweep(state: &AppState) {
+    let now_i = Instant::now();
+    let now_w = SystemTime::now();
+    let cfg = state.config();
+    for e in state.registry().all() {
+        // A paused sandbox has no VM: only its run's time limit applies (a pause is the
+        // platform keeping it for later, so it is never idle).
+        let paused = e.is_paused();
+        let why = if e.is_lost() || (!paused && e.sandbox().vm.exit().is_some()) {
+            Some(Disposal::VmDied)
+        } else if now_w > e.expires_at + cfg.grace {
+            Some(Disposal::TimeLimit)
+        } else if !paused
+            && e.in_flight() == 0
+            && now_i.duration_since(e.last_activity().0) > cfg.idle
+        {
+            Some(Disposal::Idle)
+        } else {
+            None
+        };
+        if let Some(why) = why
+            && let Some(entry) = state.registry().take(&e.id)
+        {
+            if entry.paused.try_lock().is_ok() {
+                dispose(state, entry, why).await;
+            } else {
+                // A pause or resume holds it (bounded, but by minutes for a guest that never
+                // answers): it is disposed of when that ends, and the others are not kept
+                // waiting behind it.
+                let state = state.clone();
+                tokio::spawn(async move { dispose(&state, entry, why).await });
+            }
+        }
+    }
+}
+
+/// Runs the sweep every `SANDBOX_HOST_SWEEP_MS` (15 s) until the process ends.
+pub async fn sweep_forever(state: AppState) {
+    let mut tick = tokio::time::interval(state.config().sweep);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        sweep(&state).await;
+    }
+}
+
+/// Disposes of every sandbox (SIGINT/SIGTERM), all at once.
+pub async fn dispose_all(state: &AppState) -> usize {
+    let entries: Vec<_> = state
+        .registry()
+        .all()
+        .into_iter()
+        .filter_map(|e| state.registry().take(&e.id))
+        .collect();
+    let n = entries.len();
+    let tasks: Vec<_> = entries
+        .into_iter()
+        .map(|e| {
+            let st = state.clone();
+            tokio::spawn(async move { dispose(&st, e, Disposal::Shutdown).await })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    n
 }

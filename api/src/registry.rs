@@ -10,8 +10,6 @@ use sandbox_vmm::{Sandbox, VmExit};
 
 use crate::egress::EgressSpec;
 use crate::error::ApiError;
-use crate::metrics::Disposal;
-use crate::state::AppState;
 
 /// Per-sandbox counters.
 #[derive(Debug, Default)]
@@ -182,7 +180,7 @@ impl SandboxEntry {
         self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
-    fn is_lost(&self) -> bool {
+    pub fn is_lost(&self) -> bool {
         self.lost.load(std::sync::atomic::Ordering::SeqCst)
     }
 
@@ -307,111 +305,6 @@ impl Registry {
     }
 }
 
-/// Stops a sandbox's VM, removes its files, logs and counts the disposal.
-pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
-    // A pause or resume under way finishes first (each is bounded).
-    let _turn = entry.paused.lock().await;
-    let exit = entry.sandbox().stop().await;
-    if let Some(p) = &entry.pausable {
-        let _ = std::fs::remove_dir_all(&p.dir);
-    }
-    state.metrics().disposed(why);
-    if let Some(net) = &entry.net {
-        let report = crate::egress::report(net).await;
-        net.kill();
-        state.metrics().retire_egress(
-            &crate::egress::refusal_counts(&report),
-            &crate::egress::unmetered_counts(&report),
-        );
-    }
-    tracing::info!(
-        id = %entry.id,
-        run_id = %entry.run_id,
-        reason = why.as_str(),
-        vm_exit = %exit.reason,
-        "Disposed of sandbox"
-    );
-}
-
-/// Disposes of a sandbox by id (DELETE).
-pub async fn delete(state: &AppState, id: &str) -> Result<(), ApiError> {
-    let entry = state
-        .registry()
-        .take(id)
-        .ok_or_else(|| ApiError::NoSandbox(id.chars().take(80).collect()))?;
-    dispose(state, entry, Disposal::Deleted).await;
-    Ok(())
-}
-
-/// One pass of the sweep: dead VMs, idle sandboxes, expired runs.
-pub async fn sweep(state: &AppState) {
-    let now_i = Instant::now();
-    let now_w = SystemTime::now();
-    let cfg = state.config();
-    for e in state.registry().all() {
-        // A paused sandbox has no VM: only its run's time limit applies (a pause is the
-        // platform keeping it for later, so it is never idle).
-        let paused = e.is_paused();
-        let why = if e.is_lost() || (!paused && e.sandbox().vm.exit().is_some()) {
-            Some(Disposal::VmDied)
-        } else if now_w > e.expires_at + cfg.grace {
-            Some(Disposal::TimeLimit)
-        } else if !paused
-            && e.in_flight.load(Relaxed) == 0
-            && now_i.duration_since(e.last_activity().0) > cfg.idle
-        {
-            Some(Disposal::Idle)
-        } else {
-            None
-        };
-        if let Some(why) = why
-            && let Some(entry) = state.registry().take(&e.id)
-        {
-            if entry.paused.try_lock().is_ok() {
-                dispose(state, entry, why).await;
-            } else {
-                // A pause or resume holds it (bounded, but by minutes for a guest that never
-                // answers): it is disposed of when that ends, and the others are not kept
-                // waiting behind it.
-                let state = state.clone();
-                tokio::spawn(async move { dispose(&state, entry, why).await });
-            }
-        }
-    }
-}
-
-/// Runs the sweep every `SANDBOX_HOST_SWEEP_MS` (15 s) until the process ends.
-pub async fn sweep_forever(state: AppState) {
-    let mut tick = tokio::time::interval(state.config().sweep);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        sweep(&state).await;
-    }
-}
-
-/// Disposes of every sandbox (SIGINT/SIGTERM), all at once.
-pub async fn dispose_all(state: &AppState) -> usize {
-    let entries: Vec<_> = state
-        .registry()
-        .all()
-        .into_iter()
-        .filter_map(|e| state.registry().take(&e.id))
-        .collect();
-    let n = entries.len();
-    let tasks: Vec<_> = entries
-        .into_iter()
-        .map(|e| {
-            let st = state.clone();
-            tokio::spawn(async move { dispose(&st, e, Disposal::Shutdown).await })
-        })
-        .collect();
-    for t in tasks {
-        let _ = t.await;
-    }
-    n
-}
-
 /// A run as its entry holds it: what the create asked for, checked and resolved.
 pub struct Run {
     /// The sandbox's id.
@@ -453,42 +346,41 @@ pub struct Running {
     pub pausable: Option<Pausable>,
 }
 
-/// Builds and registers the entry of `run`'s sandbox, and watches its VM. The run's
-/// secrets' values are not kept (issue 32: the network process holds them; the service keeps
-/// what it shows, each secret's variable and hosts, and never needs a value again).
-pub fn new_entry(state: &AppState, run: Run, running: Running) -> Arc<SandboxEntry> {
-    let created_at = SystemTime::now();
-    let mut egress = run.egress;
-    for s in &mut egress.secrets {
-        zeroize::Zeroize::zeroize(&mut s.value);
+impl SandboxEntry {
+    /// The entry of `run`'s sandbox, started as `running` says. The run's secrets' values are
+    /// not kept (issue 32: the network process holds them; the service keeps what it shows,
+    /// each secret's variable and hosts, and never needs a value again).
+    pub fn new(run: Run, running: Running) -> SandboxEntry {
+        let created_at = SystemTime::now();
+        let mut egress = run.egress;
+        for s in &mut egress.secrets {
+            zeroize::Zeroize::zeroize(&mut s.value);
+        }
+        SandboxEntry {
+            id: run.id,
+            run_id: run.run_id,
+            image: run.image,
+            stock_image: run.stock_image,
+            harness_version_match: run.harness_version_match,
+            disk_limit_mib: run.disk_limit_mib,
+            memory_mib: run.memory_mib,
+            vcpus: run.vcpus,
+            env: run.env.into_iter().chain(running.env).collect(),
+            egress,
+            net: running.net,
+            created_at,
+            expires_at: created_at + run.time_limit,
+            sandbox: std::sync::RwLock::new(Arc::new(running.sandbox)),
+            counters: Counters::default(),
+            last_activity: Mutex::new((Instant::now(), created_at)),
+            in_flight: AtomicU64::new(0),
+            reservation: Mutex::new(running.reservation),
+            pausable: running.pausable,
+            paused: tokio::sync::Mutex::new(false),
+            paused_now: std::sync::atomic::AtomicBool::new(false),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        }
     }
-    let entry = Arc::new(SandboxEntry {
-        id: run.id,
-        run_id: run.run_id,
-        image: run.image,
-        stock_image: run.stock_image,
-        harness_version_match: run.harness_version_match,
-        disk_limit_mib: run.disk_limit_mib,
-        memory_mib: run.memory_mib,
-        vcpus: run.vcpus,
-        env: run.env.into_iter().chain(running.env).collect(),
-        egress,
-        net: running.net,
-        created_at,
-        expires_at: created_at + run.time_limit,
-        sandbox: std::sync::RwLock::new(Arc::new(running.sandbox)),
-        counters: Counters::default(),
-        last_activity: Mutex::new((Instant::now(), created_at)),
-        in_flight: AtomicU64::new(0),
-        reservation: Mutex::new(running.reservation),
-        pausable: running.pausable,
-        paused: tokio::sync::Mutex::new(false),
-        paused_now: std::sync::atomic::AtomicBool::new(false),
-        lost: std::sync::atomic::AtomicBool::new(false),
-    });
-    state.registry().insert(entry.clone());
-    watch(entry.clone());
-    entry
 }
 
 /// Logs the VM of a sandbox that stops on its own (the sweep disposes of it).

@@ -11,7 +11,7 @@ use sandbox_vmm::image::STOCK;
 
 use crate::config::{self, Config};
 use crate::state::{AppState, Availability};
-use crate::{lifecycle, registry, routes};
+use crate::{lifecycle, routes};
 use sandbox_vmm::select as backend_select;
 
 /// How long disposal at shutdown may take before the process exits anyway.
@@ -165,14 +165,14 @@ pub async fn serve() -> ExitCode {
         "Budgets: guest memory up to SANDBOX_HOST_MEMORY_LIMIT_MIB, sandbox disks up to SANDBOX_HOST_DISK_OVERCOMMIT times the free space, file descriptors up to RLIMIT_NOFILE"
     );
     let state = AppState::new(cfg, availability, backend);
-    tokio::spawn(registry::sweep_forever(state.clone()));
+    tokio::spawn(lifecycle::sweep_forever(state.clone()));
     let app = routes::app(state.clone());
     let shutdown_state = state.clone();
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let sig = shutdown_signal().await;
             tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
-            match tokio::time::timeout(SHUTDOWN_TIMEOUT, registry::dispose_all(&shutdown_state)).await {
+            match tokio::time::timeout(SHUTDOWN_TIMEOUT, lifecycle::dispose_all(&shutdown_state)).await {
                 Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
                 Err(_) => tracing::error!("disposing of the sandboxes took longer than {SHUTDOWN_TIMEOUT:?}; exiting anyway"),
             }

@@ -16,7 +16,7 @@ use crate::egress::EgressSpec;
 use crate::error::ApiError;
 use crate::json::{integral, present};
 use crate::lifecycle;
-use crate::registry::{self, SandboxEntry};
+use crate::registry::SandboxEntry;
 use crate::state::AppState;
 use crate::time::rfc3339;
 
@@ -239,7 +239,7 @@ async fn delete(
     State(state): State<AppState>,
     SandboxId(id): SandboxId,
 ) -> Result<StatusCode, ApiError> {
-    registry::delete(&state, &id).await?;
+    lifecycle::delete(&state, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
