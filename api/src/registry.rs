@@ -180,6 +180,7 @@ impl SandboxEntry {
         self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// A pause or resume failed with its VM gone: the next sweep disposes of it.
     pub fn is_lost(&self) -> bool {
         self.lost.load(std::sync::atomic::Ordering::SeqCst)
     }
