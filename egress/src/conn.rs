@@ -20,10 +20,7 @@ use crate::refusal::Reason;
 use crate::stats::Stats;
 use crate::upstream::{self, UpstreamError};
 
-/// Largest chunk moved in one message, each way.
-pub(crate) const CHUNK: usize = 16 * 1024;
-/// Chunks a channel holds: with [`CHUNK`], 64 KiB in flight each way per connection.
-pub(crate) const CHUNKS: usize = 4;
+use crate::memory::CHUNK;
 
 /// What the task tells the stack loop about the guest's socket.
 #[derive(Debug)]

@@ -12,7 +12,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::conn::{CHUNK, CHUNKS};
+/// Largest chunk a connection moves in one message, each way.
+pub(crate) const CHUNK: usize = 16 * 1024;
+/// Chunks a connection's channel holds: with [`CHUNK`], 64 KiB in flight each way.
+pub(crate) const CHUNKS: usize = 4;
 
 /// The default budget when the meter holds bodies of up to [`crate::intercept::DEFAULT_BODY_MAX`]:
 /// two such bodies at once (what the meter held before there was one budget) and 32 MiB for

@@ -2,7 +2,7 @@
 //! QEMU then emulates (TCG): how an x86_64 machine runs the aarch64 guest that Apple silicon and
 //! aarch64 Linux hosts run natively, to test it.
 
-use crate::config::SettingError;
+use crate::setting::SettingError;
 
 /// Guest architecture, which picks the QEMU binary and machine, the kernel and the image store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,19 +2,7 @@
 
 use std::path::PathBuf;
 
-use thiserror::Error;
-
-/// A setting with a value it does not accept.
-#[derive(Debug, Error, PartialEq, Eq)]
-#[error("{var} must be {allowed}; it is `{value}`. Fix it in the environment or in .env")]
-pub struct SettingError {
-    /// The variable.
-    pub var: &'static str,
-    /// Its value.
-    pub value: String,
-    /// What it may be.
-    pub allowed: &'static str,
-}
+pub use crate::setting::SettingError;
 
 /// Root of what sandbox-host builds and keeps: `SANDBOX_HOST_CACHE`, else
 /// `$XDG_CACHE_HOME/sandbox-host`, else `~/.cache/sandbox-host` (as `scripts/cache-dir.sh`).

@@ -18,6 +18,7 @@ pub mod qemu;
 pub mod sandbox;
 pub mod scratch;
 pub mod select;
+pub mod setting;
 pub mod supervised;
 
 pub use backend::{

@@ -17,9 +17,10 @@ use smoltcp::wire::{
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use crate::conn::{self, CHUNK, CHUNKS, Context, Ctl, Io};
+use crate::conn::{self, Context, Ctl, Io};
 use crate::gate::{Gate, Verdict};
 use crate::link::{self, GuestEnd, StackEnd};
+use crate::memory::{CHUNK, CHUNKS};
 use crate::net::{GATEWAY_IP, GATEWAY_MAC, GUEST_IP, PREFIX_LEN};
 use crate::policy::{Allowlist, HostPattern};
 use crate::refusal::Reason;

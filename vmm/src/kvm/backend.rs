@@ -5,6 +5,7 @@
 use async_trait::async_trait;
 use thiserror::Error;
 
+use super::guest::{AGENT_PORT, GUEST_CID, kernel_cmdline};
 use crate::backend::{Backend, StartedVm, VmError, VmSpec, validate_spec};
 
 /// Why the KVM backend cannot be used on this host; each says what to do about it.
@@ -29,11 +30,6 @@ pub enum KvmUnusable {
     #[error("{0}")]
     DoesNotBoot(String),
 }
-
-/// The vsock port the agent listens on.
-pub const AGENT_PORT: u32 = 1024;
-/// The guest's vsock context id (each VM has its own device, so every guest can be 3).
-pub(super) const GUEST_CID: u64 = 3;
 
 /// The KVM backend.
 #[derive(Debug, Clone, Default)]
@@ -99,23 +95,6 @@ fn check_kvm() -> Result<(), KvmUnusable> {
         }
         Ok(())
     }
-}
-
-/// The kernel command line of a KVM guest.
-pub fn kernel_cmdline(spec: &VmSpec) -> String {
-    let mut words = vec![
-        "console=ttyS0".to_string(),
-        "reboot=k".into(),
-        "panic=-1".into(),
-        "quiet".into(),
-        "i8042.noaux".into(),
-        "i8042.nomux".into(),
-        "i8042.dumbkbd".into(),
-        format!("sandbox.memory_mib={}", spec.memory_mib),
-        format!("sandbox.channel=vsock:{AGENT_PORT}"),
-    ];
-    words.extend(spec.cmdline.iter().cloned());
-    words.join(" ")
 }
 
 #[async_trait]

@@ -10,7 +10,7 @@ use sandbox_devices::virtio::vsock::ConnectError;
 use sandbox_vm::machine::{DiskConfig, Machine, MachineConfig, MachineExit};
 use tokio::sync::{oneshot, watch};
 
-use super::backend::{AGENT_PORT, GUEST_CID, kernel_cmdline};
+use super::guest::{AGENT_PORT, GUEST_CID, kernel_cmdline};
 use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
 use crate::supervised::{EXIT_CONSOLE_LINES, remove_state_dir, unknown_exit};
 

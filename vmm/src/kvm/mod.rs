@@ -5,9 +5,11 @@
 
 pub mod backend;
 mod control;
+pub mod guest;
 #[cfg(feature = "in-process")]
 mod in_process;
 mod judge;
 pub mod process;
 
 pub use backend::{KvmBackend, KvmUnusable};
+pub use guest::AGENT_PORT;
