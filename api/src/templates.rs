@@ -19,16 +19,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sandbox_vmm::{Backend, Image, SnapshotFiles};
-
-use crate::state::AppState;
+use sandbox_vmm::SnapshotFiles;
 
 /// The most templates kept; the least recently used goes first.
 const MAX_TEMPLATES: usize = 8;
 /// After a failed build, the same shape is not tried again for this long.
 const RETRY_AFTER: Duration = Duration::from_secs(600);
-/// A template's boot has the bound of a sandbox's.
-const BUILD_BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// What makes two sandboxes restorable from one snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -45,7 +41,7 @@ pub struct Shape {
 
 impl Shape {
     /// A short stable name for files and logs.
-    fn name(&self) -> String {
+    pub fn name(&self) -> String {
         // FNV-1a, as for guest MACs: stable across runs, unlike std's hasher.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let text = format!(
@@ -72,7 +68,7 @@ pub struct Template {
     /// a link of its own, so no two guests share a network).
     pub mac: [u8; 6],
     /// Its directory.
-    dir: PathBuf,
+    pub dir: PathBuf,
 }
 
 impl Drop for Template {
@@ -142,57 +138,53 @@ impl Templates {
         }
     }
 
-    /// Starts building the template of `shape` in the background unless it exists, is being
-    /// built, or failed recently.
-    pub fn ensure(&self, state: &AppState, backend: Arc<dyn Backend>, image: Image, shape: Shape) {
-        {
-            let mut slots = self.slots();
-            slots.retain(|_, s| !matches!(s, Slot::Failed { at } if at.elapsed() >= RETRY_AFTER));
-            match slots.get(&shape) {
-                Some(Slot::Building | Slot::Ready { .. } | Slot::Failed { .. }) => return,
-                None => {}
-            }
-            // One build at a time: each is a VM booting beside the sandboxes. A shape that
-            // finds another building boots cold and asks again at its next create.
-            if slots.values().any(|s| matches!(s, Slot::Building)) {
-                return;
-            }
-            slots.insert(shape.clone(), Slot::Building);
+    /// Claims the build of `shape`'s template unless it exists, is being built, or failed
+    /// recently; returns the directory the build is to use. One build at a time: each is a VM
+    /// booting beside the sandboxes, and a shape that finds another building boots cold and
+    /// asks again at its next create.
+    pub fn start_build(&self, shape: &Shape) -> Option<PathBuf> {
+        let mut slots = self.slots();
+        slots.retain(|_, s| !matches!(s, Slot::Failed { at } if at.elapsed() >= RETRY_AFTER));
+        if slots.contains_key(shape) || slots.values().any(|s| matches!(s, Slot::Building)) {
+            return None;
         }
-        let state = state.clone();
+        slots.insert(shape.clone(), Slot::Building);
         let n = self
             .builds
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = self.dir.join(format!("{}-{n}", shape.name()));
-        tokio::spawn(async move {
-            let t0 = Instant::now();
-            let built = build(&state, backend.as_ref(), &image, &shape, dir).await;
-            let Some(templates) = state.templates() else {
-                return;
-            };
-            let mut slots = templates.slots();
-            let mut dropped = Vec::new();
-            match built {
-                Ok(template) => {
-                    tracing::info!(template = %shape.name(), image = %image.name, memory_mib = shape.memory_mib, vcpus = shape.vcpus, build_ms = t0.elapsed().as_millis() as u64, "Template ready: sandboxes of this shape are restored from it");
-                    slots.insert(
-                        shape,
-                        Slot::Ready {
-                            template: Arc::new(template),
-                            used: Instant::now(),
-                        },
-                    );
-                    dropped = evict(&mut slots);
-                }
-                Err(why) => {
-                    tracing::warn!(template = %shape.name(), image = %image.name, why, "a template could not be built; sandboxes of this shape boot cold");
-                    slots.insert(shape, Slot::Failed { at: Instant::now() });
-                }
+        Some(self.dir.join(format!("{}-{n}", shape.name())))
+    }
+
+    /// Records how the build of `shape`'s template (begun at `t0`, of image `image`) ended.
+    pub fn finish_build(
+        &self,
+        shape: Shape,
+        image: &str,
+        t0: Instant,
+        built: Result<Template, String>,
+    ) {
+        let mut slots = self.slots();
+        let mut dropped = Vec::new();
+        match built {
+            Ok(template) => {
+                tracing::info!(template = %shape.name(), image, memory_mib = shape.memory_mib, vcpus = shape.vcpus, build_ms = t0.elapsed().as_millis() as u64, "Template ready: sandboxes of this shape are restored from it");
+                slots.insert(
+                    shape,
+                    Slot::Ready {
+                        template: Arc::new(template),
+                        used: Instant::now(),
+                    },
+                );
+                dropped = evict(&mut slots);
             }
-            // Evicted templates' files go outside the lock.
-            drop(slots);
-            drop(dropped);
-        });
+            Err(why) => {
+                tracing::warn!(template = %shape.name(), image, why, "a template could not be built; sandboxes of this shape boot cold");
+                slots.insert(shape, Slot::Failed { at: Instant::now() });
+            }
+        }
+        // Evicted templates' files go outside the lock.
+        drop(slots);
+        drop(dropped);
     }
 
     /// How many templates are ready, for `/metrics`.
@@ -227,89 +219,4 @@ fn evict(slots: &mut HashMap<Shape, Slot>) -> Vec<Slot> {
         };
         out.extend(slots.remove(&oldest));
     }
-}
-
-/// Boots the template VM, snapshots it paused, keeps its sandbox disk, and stops it.
-async fn build(
-    state: &AppState,
-    backend: &dyn Backend,
-    image: &Image,
-    shape: &Shape,
-    dir: PathBuf,
-) -> Result<Template, String> {
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let fail = |why: String| {
-        let _ = std::fs::remove_dir_all(&dir);
-        why
-    };
-    // It holds memory and a VM like a sandbox while it boots. Its egress allows nothing, so no
-    // connection of its guest is ever admitted: no egress memory to count, only its network
-    // process's own.
-    let reservation = state
-        .capacity()
-        .reserve(
-            u64::from(shape.memory_mib),
-            crate::netproc::ALLOWANCE_MIB,
-            shape.disk_mib.unwrap_or(0),
-        )
-        .map_err(|why| fail(format!("no room for the template's VM: {why}")))?;
-    let files = SnapshotFiles {
-        state: dir.join("snapshot.state"),
-        memory: dir.join("snapshot.mem"),
-        disk: shape.disk_mib.map(|_| dir.join("sandbox-disk.ext4")),
-        take_disk: false,
-    };
-    for p in [&files.state, &files.memory] {
-        std::fs::File::create(p).map_err(|e| fail(format!("creating {}: {e}", p.display())))?;
-    }
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let mut spec = image.vm_spec(
-        name.clone(),
-        shape.memory_mib,
-        shape.vcpus,
-        shape.disk_mib.unwrap_or(0),
-        dir.join("vm"),
-    );
-    spec.snapshot_to = Some(files.clone());
-    // A network device as every sandbox has, on an egress that allows nothing: the template's
-    // guest never reaches anything, and a clone's device gets its run's egress.
-    let egress = crate::egress::start(&name, &Default::default(), state.config(), None)
-        .await
-        .map_err(|e| fail(format!("the template's egress: {e}")))?;
-    let mac = egress.attachment.mac;
-    spec.net = Some(egress.attachment);
-    let sandbox =
-        sandbox_vmm::boot_watched(backend, spec, BUILD_BOOT_TIMEOUT, state.config().liveness())
-            .await
-            .map_err(|e| fail(format!("the template's VM did not boot: {e}")))?;
-    let snapshot = sandbox.snapshot(false).await;
-    // Paused: the guest does not touch its disk while it is copied.
-    let disk = match (&snapshot, &files.disk) {
-        (Ok(_), Some(to)) => {
-            let (from, to) = (dir.join("vm").join("sandbox-disk.ext4"), to.clone());
-            tokio::task::spawn_blocking(move || {
-                sandbox_vmm::scratch::copy_sparse(&from, &to).map_err(|e| e.to_string())
-            })
-            .await
-            .unwrap_or_else(|e| Err(format!("the copy's task failed: {e}")))
-        }
-        _ => Ok(0),
-    };
-    sandbox.stop().await;
-    drop(egress.net);
-    drop(reservation);
-    let done = snapshot.map_err(|e| fail(format!("the template's snapshot: {e}")))?;
-    disk.map_err(|e| fail(format!("keeping the template's disk: {e}")))?;
-    tracing::debug!(
-        template = %name,
-        memory_written = done.memory_written,
-        pause_us = done.pause_us,
-        write_us = done.write_us,
-        "template snapshot written"
-    );
-    Ok(Template { files, mac, dir })
 }

@@ -8,6 +8,7 @@
 
 pub mod addr;
 mod conn;
+mod context;
 pub mod decide;
 pub mod dns;
 pub mod echo;

@@ -17,11 +17,11 @@ pub(crate) const CHUNK: usize = 16 * 1024;
 /// Chunks a connection's channel holds: with [`CHUNK`], 64 KiB in flight each way.
 pub(crate) const CHUNKS: usize = 4;
 
-/// The default budget when the meter holds bodies of up to [`crate::intercept::DEFAULT_BODY_MAX`]:
+/// The default budget when the meter holds bodies of up to [`crate::intercept::interception::DEFAULT_BODY_MAX`]:
 /// two such bodies at once (what the meter held before there was one budget) and 32 MiB for
 /// connections, which is some 20 intercepted requests in flight at their worst case or 90
 /// spliced connections; a run of npm or pip opens a few dozen at most.
-pub const DEFAULT_MEMORY: usize = 2 * crate::intercept::DEFAULT_BODY_MAX + (32 << 20);
+pub const DEFAULT_MEMORY: usize = 2 * crate::intercept::interception::DEFAULT_BODY_MAX + (32 << 20);
 
 /// A TLS session's buffers at most: rustls' received plaintext (16 KiB) and sendable plaintext
 /// (64 KiB) limits, a record being read and one being written.
@@ -169,7 +169,7 @@ mod tests {
     fn the_default_admits_the_connections_a_build_opens() {
         let spliced = socket_cost(64 << 10) + TASK_COST;
         let intercepted = spliced + HTTP_COST + UPSTREAM_COST + REQUEST_COST;
-        let connections = DEFAULT_MEMORY - 2 * crate::intercept::DEFAULT_BODY_MAX;
+        let connections = DEFAULT_MEMORY - 2 * crate::intercept::interception::DEFAULT_BODY_MAX;
         assert!(connections / spliced >= 64, "{}", connections / spliced);
         assert!(
             connections / intercepted >= 16,

@@ -480,7 +480,7 @@ fn credential_headers(env: &str, given: &[String]) -> Result<Vec<String>, Secret
             return Err(bad(h, "it is not an HTTP header name"));
         }
         if name.starts_with(':')
-            || crate::intercept::HOP.contains(&name.as_str())
+            || crate::sniff::http::HOP.contains(&name.as_str())
             || SET_BY_THE_PROXY.contains(&name.as_str())
         {
             return Err(bad(h, "the proxy sets or removes that header itself"));

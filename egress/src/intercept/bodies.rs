@@ -23,6 +23,10 @@ use crate::request_body::Replay;
 use crate::secrets::LeakScanner;
 use crate::stats::{Call, Stats};
 
+/// What the proxy's bodies are, both ways: boxed, their errors too.
+pub(super) type ProxyBody =
+    http_body_util::combinators::BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
 /// Whether any `Content-Encoding` is other than identity, or any `Transfer-Encoding` other than
 /// chunked (every header, every item of a list): a body the scan and the meter cannot read.
 pub(super) fn content_encoded(headers: &HeaderMap) -> bool {

@@ -8,10 +8,10 @@ use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Request, Response};
 
-use super::bodies::{MeteredBody, Pending, ScannedBody, content_encoded, mask_headers};
+use super::bodies::{MeteredBody, Pending, ProxyBody, ScannedBody, content_encoded, mask_headers};
 use super::credentials::contains;
 use super::pool::Sender;
-use super::{HOP, Proxy, ProxyBody, bad_gateway, refuse};
+use super::{Proxy, bad_gateway, refuse};
 use crate::echo::EchoScanner;
 use crate::idle::Idle;
 use crate::memory::{self, Hold};
@@ -21,6 +21,7 @@ use crate::policy::normalize;
 use crate::refusal::Reason;
 use crate::request_body::{self, BodyError, GuestBody, Read, Replay};
 use crate::secrets::LeakScanner;
+use crate::sniff::http::HOP;
 use crate::sniff::http::split_authority;
 
 /// Why a request goes no further.

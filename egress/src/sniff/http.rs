@@ -119,6 +119,17 @@ pub fn split_authority(authority: &str) -> Option<(&str, Option<u16>)> {
     }
 }
 
+/// Headers that belong to one hop and never pass (nor carry a secret).
+pub(crate) const HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;

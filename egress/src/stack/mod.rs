@@ -17,7 +17,8 @@ use smoltcp::wire::{
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use crate::conn::{self, Context, Ctl, Io};
+use crate::conn::{self, Ctl, Io};
+use crate::context::Context;
 use crate::gate::{Gate, Verdict};
 use crate::link::{self, GuestEnd, StackEnd};
 use crate::memory::{CHUNK, CHUNKS};
