@@ -7,13 +7,13 @@
 //! memory; the service links it only for the benchmarks' in-process machine.
 
 pub mod boot;
-pub mod child;
 pub mod cpu;
 mod gate;
 pub mod layout;
 pub mod machine;
 pub mod mptable;
 pub mod net;
+pub mod program;
 pub mod saved;
 pub mod seal;
 pub mod serial;

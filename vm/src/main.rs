@@ -3,7 +3,7 @@
 
 #[cfg(target_os = "linux")]
 fn main() {
-    std::process::exit(sandbox_vm::child::main());
+    std::process::exit(sandbox_vm::program::main());
 }
 
 /// The KVM backend is Linux's: elsewhere the service runs VMs on QEMU and never starts this.

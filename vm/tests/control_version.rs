@@ -23,7 +23,7 @@ fn start_speaking(version: u32) -> (Option<Event>, Option<i32>) {
     // this process owns.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(fd, sandbox_vm::child::CONTROL_FD) < 0 {
+            if libc::dup2(fd, sandbox_vm::program::CONTROL_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
