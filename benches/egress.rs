@@ -749,9 +749,17 @@ struct Side {
     cpu: f64,
 }
 
+/// The scanned side against the open one, download pair by download pair (each pair run one
+/// right after the other, so a drift of the machine's speed falls on both): the sorted ratios of
+/// wall time and of processor time.
+struct Pairs {
+    time: Vec<f64>,
+    cpu: Vec<f64>,
+}
+
 /// Model output downloaded over intercepted TLS, `len` bytes `n` times, in a sandbox whose
 /// every response is scanned for three secrets, against one with none, interleaved.
-fn intercepted_downloads(len: usize, n: usize) -> (Side, Side) {
+fn intercepted_downloads(len: usize, n: usize) -> (Side, Side, Pairs) {
     use sandbox_egress::secrets::Secret;
     let rt = runtime();
     let (port, server_ca) = https_server(&rt, &["intercepted.test"]);
@@ -808,6 +816,15 @@ fn intercepted_downloads(len: usize, n: usize) -> (Side, Side) {
         v[v.len() / 2]
     };
     let [mut open, mut scanned] = runs;
+    let sorted = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v
+    };
+    // Time is inverse to Gbit/s: the scanned download's time over the open one's.
+    let pairs = Pairs {
+        time: sorted(open.0.iter().zip(&scanned.0).map(|(o, s)| o / s).collect()),
+        cpu: sorted(scanned.1.iter().zip(&open.1).map(|(s, o)| s / o).collect()),
+    };
     (
         Side {
             gbit: median(&mut open.0),
@@ -817,6 +834,7 @@ fn intercepted_downloads(len: usize, n: usize) -> (Side, Side) {
             gbit: median(&mut scanned.0),
             cpu: median(&mut scanned.1),
         },
+        pairs,
     )
 }
 
@@ -1030,7 +1048,7 @@ fn scan_share(mib: usize) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
-    let (open, scanned) = intercepted_downloads(len, n);
+    let (open, scanned, pairs) = intercepted_downloads(len, n);
     println!(
         "model output over intercepted TLS, {} MiB per download (median of {n}, interleaved)",
         len >> 20
@@ -1050,6 +1068,18 @@ fn scan_share(mib: usize) {
         100.0 * (open.gbit / scanned.gbit - 1.0),
         scanned.cpu * 1e3,
         100.0 * (scanned.cpu / open.cpu - 1.0)
+    );
+    let pct = |v: &[f64], i: usize| 100.0 * (v[i] - 1.0);
+    let (lo, mid, hi) = (0, pairs.time.len() / 2, pairs.time.len() - 1);
+    println!(
+        "\nthe scan's cost pair by pair ({n} pairs): time added median {:.1} % (min {:.1}, max {:.1}); \
+         processor time added median {:.1} % (min {:.1}, max {:.1})",
+        pct(&pairs.time, mid),
+        pct(&pairs.time, lo),
+        pct(&pairs.time, hi),
+        pct(&pairs.cpu, mid),
+        pct(&pairs.cpu, lo),
+        pct(&pairs.cpu, hi),
     );
 }
 
