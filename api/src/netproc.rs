@@ -141,6 +141,7 @@ impl NetProcess {
                 outputs: vec![],
                 state_dir: None,
                 reap_within: REAP_TIMEOUT,
+                line: std::convert::identity,
             },
             Box::new(NetEnd),
         )
@@ -149,6 +150,10 @@ impl NetProcess {
         // the host's staging directory has done its part, so nothing is left for a crash.
         let _ = std::fs::remove_dir_all(&staging);
         let process = process.map_err(|e| {
+            let e = match e {
+                sandbox_vmm::VmError::Start(why) => why,
+                e => e.to_string(),
+            };
             NetProcessError::Internal(format!("the sandbox's network process: {e}"))
         })?;
         let log_id = id.to_string();
@@ -226,9 +231,14 @@ impl NetProcess {
         self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Ends it (its sandbox is disposed of; dropping the last reference does the same).
+    /// Ends it for breaking the dialer's protocol: its end is not one the service asked for.
     pub fn kill(&self) {
         self.process.signal(libc::SIGKILL);
+    }
+
+    /// Ends it because its sandbox is disposed of (dropping the last reference does the same).
+    pub fn end(&self) {
+        self.process.end();
     }
 
     /// Its report, from an async context.

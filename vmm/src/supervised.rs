@@ -62,6 +62,9 @@ pub struct Spawn {
     pub state_dir: Option<PathBuf>,
     /// The longest a reap waits after SIGKILL before the process is declared left behind.
     pub reap_within: Duration,
+    /// What each console line becomes before anyone reads it (a bound and printable text for
+    /// a process a guest may have taken over); [`std::convert::identity`] keeps it.
+    pub line: fn(String) -> String,
 }
 
 /// A running (or ended) supervised process.
@@ -77,6 +80,7 @@ pub struct Supervised {
     kill_reason: Arc<Mutex<Option<String>>>,
     state_dir: Option<PathBuf>,
     reap_within: Duration,
+    line: fn(String) -> String,
 }
 
 impl Supervised {
@@ -89,6 +93,7 @@ impl Supervised {
             outputs,
             state_dir,
             reap_within,
+            line,
         } = s;
         let program = cmd.program.clone().unwrap_or_default();
         let limits = cmd.limits;
@@ -120,6 +125,7 @@ impl Supervised {
             kill_reason: Arc::default(),
             state_dir,
             reap_within,
+            line,
         };
         tokio::spawn(watch_end(
             me.jailed.clone(),
@@ -225,12 +231,23 @@ impl Supervised {
         exit
     }
 
-    /// The last `n` lines of its console.
+    /// The last `n` lines of its console, each as the spawn's `line` makes it.
     pub fn console_tail(&self, n: usize) -> Vec<String> {
         self.console
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .tail(n)
+            .into_iter()
+            .map(self.line)
+            .collect()
+    }
+
+    /// Ends it as the host asked, without waiting: SIGKILL, and its end counts as requested.
+    pub fn end(&self) {
+        if self.exit().is_none() {
+            self.stop_requested.store(true, Ordering::SeqCst);
+            self.signal(libc::SIGKILL);
+        }
     }
 
     fn remove_state_dir(&self) {

@@ -138,6 +138,20 @@ impl Plan {
     }
 }
 
+/// The host's backend, or why no sandbox can start here (checked before anything of a request
+/// is: a host that cannot start one says so first).
+pub fn backend(state: &AppState) -> Result<Arc<dyn Backend>, ApiError> {
+    state.backend().cloned().ok_or_else(|| {
+        ApiError::Unavailable(
+            state
+                .availability()
+                .reason
+                .clone()
+                .unwrap_or_else(|| "no backend".into()),
+        )
+    })
+}
+
 /// A sandbox that runs, and how it came to.
 pub struct Created {
     /// Its registry entry.
@@ -149,15 +163,11 @@ pub struct Created {
 /// Makes the sandbox `plan` describes, on the host's backend: admitted, started (from a
 /// template of its shape when there is one; a template that fails is discarded and the sandbox
 /// boots cold), registered and watched. On failure nothing of it is left.
-pub async fn create(state: &AppState, plan: Plan) -> Result<Created, ApiError> {
-    let Some(backend) = state.backend().cloned() else {
-        let reason = state
-            .availability()
-            .reason
-            .clone()
-            .unwrap_or_else(|| "no backend".into());
-        return Err(ApiError::Unavailable(reason));
-    };
+pub async fn create(
+    state: &AppState,
+    backend: Arc<dyn Backend>,
+    plan: Plan,
+) -> Result<Created, ApiError> {
     let mut spec = plan.vm_spec(state);
     // Admission: the sandbox's share of the host's budgets, held until it is gone.
     let reservation = state
@@ -379,7 +389,7 @@ pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) 
     state.metrics().disposed(why);
     if let Some(net) = &entry.net {
         let report = crate::egress::report(net).await;
-        net.kill();
+        net.end();
         state.metrics().retire_egress(
             &crate::egress::refusal_counts(&report),
             &crate::egress::unmetered_counts(&report),

@@ -137,6 +137,7 @@ async fn create(
     ApiJson(req): ApiJson<CreateRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     validate(&req)?;
+    let backend = lifecycle::backend(&state)?;
     let plan = lifecycle::Plan::new(
         &state,
         lifecycle::Asked {
@@ -151,7 +152,7 @@ async fn create(
             egress: req.egress,
         },
     )?;
-    let lifecycle::Created { entry, restored } = lifecycle::create(&state, plan).await?;
+    let lifecycle::Created { entry, restored } = lifecycle::create(&state, backend, plan).await?;
     let started_from = if restored { "template" } else { "boot" };
     let boot_ms = entry.sandbox().boot_time.as_millis() as u64;
     tracing::info!(

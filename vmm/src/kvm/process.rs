@@ -98,6 +98,7 @@ async fn start_program(
             outputs: vec![(d.console, ""), (d.log, "sandbox-vm: ")],
             state_dir: Some(spec.state_dir.clone()),
             reap_within: STOP_TIMEOUT,
+            line: told,
         },
         Box::new(ProcessEnd {
             control: control.clone(),

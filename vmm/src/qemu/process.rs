@@ -126,6 +126,7 @@ pub async fn spawn(
             outputs: vec![(ends.out, ""), (ends.err, "qemu: ")],
             state_dir: Some(spec.state_dir.clone()),
             reap_within: REAP_TIMEOUT,
+            line: std::convert::identity,
         },
         Box::new(QemuEnd),
     )
