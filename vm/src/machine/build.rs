@@ -1,8 +1,9 @@
-//! The steps that build a machine, in the order [`Machine::start_held`] takes them: open KVM and
-//! create the VM with its in-kernel devices, check a snapshot to restore against this host and
-//! machine, give the guest its memory, attach the virtio devices, load the kernel or hand KVM
-//! the saved state, make the console, create the vCPUs; then start the device thread, the vCPU
-//! threads and the supervisor.
+//! The steps that build a machine, in the order [`Machine::boot`] and [`Machine::restore`] take
+//! them: open KVM and create the VM with its in-kernel devices, (for a restore: check the
+//! snapshot against this host and machine,) give the guest its memory (fresh, or the snapshot's
+//! mapped privately), attach the virtio devices, load the kernel (or hand KVM the saved state),
+//! make the console, create the vCPUs (at the kernel's entry, or as they were saved); then, the
+//! same for both, start the device thread, the vCPU threads and the supervisor.
 
 use super::*;
 
@@ -58,41 +59,44 @@ fn device_count(cfg: &MachineConfig) -> usize {
     1 + cfg.disks.len() + usize::from(cfg.net.is_some())
 }
 
-/// The snapshot to restore, if any, once it was taken on this kind of host for this machine.
-pub(super) fn checked_restore<'c>(
-    cfg: &'c MachineConfig,
+/// Whether `r` was taken on this kind of host, of this machine: checked before anything of it
+/// reaches KVM.
+pub(super) fn check_snapshot(
+    cfg: &MachineConfig,
+    r: &Restore,
     kvm: &Kvm,
-) -> Result<Option<&'c Restore>, MachineError> {
-    let Some(r) = &cfg.restore else {
-        return Ok(None);
-    };
+) -> Result<(), MachineError> {
     r.state.check_host(&snapshot::HostId::here(kvm))?;
     r.state.check_fits(&snapshot::Expect {
         memory_mib: cfg.memory_mib,
         vcpus: cfg.vcpus,
         devices: device_count(cfg),
     })?;
-    Ok(Some(r))
+    Ok(())
 }
 
-/// Guest memory, registered with the VM: the snapshot's memory file mapped privately, or fresh
-/// anonymous memory.
-pub(super) fn guest_memory(
+/// Fresh guest memory, registered with the VM.
+pub(super) fn fresh_memory(
     vm: &VmFd,
     cfg: &MachineConfig,
-    restore: Option<&Restore>,
 ) -> Result<GuestMemoryMmap, MachineError> {
-    let mem_bytes = u64::from(cfg.memory_mib) << 20;
-    let mem = match restore {
-        Some(r) => {
-            let file = r.memory.open(false).map_err(io_err(format!(
-                "opening the snapshot's memory file {}",
-                r.memory
-            )))?;
-            snapshot::map_memory(&file, mem_bytes)?
-        }
-        None => anonymous_memory(mem_bytes)?,
-    };
+    let mem = anonymous_memory(u64::from(cfg.memory_mib) << 20)?;
+    register_memory(vm, &mem)?;
+    Ok(mem)
+}
+
+/// The snapshot's guest memory, its file mapped privately (the guest's writes never reach it),
+/// registered with the VM.
+pub(super) fn snapshot_memory(
+    vm: &VmFd,
+    cfg: &MachineConfig,
+    r: &Restore,
+) -> Result<GuestMemoryMmap, MachineError> {
+    let file = r.memory.open(false).map_err(io_err(format!(
+        "opening the snapshot's memory file {}",
+        r.memory
+    )))?;
+    let mem = snapshot::map_memory(&file, u64::from(cfg.memory_mib) << 20)?;
     register_memory(vm, &mem)?;
     Ok(mem)
 }
@@ -142,28 +146,31 @@ pub(super) fn attach_devices(
     })
 }
 
-/// A booted guest's kernel loaded (its entry point), or a restored guest's VM-wide state and
-/// devices handed back: a restored guest is already past its boot, so no kernel is loaded (the
-/// irqchip first: the devices' restore may raise interrupts).
-pub(super) fn load_or_restore(
-    vm: &VmFd,
+/// The guest's kernel loaded, with its initramfs, command line and MP table: its entry point.
+pub(super) fn load_kernel(
     mem: &GuestMemoryMmap,
     cfg: &MachineConfig,
-    restore: Option<&Restore>,
     devices: &Devices,
-) -> Result<Option<vm_memory::GuestAddress>, MachineError> {
-    let Some(r) = restore else {
-        let mem_bytes = u64::from(cfg.memory_mib) << 20;
-        let entry = boot::load(
-            mem,
-            mem_bytes,
-            &cfg.kernel,
-            cfg.initrd.as_ref(),
-            &devices.cmdline,
-        )?;
-        mptable::write(mem, cfg.vcpus)?;
-        return Ok(Some(entry));
-    };
+) -> Result<vm_memory::GuestAddress, MachineError> {
+    let entry = boot::load(
+        mem,
+        u64::from(cfg.memory_mib) << 20,
+        &cfg.kernel,
+        cfg.initrd.as_ref(),
+        &devices.cmdline,
+    )?;
+    mptable::write(mem, cfg.vcpus)?;
+    Ok(entry)
+}
+
+/// A restored guest's VM-wide state and devices handed back: it is past its boot, so no kernel
+/// is loaded (the irqchip first: the devices' restore may raise interrupts).
+pub(super) fn restore_state(
+    vm: &VmFd,
+    mem: &GuestMemoryMmap,
+    r: &Restore,
+    devices: &Devices,
+) -> Result<(), MachineError> {
     let clock = snapshot::restored_clock(&r.state, mem);
     restoring(|| snapshot::restore_vm(vm, &r.state.vm, clock))?;
     for (index, ((device, _, _), saved)) in devices.list.iter().zip(&r.state.devices).enumerate() {
@@ -173,20 +180,21 @@ pub(super) fn load_or_restore(
             .restore(saved)
             .map_err(|source| MachineError::DeviceState { index, source })?;
     }
-    Ok(None)
+    Ok(())
 }
 
-/// The serial console on COM1 (its interrupt through an irqfd), fresh or as the snapshot had it.
+/// The serial console on COM1, its interrupt through an irqfd: fresh, or as the snapshot `r`
+/// had it.
 pub(super) fn console(
     vm: &VmFd,
     cfg: &MachineConfig,
-    restore: Option<&Restore>,
+    r: Option<&Restore>,
     log: Arc<Mutex<ConsoleLog>>,
 ) -> Result<Arc<Mutex<serial::Console>>, MachineError> {
     let irq = EventFd::new(EFD_NONBLOCK).map_err(io_err("eventfd"))?;
     vm.register_irqfd(&irq, serial::COM1_IRQ)
         .map_err(kvm_err("KVM_IRQFD (serial)"))?;
-    let console = match restore {
+    let console = match r {
         None => serial::console(irq, log, cfg.console.clone()),
         Some(r) => serial::restored(&r.state.serial, irq, log, cfg.console.clone())
             .map_err(|e| MachineError::Snapshot(snapshot::SnapshotError::Format(e)))?,
@@ -194,44 +202,57 @@ pub(super) fn console(
     Ok(Arc::new(Mutex::new(console)))
 }
 
-/// The vCPUs: set up at the kernel's entry, or given their CPUID and then their saved state; and
-/// the host's MSR list, without which no snapshot can be taken (each says so) and none restored
-/// (a booted machine runs anyway).
-pub(super) fn create_vcpus(
+/// A booted machine's vCPUs, each set up at the kernel's `entry`; and the host's MSR list,
+/// without which no snapshot can be taken (each says so; the machine runs anyway).
+pub(super) fn boot_vcpus(
     kvm: &Kvm,
     vm: &VmFd,
     cfg: &MachineConfig,
-    restore: Option<&Restore>,
-    boot_entry: Option<vm_memory::GuestAddress>,
+    entry: vm_memory::GuestAddress,
 ) -> Result<(Vec<VcpuFd>, Option<Vec<u32>>), MachineError> {
     let msr_list = snapshot::msr_list(kvm);
     let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
     for id in 0..cfg.vcpus {
-        let vcpu = vm
-            .create_vcpu(u64::from(id))
-            .map_err(kvm_err("KVM_CREATE_VCPU"))?;
-        if restore.is_some() {
-            cpu::set_cpuid(kvm, &vcpu, id, cfg.vcpus)?;
-        } else if let Some(entry) = boot_entry {
-            cpu::setup(kvm, &vcpu, id, cfg.vcpus, entry)?;
-        }
+        let vcpu = create_vcpu(vm, id)?;
+        cpu::setup(kvm, &vcpu, id, cfg.vcpus, entry)?;
         vcpus.push(vcpu);
     }
-    if let Some(r) = restore {
-        let supported = msr_list
-            .as_ref()
-            .map_err(|e| snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}")))?;
-        restoring(|| {
-            for (id, vcpu) in vcpus.iter().enumerate() {
-                let saved = r.state.vcpus.get(id).ok_or_else(|| {
-                    snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
-                })?;
-                snapshot::restore_vcpu(vcpu, id, saved, supported)?;
-            }
-            Ok(())
-        })?;
-    }
     Ok((vcpus, msr_list.ok()))
+}
+
+/// A restored machine's vCPUs, each given its CPUID and then the state `r` saved of it; the
+/// host's MSR list is needed to restore them.
+pub(super) fn restored_vcpus(
+    kvm: &Kvm,
+    vm: &VmFd,
+    cfg: &MachineConfig,
+    r: &Restore,
+) -> Result<(Vec<VcpuFd>, Option<Vec<u32>>), MachineError> {
+    let msr_list = snapshot::msr_list(kvm);
+    let mut vcpus = Vec::with_capacity(usize::from(cfg.vcpus));
+    for id in 0..cfg.vcpus {
+        let vcpu = create_vcpu(vm, id)?;
+        cpu::set_cpuid(kvm, &vcpu, id, cfg.vcpus)?;
+        vcpus.push(vcpu);
+    }
+    let supported = msr_list
+        .as_ref()
+        .map_err(|e| snapshot::SnapshotError::Mismatch(format!("this host's MSR list: {e}")))?;
+    restoring(|| {
+        for (id, vcpu) in vcpus.iter().enumerate() {
+            let saved = r.state.vcpus.get(id).ok_or_else(|| {
+                snapshot::SnapshotError::Mismatch(format!("no state for vCPU {id}"))
+            })?;
+            snapshot::restore_vcpu(vcpu, id, saved, supported)?;
+        }
+        Ok(())
+    })?;
+    Ok((vcpus, msr_list.ok()))
+}
+
+fn create_vcpu(vm: &VmFd, id: u8) -> Result<VcpuFd, MachineError> {
+    vm.create_vcpu(u64::from(id))
+        .map_err(kvm_err("KVM_CREATE_VCPU"))
 }
 
 /// The device thread: the virtio devices' event loop (and their parking for a pause), sealed

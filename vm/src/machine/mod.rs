@@ -56,6 +56,20 @@ pub use sandbox_control::vm::STOP_TIMEOUT;
 const KICK_FAST: Duration = Duration::from_millis(5);
 const KICK_SLOW: Duration = Duration::from_secs(1);
 
+/// A machine built, before its threads start: what [`Machine::boot`] and [`Machine::restore`]
+/// hand to the shared rest.
+struct Built {
+    t0: Instant,
+    kvm: Kvm,
+    vm: VmFd,
+    mem: GuestMemoryMmap,
+    devices: build::Devices,
+    log: Arc<Mutex<ConsoleLog>>,
+    console: Arc<Mutex<serial::Console>>,
+    vcpus: Vec<VcpuFd>,
+    msr_list: Option<Vec<u32>>,
+}
+
 /// What [`Machine::snapshot`] wrote.
 #[derive(Debug, Clone, Copy)]
 pub struct SnapshotStats {
@@ -326,29 +340,98 @@ impl Machine {
 
     /// [`Machine::start`] with the guest held: its vCPUs wait, each sealed, until the caller
     /// has sealed its own thread and calls [`Machine::release`] (the VM process's main thread),
-    /// and the machine's device and supervisor threads have sealed theirs.
+    /// and the machine's device and supervisor threads have sealed theirs. A machine whose
+    /// configuration names a snapshot is restored from it, any other booted.
     pub fn start_held(
         cfg: &MachineConfig,
         on_exit: Option<OnExit>,
     ) -> Result<Machine, MachineError> {
-        let t0 = Instant::now();
         if cfg.vcpus == 0 {
             return Err(MachineError::Cpu(cpu::CpuError::zero()));
         }
-        // The VM and what is in it, in the order KVM needs: the in-kernel devices, memory, the
-        // virtio devices, the guest's kernel or its restored state, the console, the vCPUs.
+        match &cfg.restore {
+            None => Machine::boot(cfg, on_exit),
+            Some(r) => Machine::restore(cfg, r, on_exit),
+        }
+    }
+
+    /// A fresh machine: its memory, its devices, its kernel loaded, its console, its vCPUs at the
+    /// kernel's entry; in the order KVM needs (the in-kernel devices before the memory).
+    fn boot(cfg: &MachineConfig, on_exit: Option<OnExit>) -> Result<Machine, MachineError> {
+        let t0 = Instant::now();
         let kvm = build::open_kvm(cfg)?;
         let vm = build::create_vm(&kvm)?;
-        let restore = build::checked_restore(cfg, &kvm)?;
-        let mem = build::guest_memory(&vm, cfg, restore)?;
+        let mem = build::fresh_memory(&vm, cfg)?;
         let devices = build::attach_devices(&vm, &mem, cfg)?;
-        let boot_entry = build::load_or_restore(&vm, &mem, cfg, restore, &devices)?;
+        let entry = build::load_kernel(&mem, cfg, &devices)?;
         let log = Arc::new(Mutex::new(ConsoleLog::default()));
-        let console = build::console(&vm, cfg, restore, log.clone())?;
-        let (vcpus, msr_list) = build::create_vcpus(&kvm, &vm, cfg, restore, boot_entry)?;
+        let console = build::console(&vm, cfg, None, log.clone())?;
+        let (vcpus, msr_list) = build::boot_vcpus(&kvm, &vm, cfg, entry)?;
+        let parts = Built {
+            t0,
+            kvm,
+            vm,
+            mem,
+            devices,
+            log,
+            console,
+            vcpus,
+            msr_list,
+        };
+        Machine::run(cfg, parts, on_exit)
+    }
 
-        // Its threads: each seals itself before anything the guest can reach, and the vCPUs
-        // wait at the gate for the device thread, the supervisor and the caller's release.
+    /// A machine restored from the snapshot `r`, once it is known to be of this host and this
+    /// machine: its memory mapped from the snapshot, its devices and VM-wide state handed back,
+    /// its console and vCPUs as they were saved.
+    fn restore(
+        cfg: &MachineConfig,
+        r: &Restore,
+        on_exit: Option<OnExit>,
+    ) -> Result<Machine, MachineError> {
+        let t0 = Instant::now();
+        let kvm = build::open_kvm(cfg)?;
+        let vm = build::create_vm(&kvm)?;
+        build::check_snapshot(cfg, r, &kvm)?;
+        let mem = build::snapshot_memory(&vm, cfg, r)?;
+        let devices = build::attach_devices(&vm, &mem, cfg)?;
+        build::restore_state(&vm, &mem, r, &devices)?;
+        let log = Arc::new(Mutex::new(ConsoleLog::default()));
+        let console = build::console(&vm, cfg, Some(r), log.clone())?;
+        let (vcpus, msr_list) = build::restored_vcpus(&kvm, &vm, cfg, r)?;
+        let parts = Built {
+            t0,
+            kvm,
+            vm,
+            mem,
+            devices,
+            log,
+            console,
+            vcpus,
+            msr_list,
+        };
+        Machine::run(cfg, parts, on_exit)
+    }
+
+    /// The built machine's threads, the same for a boot and a restore: each seals itself before
+    /// anything the guest can reach, and the vCPUs wait at the gate for the device thread, the
+    /// supervisor and the caller's release.
+    fn run(
+        cfg: &MachineConfig,
+        b: Built,
+        on_exit: Option<OnExit>,
+    ) -> Result<Machine, MachineError> {
+        let Built {
+            t0,
+            kvm,
+            vm,
+            mem,
+            devices,
+            log,
+            console,
+            vcpus,
+            msr_list,
+        } = b;
         let shared = Arc::new(Shared::new(t0, cfg.vcpus, log));
         install_kick_handler();
         let vm = Arc::new(vm);
