@@ -934,6 +934,12 @@ fn main() {
         scan_rows(mib, stack);
         return;
     }
+    // `SANDBOX_HOST_BENCH_ONLY=scan-alone`: the scan of one body after another, without a flow
+    // (seconds, for a profiler or an A/B of the scan's code).
+    if std::env::var("SANDBOX_HOST_BENCH_ONLY").as_deref() == Ok("scan-alone") {
+        scan_alone(total);
+        return;
+    }
     println!("egress stack, one flow guest -> upstream, {mib} MiB, MTU 1500 (median of 3)");
     let kernel = med(&|| loopback(total));
     let stack = med(&|| through_stack(total, 64 * 1024));
@@ -1000,6 +1006,12 @@ fn main() {
     network_process(mib, 5);
 }
 
+/// SSE-like text: what model responses are.
+const PLAIN: &[u8] = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
+/// The same events with escaped quotes in their text (code in an answer), each a window of its
+/// line for the regex to read.
+const QUOTED: &[u8] = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"say(\\\"hi\\\") \"}}\n\n";
+
 /// The response scan's rows: the scan alone against a copy, and its share of an intercepted
 /// flow; `stack` is the stack's one-flow Gbit/s the scan's cost is set against.
 fn scan_rows(mib: usize, stack: f64) {
@@ -1009,10 +1021,7 @@ fn scan_rows(mib: usize, stack: f64) {
         v.sort_by(|a, b| a.total_cmp(b));
         v[1]
     };
-    // SSE-like text: what model responses are; then the same events with escaped quotes in
-    // their text (code in an answer), each a window of its line for the regex to read.
-    let plain = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello, world. \"}}\n\n";
-    let quoted = b"data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"say(\\\"hi\\\") \"}}\n\n";
+    let (plain, quoted) = (PLAIN, QUOTED);
     let copied = med(&|| pass_through(total, false, plain));
     println!("response scanning for secrets, {mib} MiB in 16 KiB chunks, 3 secrets (median of 3)");
     println!("| path | Gbit/s | share of the stack's throughput | the scan's cost per flow |");
@@ -1022,10 +1031,10 @@ fn scan_rows(mib: usize, stack: f64) {
         100.0 * stack / copied
     );
     for (name, body) in [
-        ("scanned and masked, model output", &plain[..]),
+        ("scanned and masked, model output", plain),
         (
             "scanned and masked, model output with escaped quotes",
-            &quoted[..],
+            quoted,
         ),
     ] {
         let scanned = med(&|| pass_through(total, true, body));
@@ -1038,6 +1047,20 @@ fn scan_rows(mib: usize, stack: f64) {
     println!("\n(the cost per flow: at the stack's measured {stack:.2} Gbit/s)");
     println!();
     scan_share(mib);
+}
+
+/// The scan alone, each body `SANDBOX_HOST_BENCH_PAIRS` times (default 3), Gbit/s each.
+fn scan_alone(total: usize) {
+    let n: usize = std::env::var("SANDBOX_HOST_BENCH_PAIRS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    for (name, body) in [("model output", PLAIN), ("with escaped quotes", QUOTED)] {
+        let runs: Vec<String> = (0..n)
+            .map(|_| format!("{:.1}", pass_through(total, true, body)))
+            .collect();
+        println!("scan alone, {name}, Gbit/s: {}", runs.join(" "));
+    }
 }
 
 /// The flow the scan runs in: an intercepted HTTPS response, end to end, with and without

@@ -20,5 +20,6 @@ mod routes;
 pub mod run;
 pub mod serve;
 mod state;
+mod state_dir;
 mod templates;
 mod time;

@@ -151,7 +151,7 @@ impl NetProcess {
         let _ = std::fs::remove_dir_all(&staging);
         let process = process.map_err(|e| {
             let e = match e {
-                sandbox_vmm::VmError::Start(why) => why,
+                sandbox_vmm::VmError::Start(why) => why.to_string(),
                 e => e.to_string(),
             };
             NetProcessError::Internal(format!("the sandbox's network process: {e}"))

@@ -1,7 +1,6 @@
 //! `sandbox-host serve`: start-up checks, the listener, the sweep, and disposal on SIGINT/SIGTERM.
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,8 +8,9 @@ use std::time::Duration;
 use sandbox_vmm::ImageStore;
 use sandbox_vmm::image::STOCK;
 
-use crate::config::{self, Config};
+use crate::config::{self, Config, ConfigError};
 use crate::state::{AppState, Availability};
+use crate::state_dir::{self, StateDirError};
 use crate::{lifecycle, routes};
 use sandbox_vmm::select as backend_select;
 
@@ -33,37 +33,63 @@ pub fn init_json_logs() {
         .init();
 }
 
+/// Why the service did not start, or stopped without being asked; logged as one line.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// `.env` or a setting has a value it does not accept.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The state directory cannot be this process's.
+    #[error(transparent)]
+    StateDir(#[from] StateDirError),
+    /// The jail's settings are wrong (the sentence names the setting).
+    #[error("{0}")]
+    Jail(String),
+    /// The API's address cannot be listened on.
+    #[error(
+        "cannot listen on {addr}: {source}. Stop what uses the port, or set SANDBOX_HOST_PORT / SANDBOX_HOST_BIND"
+    )]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The HTTP server ended with an error.
+    #[error("the HTTP server failed: {0}")]
+    Http(#[source] std::io::Error),
+}
+
 /// The service: reads the configuration, starts the backend and the API, and runs until a
 /// signal stops it (shutting every sandbox down first).
 pub async fn serve() -> ExitCode {
     let dotenv = config::load_dotenv();
     init_json_logs();
-    if let Err(e) = &dotenv {
-        tracing::error!("{e}");
-        return ExitCode::from(1);
+    let served = match dotenv {
+        Ok(_) => run().await,
+        Err(e) => Err(e.into()),
+    };
+    match served {
+        Ok(()) => {
+            tracing::info!("Stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::from(1)
+        }
     }
-    let cfg = match Config::from_env() {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
-    let _lock = match claim_state_dir(&cfg.state_dir) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
+}
+
+/// Start-up in its order (the configuration, the state directory, the jail, the backend, the
+/// listener), then the API until a signal.
+async fn run() -> Result<(), ServiceError> {
+    let cfg = Config::from_env()?;
+    let _lock = state_dir::claim(&cfg.state_dir)?;
     // The jail comes first: every VM process (the probes' too) is started through it.
-    let jail_settings = match sandbox_jail::Settings::from_env(&jail_instance(&cfg.state_dir)) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
+    let jail_settings = sandbox_jail::Settings::from_env(&state_dir::jail_instance(&cfg.state_dir))
+        .map_err(ServiceError::Jail)?;
     let jail = sandbox_jail::install(&jail_settings);
     let stale = jail.remove_stale();
     if stale > 0 {
@@ -74,7 +100,44 @@ pub async fn serve() -> ExitCode {
     }
     let store = ImageStore::new(cfg.image_dir.clone());
     let (mut availability, backend) = availability(&store).await;
-    let status = jail.status();
+    add_jail_status(&mut availability, jail.status());
+    let addr = SocketAddr::new(cfg.bind, cfg.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServiceError::Listen { addr, source })?;
+    let local = listener.local_addr().unwrap_or(addr);
+    log_start(local, &availability);
+    warn_about_host(&cfg, &store);
+    let fds = crate::capacity::raise_fd_limit();
+    tracing::info!(
+        fd_limit = fds,
+        memory_limit_mib = cfg.limits.memory_mib,
+        disk_overcommit = cfg.limits.disk_overcommit,
+        "Budgets: guest memory up to SANDBOX_HOST_MEMORY_LIMIT_MIB, sandbox disks up to SANDBOX_HOST_DISK_OVERCOMMIT times the free space, file descriptors up to RLIMIT_NOFILE"
+    );
+    let state = AppState::new(cfg, availability, backend);
+    tokio::spawn(lifecycle::sweep_forever(state.clone()));
+    let app = routes::app(state.clone());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(dispose_on_signal(state))
+        .await
+        .map_err(ServiceError::Http)
+}
+
+/// Resolves on SIGTERM or SIGINT once every sandbox is disposed of (or the time for it is up).
+async fn dispose_on_signal(state: AppState) {
+    let sig = shutdown_signal().await;
+    tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
+    match tokio::time::timeout(SHUTDOWN_TIMEOUT, lifecycle::dispose_all(&state)).await {
+        Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
+        Err(_) => tracing::error!(
+            "disposing of the sandboxes took longer than {SHUTDOWN_TIMEOUT:?}; exiting anyway"
+        ),
+    }
+}
+
+/// What the jail cannot apply: a refusal makes the host unavailable, a gap is a warning.
+fn add_jail_status(availability: &mut Availability, status: &sandbox_jail::Status) {
     let mut jail_warnings = vec![];
     if let Some(refusal) = &status.refusal {
         availability.available = false;
@@ -98,17 +161,10 @@ pub async fn serve() -> ExitCode {
             None => jail_warning,
         });
     }
-    let addr = SocketAddr::new(cfg.bind, cfg.port);
-    let listener = match tokio::net::TcpListener::bind(addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(
-                "cannot listen on {addr}: {e}. Stop what uses the port, or set SANDBOX_HOST_PORT / SANDBOX_HOST_BIND"
-            );
-            return ExitCode::from(1);
-        }
-    };
-    let local = listener.local_addr().unwrap_or(addr);
+}
+
+/// The start-up line an operator reads first: where the API listens, and whether VMs can start.
+fn log_start(local: SocketAddr, availability: &Availability) {
     tracing::info!(
         available = availability.available,
         reason = availability.reason.as_deref(),
@@ -124,6 +180,10 @@ pub async fn serve() -> ExitCode {
     if let Some(w) = &availability.warning {
         tracing::warn!("{w}");
     }
+}
+
+/// Warnings about how the host is set up: root, a state directory in memory, no guest image.
+fn warn_about_host(cfg: &Config, store: &ImageStore) {
     // /proc/self belongs to the effective uid.
     let root = std::fs::metadata("/proc/self")
         .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
@@ -135,7 +195,6 @@ pub async fn serve() -> ExitCode {
              \"The jail\" in the operator guide"
         );
     }
-
     if sandbox_vmm::host::in_memory(&cfg.state_dir) {
         tracing::warn!(
             state_dir = %cfg.state_dir.display(),
@@ -156,34 +215,6 @@ pub async fn serve() -> ExitCode {
             lifecycle::DEFAULT_IMAGE
         );
     }
-
-    let fds = crate::capacity::raise_fd_limit();
-    tracing::info!(
-        fd_limit = fds,
-        memory_limit_mib = cfg.limits.memory_mib,
-        disk_overcommit = cfg.limits.disk_overcommit,
-        "Budgets: guest memory up to SANDBOX_HOST_MEMORY_LIMIT_MIB, sandbox disks up to SANDBOX_HOST_DISK_OVERCOMMIT times the free space, file descriptors up to RLIMIT_NOFILE"
-    );
-    let state = AppState::new(cfg, availability, backend);
-    tokio::spawn(lifecycle::sweep_forever(state.clone()));
-    let app = routes::app(state.clone());
-    let shutdown_state = state.clone();
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let sig = shutdown_signal().await;
-            tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
-            match tokio::time::timeout(SHUTDOWN_TIMEOUT, lifecycle::dispose_all(&shutdown_state)).await {
-                Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
-                Err(_) => tracing::error!("disposing of the sandboxes took longer than {SHUTDOWN_TIMEOUT:?}; exiting anyway"),
-            }
-        })
-        .await;
-    if let Err(e) = served {
-        tracing::error!("the HTTP server failed: {e}");
-        return ExitCode::from(1);
-    }
-    tracing::info!("Stopped");
-    ExitCode::SUCCESS
 }
 
 async fn shutdown_signal() -> &'static str {
@@ -200,23 +231,6 @@ async fn shutdown_signal() -> &'static str {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     }
-}
-
-/// Names this instance's cgroups after its state directory: stable across restarts (so a
-/// restart finds what a crash left) and distinct between instances on one host.
-fn jail_instance(state_dir: &Path) -> String {
-    use sha2::Digest;
-    let canonical = state_dir
-        .canonicalize()
-        .unwrap_or_else(|_| state_dir.to_path_buf());
-    let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
-    format!(
-        "i-{}",
-        digest[..6]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    )
 }
 
 /// Can this host start a microVM? The backend must be usable and the stock image present.
@@ -262,59 +276,4 @@ async fn availability(store: &ImageStore) -> (Availability, Option<Arc<dyn sandb
             None,
         ),
     }
-}
-
-/// Takes the state directory for this process (one sandbox host per directory) and removes what
-/// a crashed earlier process left there. Directories of `sandbox-host run`s still running stay.
-fn claim_state_dir(dir: &Path) -> Result<std::fs::File, String> {
-    std::fs::create_dir_all(dir).map_err(|e| {
-        format!(
-            "cannot create SANDBOX_HOST_STATE_DIR {}: {e}",
-            dir.display()
-        )
-    })?;
-    let lock_path = dir.join(".lock");
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(|e| format!("cannot open {}: {e}", lock_path.display()))?;
-    lock.try_lock().map_err(|_| {
-        format!(
-            "another sandbox host uses SANDBOX_HOST_STATE_DIR {}; stop it, or give this one another directory",
-            dir.display()
-        )
-    })?;
-    let mut removed = 0;
-    for e in std::fs::read_dir(dir)
-        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
-        .flatten()
-    {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name == ".lock" || live_run(&name) {
-            continue;
-        }
-        let p = e.path();
-        let gone = if p.is_dir() {
-            std::fs::remove_dir_all(&p)
-        } else {
-            std::fs::remove_file(&p)
-        };
-        if gone.is_ok() {
-            removed += 1;
-        }
-    }
-    if removed > 0 {
-        tracing::info!(removed, dir = %dir.display(), "Removed what an earlier sandbox host left in the state directory");
-    }
-    Ok(lock)
-}
-
-/// `run-<pid>-…` of a `sandbox-host run` that is still running.
-fn live_run(name: &str) -> bool {
-    name.strip_prefix("run-")
-        .and_then(|r| r.split('-').next())
-        .and_then(|p| p.parse::<u32>().ok())
-        .is_some_and(sandbox_vmm::host::process_alive)
 }

@@ -114,7 +114,7 @@ impl End {
 
 /// Runs one connection to `port` of the address handed out for `name`, to its end. `memory` is
 /// its task's share of the sandbox's egress memory ([`crate::memory::TASK_COST`]), grown when it
-/// becomes HTTP.
+/// becomes HTTP, and held until the connection ends.
 pub(crate) async fn run(
     mut io: Io,
     name: String,
@@ -123,120 +123,180 @@ pub(crate) async fn run(
     mut memory: crate::memory::Hold,
 ) {
     let target = format!("{name}:{port}");
+    let Some(upstream) = dial(&io, &name, port, &cx, &target).await else {
+        return;
+    };
+    let mut decider = Decider::new(&name, port, cx.intercept.clone());
+    let Some(decision) = decide(&mut io, &mut decider, &cx).await else {
+        return;
+    };
+    let conn = Conn {
+        io,
+        upstream,
+        first: decider.received().to_vec(),
+        name,
+        port,
+        target,
+        cx,
+    };
+    match decision {
+        Decision::Splice => {
+            Stats::add(&conn.cx.stats.spliced, 1);
+            conn.splice().await;
+        }
+        Decision::Http => conn.http(&mut memory).await,
+        Decision::Intercept => conn.intercept(&mut memory).await,
+        Decision::Refuse(reason) => conn.refuse(reason).await,
+        Decision::NeedMore => {}
+    }
+}
+
+/// Connects to the upstream before the guest's handshake completes (the guest's SYN is
+/// answered only once the upstream's is): a refused dial resets the guest's connection.
+async fn dial(io: &Io, name: &str, port: u16, cx: &Context, target: &str) -> Option<TcpStream> {
     cx.connects.pace().await;
-    let upstream = match cx.dial.dial(&name, port).await {
-        Ok((s, _)) => s,
+    match cx.dial.dial(name, port).await {
+        Ok((s, _)) => {
+            io.control(Ctl::ACCEPT);
+            tracing::trace!(%target, "egress: upstream connected");
+            Some(s)
+        }
         Err(e) => {
             match &e {
-                UpstreamError::Internal { .. } => cx.stats.refuse(Reason::InternalAddress, &target),
+                UpstreamError::Internal { .. } => cx.stats.refuse(Reason::InternalAddress, target),
                 _ => Stats::add(&cx.stats.upstream_failures, 1),
             }
             cx.log.log(|| tracing::warn!("egress: {e}"));
             io.control(Ctl::ABORT);
-            return;
+            None
         }
-    };
-    io.control(Ctl::ACCEPT);
-    tracing::trace!(%target, "egress: upstream connected");
+    }
+}
 
-    let mut decider = Decider::new(&name, port, cx.intercept.clone());
-    let decision = loop {
+/// Reads the guest's first bytes until they say what the connection is (bounded in time);
+/// `None` when it closed before saying anything.
+async fn decide(io: &mut Io, decider: &mut Decider, cx: &Context) -> Option<Decision> {
+    loop {
         let chunk = match tokio::time::timeout(cx.sniff_timeout, io.recv()).await {
             Ok(Some(c)) => c,
             // Closed before saying anything: nothing to refuse.
-            Ok(None) => return,
-            Err(_) => break Decision::Refuse(Reason::Protocol),
+            Ok(None) => return None,
+            Err(_) => return Some(Decision::Refuse(Reason::Protocol)),
         };
         tracing::trace!(len = chunk.len(), "egress: task got bytes");
         match decider.feed(&chunk) {
             Decision::NeedMore => continue,
-            d => break d,
+            d => return Some(d),
         }
-    };
-    match decision {
-        Decision::Splice => Stats::add(&cx.stats.spliced, 1),
-        Decision::Http => {
-            // A placeholder in a plain-HTTP request head is a leak wherever it goes: no key is
-            // ever written into cleartext.
-            let leak = cx.interception.as_ref().is_some_and(|icp| {
-                let head = decider.received();
-                icp.secrets().iter().any(|s| {
-                    head.windows(s.placeholder.len())
-                        .any(|w| w == s.placeholder.as_bytes())
-                })
-            });
-            if leak {
-                cx.stats.refuse(Reason::PlaceholderLeak, &target);
-                refuse_http(&io, Reason::PlaceholderLeak).await;
-                return;
-            }
-            if !memory.grow(crate::memory::HTTP_COST) {
-                cx.stats.refuse(Reason::MemoryLimit, &target);
-                refuse_http(&io, Reason::MemoryLimit).await;
-                return;
-            }
-            Stats::add(&cx.stats.http, 1)
-        }
-        Decision::Intercept => {
-            let Some(icp) = cx.interception.clone() else {
-                // Only names the interception covers are decided so; never pass them unread.
-                cx.stats.refuse(Reason::Protocol, &target);
-                io.control(Ctl::ABORT);
-                return;
-            };
-            if !memory.grow(crate::memory::HTTP_COST) {
-                // Before the guest's handshake: nothing readable can be said, a reset it is.
-                cx.stats.refuse(Reason::MemoryLimit, &target);
-                io.control(Ctl::ABORT);
-                return;
-            }
-            io.control(Ctl::RUNNING);
-            let (guest, end) = io.into_stream(decider.received().to_vec());
-            if let Err(e) =
-                crate::intercept::run(guest, upstream, name, port, cx.clone(), icp).await
-            {
-                cx.log.log(|| tracing::info!("egress: {target}: {e}"));
-                end.abort();
-            }
-            return;
-        }
-        Decision::Refuse(reason) => {
-            cx.stats.refuse(reason, &target);
-            if decider
-                .received()
-                .first()
-                .is_some_and(u8::is_ascii_uppercase)
-            {
-                // An HTTP client gets a readable answer instead of a bare reset.
-                refuse_http(&io, reason).await;
-            } else {
-                io.control(Ctl::ABORT);
-            }
-            return;
-        }
-        Decision::NeedMore => return,
     }
-    io.control(Ctl::RUNNING);
-    let first = decider.received().to_vec();
-    if decision == Decision::Http {
-        // Every request of the connection is checked, not only the first.
-        let (guest, end) = io.into_stream(first);
-        if let Err(e) = crate::intercept::run_plain(guest, upstream, name, port, cx.clone()).await {
-            tracing::debug!("egress: {target}: {e}");
+}
+
+/// A connection whose upstream is dialled and whose kind is decided.
+struct Conn {
+    io: Io,
+    upstream: TcpStream,
+    /// What the guest sent before the decision.
+    first: Vec<u8>,
+    name: String,
+    port: u16,
+    /// `name:port`, for the counters and the log.
+    target: String,
+    cx: Arc<Context>,
+}
+
+impl Conn {
+    /// Plain HTTP: every request of the connection is checked, not only the first.
+    async fn http(self, memory: &mut crate::memory::Hold) {
+        let cx = self.cx.clone();
+        // A placeholder in a plain-HTTP request head is a leak wherever it goes: no key is
+        // ever written into cleartext.
+        let leak = cx.interception.as_ref().is_some_and(|icp| {
+            icp.secrets().iter().any(|s| {
+                self.first
+                    .windows(s.placeholder.len())
+                    .any(|w| w == s.placeholder.as_bytes())
+            })
+        });
+        if leak {
+            cx.stats.refuse(Reason::PlaceholderLeak, &self.target);
+            refuse_http(&self.io, Reason::PlaceholderLeak).await;
+            return;
+        }
+        if !memory.grow(crate::memory::HTTP_COST) {
+            cx.stats.refuse(Reason::MemoryLimit, &self.target);
+            refuse_http(&self.io, Reason::MemoryLimit).await;
+            return;
+        }
+        Stats::add(&cx.stats.http, 1);
+        self.io.control(Ctl::RUNNING);
+        let (guest, end) = self.io.into_stream(self.first);
+        if let Err(e) =
+            crate::intercept::run_plain(guest, self.upstream, self.name, self.port, cx).await
+        {
+            tracing::debug!("egress: {}: {e}", self.target);
             end.abort();
         }
-        return;
     }
-    let Io {
-        from_guest,
-        to_guest,
-        ctl,
-        wake,
-    } = io;
-    if let Err(e) = splice(from_guest, to_guest, &wake, upstream, first, &cx).await {
-        tracing::debug!("egress: {target}: {e}");
-        ctl.set(Ctl::ABORT);
-        wake.notify_one();
+
+    /// TLS to a host the interception covers: terminated here, read, and sent on.
+    async fn intercept(self, memory: &mut crate::memory::Hold) {
+        let cx = self.cx.clone();
+        let Some(icp) = cx.interception.clone() else {
+            // Only names the interception covers are decided so; never pass them unread.
+            cx.stats.refuse(Reason::Protocol, &self.target);
+            self.io.control(Ctl::ABORT);
+            return;
+        };
+        if !memory.grow(crate::memory::HTTP_COST) {
+            // Before the guest's handshake: nothing readable can be said, a reset it is.
+            cx.stats.refuse(Reason::MemoryLimit, &self.target);
+            self.io.control(Ctl::ABORT);
+            return;
+        }
+        self.io.control(Ctl::RUNNING);
+        let (guest, end) = self.io.into_stream(self.first);
+        if let Err(e) =
+            crate::intercept::run(guest, self.upstream, self.name, self.port, cx.clone(), icp).await
+        {
+            cx.log
+                .log(|| tracing::info!("egress: {}: {e}", self.target));
+            end.abort();
+        }
+    }
+
+    /// Refused: an HTTP client gets a readable answer instead of a bare reset.
+    async fn refuse(self, reason: Reason) {
+        self.cx.stats.refuse(reason, &self.target);
+        if self.first.first().is_some_and(u8::is_ascii_uppercase) {
+            refuse_http(&self.io, reason).await;
+        } else {
+            self.io.control(Ctl::ABORT);
+        }
+    }
+
+    /// Anything else the policy allows: bytes copied both ways, unread.
+    async fn splice(self) {
+        self.io.control(Ctl::RUNNING);
+        let Io {
+            from_guest,
+            to_guest,
+            ctl,
+            wake,
+        } = self.io;
+        if let Err(e) = splice(
+            from_guest,
+            to_guest,
+            &wake,
+            self.upstream,
+            self.first,
+            &self.cx,
+        )
+        .await
+        {
+            tracing::debug!("egress: {}: {e}", self.target);
+            ctl.set(Ctl::ABORT);
+            wake.notify_one();
+        }
     }
 }
 

@@ -297,113 +297,115 @@ impl Cgroups {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let leaf_name = format!("vm-{name}.{n}");
-        match &self.layout {
-            Layout::V2(d) => {
-                let dir = d.join(&leaf_name);
-                fresh_dir(&dir)?;
-                let leaf = Leaf {
-                    dirs: vec![dir.clone()],
-                    v2: true,
-                    memory_dir: Some(dir.clone()),
-                };
-                let set = || -> Result<(), CgroupError> {
-                    write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
-                    // Swap would let a guest exceed its memory at the host's disk's expense.
-                    let swap = dir.join("memory.swap.max");
-                    if swap.exists() {
-                        write(&swap, "0")?;
-                    }
-                    write(&dir.join("pids.max"), &limits.pids.to_string())?;
-                    write(
-                        &dir.join("cpu.weight"),
-                        &limits.cpu_weight.clamp(1, 10_000).to_string(),
-                    )?;
-                    let o = &self.optional;
-                    if limits.cpus > 0 && o.cpu_bound {
-                        optional(
-                            &dir.join("cpu.max"),
-                            &format!("{} {CPU_PERIOD_US}", cpu_quota_us(limits.cpus)),
-                        );
-                    }
-                    // The kernel's OOM killer ends the whole group, never a part of it.
-                    if o.oom_group {
-                        optional(&dir.join("memory.oom.group"), "1");
-                    }
-                    if let Some(f) = o.io_weight {
-                        // BFQ's scale ends at 1000, iocost's at 10000.
-                        let top = if f.contains("bfq") { 1000 } else { 10_000 };
-                        let w = limits.cpu_weight.clamp(1, top);
-                        optional(&dir.join(f), &format!("default {w}"));
-                    }
-                    Ok(())
-                };
-                set().inspect_err(|_| leaf.remove())?;
-                Ok(leaf)
-            }
+        let mut leaf = Leaf {
+            dirs: vec![],
+            v2: matches!(self.layout, Layout::V2(_)),
+            memory_dir: None,
+        };
+        let made = match &self.layout {
+            Layout::V2(d) => self.make_v2(&mut leaf, d.join(&leaf_name), limits),
             Layout::V1 {
                 memory,
                 pids,
                 cpu,
                 blkio,
             } => {
-                let mut leaf = Leaf {
-                    dirs: vec![],
-                    v2: false,
-                    memory_dir: None,
-                };
-                let set = |leaf: &mut Leaf| -> Result<(), CgroupError> {
-                    if let Some(m) = memory {
-                        let dir = m.join(&leaf_name);
-                        fresh_dir(&dir)?;
-                        leaf.dirs.push(dir.clone());
-                        leaf.memory_dir = Some(dir.clone());
-                        write(
-                            &dir.join("memory.limit_in_bytes"),
-                            &limits.memory_bytes.to_string(),
-                        )?;
-                        let memsw = dir.join("memory.memsw.limit_in_bytes");
-                        if memsw.exists() {
-                            write(&memsw, &limits.memory_bytes.to_string())?;
-                        }
-                    }
-                    if let Some(p) = pids {
-                        let dir = p.join(&leaf_name);
-                        fresh_dir(&dir)?;
-                        leaf.dirs.push(dir.clone());
-                        write(&dir.join("pids.max"), &limits.pids.to_string())?;
-                    }
-                    if let Some(c) = cpu {
-                        let dir = c.join(&leaf_name);
-                        fresh_dir(&dir)?;
-                        leaf.dirs.push(dir.clone());
-                        let shares =
-                            (u64::from(limits.cpu_weight.clamp(1, 10_000)) * 1024 / 100).max(2);
-                        write(&dir.join("cpu.shares"), &shares.to_string())?;
-                        if limits.cpus > 0 && self.optional.cpu_bound {
-                            optional(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string());
-                            // Refused (EINVAL) above a parent's own quota: the parent bounds it.
-                            optional(
-                                &dir.join("cpu.cfs_quota_us"),
-                                &cpu_quota_us(limits.cpus).to_string(),
-                            );
-                        }
-                    }
-                    if let Some(b) = blkio {
-                        let dir = b.join(&leaf_name);
-                        fresh_dir(&dir)?;
-                        leaf.dirs.push(dir.clone());
-                        // v1's scale is 10 to 1000, 500 a default group (100 on v2's).
-                        let weight = (limits.cpu_weight.clamp(1, 10_000) * 5).clamp(10, 1000);
-                        if let Some(f) = self.optional.io_weight {
-                            optional(&dir.join(f), &weight.to_string());
-                        }
-                    }
-                    Ok(())
-                };
-                set(&mut leaf).inspect_err(|_| leaf.remove())?;
-                Ok(leaf)
+                let under = |c: &Option<PathBuf>| c.as_ref().map(|d| d.join(&leaf_name));
+                let dirs = [under(memory), under(pids), under(cpu), under(blkio)];
+                self.make_v1(&mut leaf, dirs, limits)
+            }
+        };
+        made.inspect_err(|_| leaf.remove())?;
+        Ok(leaf)
+    }
+
+    /// The group in the unified hierarchy, at `dir`, with `limits`.
+    fn make_v2(&self, leaf: &mut Leaf, dir: PathBuf, limits: &Limits) -> Result<(), CgroupError> {
+        fresh_dir(&dir)?;
+        leaf.dirs.push(dir.clone());
+        leaf.memory_dir = Some(dir.clone());
+        write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+        // Swap would let a guest exceed its memory at the host's disk's expense.
+        let swap = dir.join("memory.swap.max");
+        if swap.exists() {
+            write(&swap, "0")?;
+        }
+        write(&dir.join("pids.max"), &limits.pids.to_string())?;
+        write(
+            &dir.join("cpu.weight"),
+            &limits.cpu_weight.clamp(1, 10_000).to_string(),
+        )?;
+        let o = &self.optional;
+        if limits.cpus > 0 && o.cpu_bound {
+            optional(
+                &dir.join("cpu.max"),
+                &format!("{} {CPU_PERIOD_US}", cpu_quota_us(limits.cpus)),
+            );
+        }
+        // The kernel's OOM killer ends the whole group, never a part of it.
+        if o.oom_group {
+            optional(&dir.join("memory.oom.group"), "1");
+        }
+        if let Some(f) = o.io_weight {
+            // BFQ's scale ends at 1000, iocost's at 10000.
+            let top = if f.contains("bfq") { 1000 } else { 10_000 };
+            let w = limits.cpu_weight.clamp(1, top);
+            optional(&dir.join(f), &format!("default {w}"));
+        }
+        Ok(())
+    }
+
+    /// The groups under each v1 controller this host lets us use (memory, pids, cpu, blkio:
+    /// `dirs` in that order), with `limits`.
+    fn make_v1(
+        &self,
+        leaf: &mut Leaf,
+        dirs: [Option<PathBuf>; 4],
+        limits: &Limits,
+    ) -> Result<(), CgroupError> {
+        let [memory, pids, cpu, blkio] = dirs;
+        let mut memory_dir = None;
+        let mut fresh = |dir: Option<PathBuf>| -> Result<Option<PathBuf>, CgroupError> {
+            let Some(dir) = dir else { return Ok(None) };
+            fresh_dir(&dir)?;
+            leaf.dirs.push(dir.clone());
+            Ok(Some(dir))
+        };
+        if let Some(dir) = fresh(memory)? {
+            write(
+                &dir.join("memory.limit_in_bytes"),
+                &limits.memory_bytes.to_string(),
+            )?;
+            let memsw = dir.join("memory.memsw.limit_in_bytes");
+            if memsw.exists() {
+                write(&memsw, &limits.memory_bytes.to_string())?;
+            }
+            memory_dir = Some(dir);
+        }
+        if let Some(dir) = fresh(pids)? {
+            write(&dir.join("pids.max"), &limits.pids.to_string())?;
+        }
+        if let Some(dir) = fresh(cpu)? {
+            let shares = (u64::from(limits.cpu_weight.clamp(1, 10_000)) * 1024 / 100).max(2);
+            write(&dir.join("cpu.shares"), &shares.to_string())?;
+            if limits.cpus > 0 && self.optional.cpu_bound {
+                optional(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string());
+                // Refused (EINVAL) above a parent's own quota: the parent bounds it.
+                optional(
+                    &dir.join("cpu.cfs_quota_us"),
+                    &cpu_quota_us(limits.cpus).to_string(),
+                );
             }
         }
+        if let Some(dir) = fresh(blkio)? {
+            // v1's scale is 10 to 1000, 500 a default group (100 on v2's).
+            let weight = (limits.cpu_weight.clamp(1, 10_000) * 5).clamp(10, 1000);
+            if let Some(f) = self.optional.io_weight {
+                optional(&dir.join(f), &weight.to_string());
+            }
+        }
+        leaf.memory_dir = memory_dir;
+        Ok(())
     }
 }
 

@@ -65,43 +65,66 @@ fn refusal(
     }
 }
 
+/// The ids VMs get: a pair each where the host gives this user subordinate ids, else shared
+/// (said in `missing`).
+fn id_pool(settings: &Settings, missing: &mut Vec<String>) -> IdPool {
+    let (pool, id_warning) = match IdPool::for_this_process(settings.ids.as_deref()) {
+        Ok(p) => p,
+        Err(e) => {
+            missing.push(e.to_string());
+            // SAFETY: getuid/getgid cannot fail.
+            let (u, g) = unsafe { (libc::getuid(), libc::getgid()) };
+            (IdPool::new(IdMode::Shared, u, g, 1), None)
+        }
+    };
+    missing.extend(id_warning);
+    pool
+}
+
+/// This instance's cgroups, where they can be had (what they lack said in `missing`); groups
+/// of instances that are gone are removed.
+fn cgroups(settings: &Settings, missing: &mut Vec<String>) -> Option<Cgroups> {
+    if settings.mode == Mode::Off {
+        return None;
+    }
+    match Cgroups::discover(&settings.cgroup_parent, &settings.instance) {
+        Ok((c, m)) => {
+            c.remove_dead_instances();
+            missing.extend(m.into_iter().map(|m| format!("cgroup controller {m}")));
+            Some(c)
+        }
+        Err(e) => {
+            missing.push(format!(
+                "no cgroup per VM ({e}): a guest's memory, processes and CPU are limited \
+                 only by its VM size; see \"The jail\" in the operator guide"
+            ));
+            None
+        }
+    }
+}
+
+/// The thread every jailed process is cloned from; its jobs come over the channel returned.
+fn start_spawner() -> mpsc::Sender<Job> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("jail-spawner".into())
+        .spawn(move || {
+            // This thread is the parent of every jailed process and lives as long as the
+            // service: their parent-death signal fires when the process ends, not earlier.
+            while let Ok(job) = rx.recv() {
+                job();
+            }
+        })
+        .expect("starting the jail's spawner thread");
+    tx
+}
+
 impl Jailer {
     /// Works out what this host allows and proves it by jailing a process that does nothing.
     pub fn new(settings: &Settings) -> Jailer {
         let mut missing = vec![];
-        let (pool, id_warning) = match IdPool::for_this_process(settings.ids.as_deref()) {
-            Ok(p) => p,
-            Err(e) => {
-                missing.push(e.to_string());
-                // SAFETY: getuid/getgid cannot fail.
-                let (u, g) = unsafe { (libc::getuid(), libc::getgid()) };
-                (IdPool::new(IdMode::Shared, u, g, 1), None)
-            }
-        };
-        missing.extend(id_warning);
-        let (cgroups, cg_missing) = if settings.mode == Mode::Off {
-            (None, vec![])
-        } else {
-            match Cgroups::discover(&settings.cgroup_parent, &settings.instance) {
-                Ok((c, m)) => {
-                    c.remove_dead_instances();
-                    (
-                        Some(c),
-                        m.into_iter()
-                            .map(|m| format!("cgroup controller {m}"))
-                            .collect(),
-                    )
-                }
-                Err(e) => (
-                    None,
-                    vec![format!(
-                        "no cgroup per VM ({e}): a guest's memory, processes and CPU are limited \
-                         only by its VM size; see \"The jail\" in the operator guide"
-                    )],
-                ),
-            }
-        };
-        missing.extend(cg_missing);
+        let pool = id_pool(settings, &mut missing);
+        let cgroups = cgroups(settings, &mut missing);
         let filters = match filter::programs() {
             Ok(f) => f,
             Err(e) => {
@@ -110,17 +133,7 @@ impl Jailer {
             }
         };
         let (usr_links, system_dirs) = system_layout();
-        let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("jail-spawner".into())
-            .spawn(move || {
-                // This thread is the parent of every jailed process and lives as long as the
-                // service: their parent-death signal fires when the process ends, not earlier.
-                while let Ok(job) = rx.recv() {
-                    job();
-                }
-            })
-            .expect("starting the jail's spawner thread");
+        let tx = start_spawner();
         let mut jailer = Jailer {
             namespaces: settings.mode != Mode::Off,
             ids: Arc::new(pool),

@@ -419,32 +419,99 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
     }
     let (sync_read, sync_write) = pipe()?;
     let (err_read, err_write) = pipe()?;
-    let exe = match &cmd.program {
-        Some(p) => {
-            let c = cstr(p)?;
-            // SAFETY: open with a valid path; the result is checked.
-            let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
-            if fd < 0 {
-                return Err(prep(format!("opening {}", p.display()))(
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            // SAFETY: a new descriptor we own.
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
-        }
-        None => None,
-    };
-    let argv: Vec<CString> = match &cmd.program {
-        Some(p) => std::iter::once(cstr(p.file_name().unwrap_or(p.as_os_str()))?)
-            .chain(cmd.args.iter().map(cstr).collect::<Result<Vec<_>, _>>()?)
-            .collect(),
-        None => vec![],
-    };
+    let exe = open_program(&cmd)?;
+    // Everything the child reads is made here (it may not allocate): the strings `argv_ptrs`
+    // points into live until the clone has returned.
+    let argv = argv(&cmd)?;
     let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
     argv_ptrs.push(std::ptr::null());
+    let mut plan = new_plan(&cmd, host, argv_ptrs);
+    plan.exe = exe.as_ref().map(AsRawFd::as_raw_fd);
+    plan.sync_read = sync_read.as_raw_fd();
+    plan.err_write = err_write.as_raw_fd();
+    plan.parent_ends = [sync_write.as_raw_fd(), err_read.as_raw_fd()];
+    if let Some(root) = &cmd.root {
+        plan_root(root, host, &mut plan)?;
+    }
+    let leaf = match host.cgroups {
+        Some(c) => Some(c.create(&cmd.name, &cmd.limits)?),
+        None => None,
+    };
+    let (pid, pidfd) = match clone_into_jail(&plan, host.namespaces, cmd.host_network) {
+        Ok(child) => child,
+        Err(e) => {
+            if let Some(l) = leaf {
+                l.remove();
+            }
+            return Err(e);
+        }
+    };
+    drop(sync_read);
+    drop(err_write);
+    let jailed = Jailed {
+        pid,
+        pidfd,
+        lease: Some(lease),
+        leaf,
+        _lifeline: sync_write,
+        exit: OnceLock::new(),
+        async_fd: OnceLock::new(),
+    };
+    // From here on, dropping `jailed` kills and reaps the child.
+    if let Some(l) = &jailed.leaf {
+        l.add(pid)?;
+    }
+    if host.namespaces {
+        let lease = jailed.lease.as_ref().expect("set above");
+        write_maps(pid, lease, &cmd.keep_groups, host.ids)?;
+    }
+    let jailed = release(jailed, &err_read)?;
+    drop(exe);
+    Ok(jailed)
+}
 
+/// The program, opened here as `O_PATH` for the child's `execveat`: the jail's empty root has
+/// no path to it.
+fn open_program(cmd: &Command) -> Result<Option<OwnedFd>, SpawnError> {
+    let Some(p) = &cmd.program else {
+        return Ok(None);
+    };
+    let c = cstr(p)?;
+    // SAFETY: open with a valid path; the result is checked.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(prep(format!("opening {}", p.display()))(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: a new descriptor we own.
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The program's arguments, its file name first.
+fn argv(cmd: &Command) -> Result<Vec<CString>, SpawnError> {
+    match &cmd.program {
+        Some(p) => Ok(
+            std::iter::once(cstr(p.file_name().unwrap_or(p.as_os_str()))?)
+                .chain(cmd.args.iter().map(cstr).collect::<Result<Vec<_>, _>>()?)
+                .collect(),
+        ),
+        None => Ok(vec![]),
+    }
+}
+
+/// What the child does, except its root and the descriptors of its start (set by the caller).
+fn new_plan(cmd: &Command, host: &Host<'_>, argv_ptrs: Vec<*const libc::c_char>) -> Plan {
     let keep_groups = !cmd.keep_groups.is_empty();
-    let mut plan = Plan {
+    let mut rlimits = vec![
+        (libc::RLIMIT_CORE as libc::c_int, 0),
+        (libc::RLIMIT_NOFILE as libc::c_int, cmd.nofile),
+        (libc::RLIMIT_NPROC as libc::c_int, cmd.limits.pids),
+    ];
+    if let Some(size) = cmd.fsize {
+        rlimits.push((libc::RLIMIT_FSIZE as libc::c_int, size));
+    }
+    Plan {
         staging: None,
         mkdirs: vec![],
         mkfiles: vec![],
@@ -460,13 +527,9 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
             // the inherited groups stay (the operator guide asks for no group but `kvm`).
             _ => None,
         },
-        rlimits: vec![
-            (libc::RLIMIT_CORE as libc::c_int, 0),
-            (libc::RLIMIT_NOFILE as libc::c_int, cmd.nofile),
-            (libc::RLIMIT_NPROC as libc::c_int, cmd.limits.pids),
-        ],
+        rlimits,
         fds: cmd.fds.iter().map(AsRawFd::as_raw_fd).collect(),
-        exe: exe.as_ref().map(AsRawFd::as_raw_fd),
+        exe: None,
         argv_ptrs,
         envp_ptrs: vec![std::ptr::null()],
         filters: if cmd.seccomp {
@@ -475,24 +538,22 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
             vec![]
         },
         cap_last: cap_last(),
-        sync_read: sync_read.as_raw_fd(),
-        err_write: err_write.as_raw_fd(),
-        parent_ends: [sync_write.as_raw_fd(), err_read.as_raw_fd()],
-    };
-    if let Some(size) = cmd.fsize {
-        plan.rlimits.push((libc::RLIMIT_FSIZE as libc::c_int, size));
+        sync_read: -1,
+        err_write: -1,
+        parent_ends: [-1, -1],
     }
-    if let Some(root) = &cmd.root {
-        plan_root(root, host, &mut plan)?;
-    }
-    let leaf = match host.cgroups {
-        Some(c) => Some(c.create(&cmd.name, &cmd.limits)?),
-        None => None,
-    };
+}
 
+/// `clone3` into new namespaces (all of them, but the network's when the process keeps the
+/// host's); the child runs `plan` and waits on its sync pipe. The child's pid and pidfd.
+fn clone_into_jail(
+    plan: &Plan,
+    namespaces: bool,
+    host_network: bool,
+) -> Result<(u32, OwnedFd), SpawnError> {
     let mut pidfd: RawFd = -1;
     let args = CloneArgs {
-        flags: match (host.namespaces, cmd.host_network) {
+        flags: match (namespaces, host_network) {
             (false, _) => 0,
             (true, false) => NAMESPACES,
             (true, true) => NAMESPACES & !(libc::CLONE_NEWNET as u64),
@@ -512,48 +573,28 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
     };
     if pid == 0 {
         // SAFETY: we are the child of the clone above.
-        unsafe { crate::child::run(&plan) }
+        unsafe { crate::child::run(plan) }
     }
     if pid < 0 {
-        let e = std::io::Error::last_os_error();
-        if let Some(l) = leaf {
-            l.remove();
-        }
         return Err(prep(
             "starting the jailed process (clone3 with new namespaces)",
-        )(e));
+        )(std::io::Error::last_os_error()));
     }
-    drop(sync_read);
-    drop(err_write);
     // SAFETY: CLONE_PIDFD wrote a new descriptor we own.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    let pid = pid as u32;
-    let jailed = Jailed {
-        pid,
-        pidfd,
-        lease: Some(lease),
-        leaf,
-        _lifeline: sync_write,
-        exit: OnceLock::new(),
-        async_fd: OnceLock::new(),
-    };
-    // From here on, dropping `jailed` kills and reaps the child.
-    if let Some(l) = &jailed.leaf {
-        l.add(pid)?;
-    }
-    if host.namespaces {
-        let lease = jailed.lease.as_ref().expect("set above");
-        write_maps(pid, lease, &cmd.keep_groups, host.ids)?;
-    }
+    Ok((pid as u32, unsafe { OwnedFd::from_raw_fd(pidfd) }))
+}
+
+/// Lets the child go on (one byte on its sync pipe) and learns whether its `execve`
+/// succeeded: the error pipe closes on exec (or _exit), and 8 bytes on it mean a step failed.
+fn release(jailed: Jailed, err_read: &OwnedFd) -> Result<Jailed, SpawnError> {
     // SAFETY: a one-byte write to our pipe.
     if unsafe { libc::write(jailed._lifeline.as_raw_fd(), [1u8].as_ptr().cast(), 1) } != 1 {
         return Err(prep("releasing the jailed process")(
             std::io::Error::last_os_error(),
         ));
     }
-    // The error pipe closes on exec (or _exit): 8 bytes mean a step failed.
     let mut msg = [0u8; 8];
-    let n = read_bounded(&err_read, &mut msg, Duration::from_secs(10))
+    let n = read_bounded(err_read, &mut msg, Duration::from_secs(10))
         .map_err(prep("waiting for the jailed process to start"))?;
     if n == 8 {
         let step = u32::from_ne_bytes(msg[..4].try_into().expect("4 bytes"));
@@ -566,7 +607,6 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
             source: std::io::Error::from_raw_os_error(errno),
         });
     }
-    drop(exe);
     Ok(jailed)
 }
 

@@ -214,104 +214,104 @@ pub fn main() -> i32 {
             return 2;
         }
     };
-    if cfg.version != control::VERSION {
-        let e = format!(
-            "this sandbox-vm speaks control protocol {} and the service {}: install the \
-             sandbox-vm built with this sandbox-host (beside it, or SANDBOX_HOST_VM_BINARY)",
-            control::VERSION,
-            cfg.version
-        );
-        say(&writer, &Event::Error(e), None);
-        return 1;
-    }
-    // From here on each thread the machine starts applies its kind's filter before it runs
-    // (seal.rs): the network link's threads, started by `machine_config`, are the first.
-    if let Err(e) = seal::install() {
-        say(&writer, &Event::Error(e.to_string()), None);
-        return 1;
-    }
-    let mcfg = match machine_config(cfg) {
-        Ok(c) => c,
+    let (machine, exit_rx) = match build(cfg) {
+        Ok(built) => built,
         Err(e) => {
             say(&writer, &Event::Error(e), None);
             return 1;
         }
     };
-    let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
-    let machine = match Machine::start_held(
-        &mcfg,
-        Some(Box::new(move |e| {
-            let _ = exit_tx.send(e.clone());
-        })),
-    ) {
-        Ok(m) => Arc::new(m),
-        Err(e) => {
-            say(&writer, &Event::Error(e.to_string()), None);
-            return 1;
-        }
-    };
-    drop(mcfg);
-    // This thread, and the control and marker threads it starts below, are of the main kind.
-    // Fail closed: a VM whose main thread cannot be sealed never reports itself started.
-    if let Err(e) = seal::enter(ThreadKind::Main) {
-        machine.fail(e.to_string());
-        say(&writer, &Event::Error(e.to_string()), None);
-        return 1;
-    }
     // Every thread of the process is sealed (the machine's own before its vCPUs pass the gate,
     // the network link's before it was handed over): the guest may run.
     machine.release();
     say(&writer, &Event::Started, None);
-
-    // The boot marker, once it comes.
-    {
+    spawn_main_kind("vm-marker", {
         let (m, w) = (machine.clone(), writer.clone());
-        let _ = std::thread::Builder::new()
-            .name("vm-marker".into())
-            .spawn(move || {
-                seal::inherited(ThreadKind::Main);
-                if m.wait_boot_marker().is_some() {
-                    say(&w, &Event::Marker, None);
-                }
-            });
-    }
-    // Requests, until the service closes the socket (it is gone: stop).
-    {
+        move || {
+            if m.wait_boot_marker().is_some() {
+                say(&w, &Event::Marker, None);
+            }
+        }
+    });
+    spawn_main_kind("vm-control", {
         let (m, w) = (machine.clone(), writer.clone());
-        let _ = std::thread::Builder::new()
-            .name("vm-control".into())
-            .spawn(move || {
-                seal::inherited(ThreadKind::Main);
-                loop {
-                    match reader.read::<Request>() {
-                        Ok(Some(Request::Connect { port, timeout_ms })) => {
-                            connect(&m, &w, port, Duration::from_millis(timeout_ms))
-                        }
-                        Ok(Some(Request::Stop)) => {
-                            m.stop();
-                        }
-                        Ok(Some(Request::Fail { reason })) => {
-                            m.fail(reason);
-                        }
-                        Ok(Some(Request::Diagnostics)) => {
-                            say(&w, &Event::Diagnostics(m.vcpu_report()), None)
-                        }
-                        Ok(Some(Request::Snapshot { id, resume })) => {
-                            let result = snapshot(&m, &mut reader, resume);
-                            say(&w, &Event::Snapshot { id, result }, None)
-                        }
-                        Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {
-                            m.stop();
-                            return;
-                        }
-                    }
-                }
-            });
-    }
+        move || serve_requests(&mut reader, &m, &w)
+    });
     let exit = exit_rx
         .recv()
         .unwrap_or_else(|_| machine.exit().unwrap_or_else(|| machine.stop()));
     say(&writer, &exit_event(&exit), None);
     let _ = std::io::stderr().flush();
     0
+}
+
+/// Builds the machine `cfg` describes, held before its first instruction, with every thread
+/// of this process sealed; the machine and where its exit is told. The error is said to the
+/// service as it is.
+fn build(cfg: VmConfig) -> Result<(Arc<Machine>, mpsc::Receiver<MachineExit>), String> {
+    if cfg.version != control::VERSION {
+        return Err(format!(
+            "this sandbox-vm speaks control protocol {} and the service {}: install the \
+             sandbox-vm built with this sandbox-host (beside it, or SANDBOX_HOST_VM_BINARY)",
+            control::VERSION,
+            cfg.version
+        ));
+    }
+    // From here on each thread the machine starts applies its kind's filter before it runs
+    // (seal.rs): the network link's threads, started by `machine_config`, are the first.
+    seal::install().map_err(|e| e.to_string())?;
+    let mcfg = machine_config(cfg)?;
+    let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
+    let machine = Machine::start_held(
+        &mcfg,
+        Some(Box::new(move |e| {
+            let _ = exit_tx.send(e.clone());
+        })),
+    )
+    .map(Arc::new)
+    .map_err(|e| e.to_string())?;
+    drop(mcfg);
+    // This thread, and the control and marker threads it starts, are of the main kind. Fail
+    // closed: a VM whose main thread cannot be sealed never reports itself started.
+    if let Err(e) = seal::enter(ThreadKind::Main) {
+        machine.fail(e.to_string());
+        return Err(e.to_string());
+    }
+    Ok((machine, exit_rx))
+}
+
+/// A thread of the main kind (it inherits this thread's seal).
+fn spawn_main_kind(name: &str, f: impl FnOnce() + Send + 'static) {
+    let _ = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            seal::inherited(ThreadKind::Main);
+            f()
+        });
+}
+
+/// The service's requests, until it closes the socket (it is gone: the VM stops).
+fn serve_requests(reader: &mut control::Reader, m: &Machine, w: &Writer) {
+    loop {
+        match reader.read::<Request>() {
+            Ok(Some(Request::Connect { port, timeout_ms })) => {
+                connect(m, w, port, Duration::from_millis(timeout_ms))
+            }
+            Ok(Some(Request::Stop)) => {
+                m.stop();
+            }
+            Ok(Some(Request::Fail { reason })) => {
+                m.fail(reason);
+            }
+            Ok(Some(Request::Diagnostics)) => say(w, &Event::Diagnostics(m.vcpu_report()), None),
+            Ok(Some(Request::Snapshot { id, resume })) => {
+                let result = snapshot(m, reader, resume);
+                say(w, &Event::Snapshot { id, result }, None)
+            }
+            Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {
+                m.stop();
+                return;
+            }
+        }
+    }
 }

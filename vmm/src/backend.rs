@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// What to boot. Built by the caller from a sandbox's spec and its image.
@@ -117,64 +116,9 @@ pub struct VmExit {
     pub console: Vec<String>,
 }
 
-/// Why a VM could not be started.
-#[derive(Debug, Error)]
-pub enum VmError {
-    /// A program the backend needs is not installed.
-    #[error("{0}")]
-    MissingProgram(String),
-    /// The spec cannot be booted as given.
-    #[error("invalid VM spec: {0}")]
-    InvalidSpec(String),
-    /// The VMM could not be started.
-    #[error("starting the VM failed: {0}")]
-    Start(String),
-    /// The backend cannot do this (snapshots on QEMU).
-    #[error("{0}")]
-    Unsupported(String),
-    /// A snapshot could not be taken or restored.
-    #[error("{0}")]
-    Snapshot(String),
-    /// The VM ended before its agent channel was up.
-    #[error("the VM stopped while starting: {}{}", .0.reason, console_suffix(&.0.console))]
-    DiedEarly(VmExit),
-    /// Host I/O around the VM failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The failure.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl VmError {
-    /// An I/O error with what was being done.
-    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        VmError::Io {
-            context: context.into(),
-            source,
-        }
-    }
-}
-
-/// " Last console lines: a | b" when there are any.
-pub fn console_suffix(lines: &[String]) -> String {
-    let lines: Vec<&str> = lines
-        .iter()
-        .map(String::as_str)
-        .filter(|l| !l.trim().is_empty())
-        .collect();
-    if lines.is_empty() {
-        String::new()
-    } else {
-        format!(
-            ". Last console lines: {}",
-            lines[lines.len().saturating_sub(8)..].join(" | ")
-        )
-    }
-}
+pub use crate::error::{
+    MissingProgram, SpecError, Unsupported, VmError, VmSnapshotError, VmStartError, console_suffix,
+};
 
 /// A virtual machine backend.
 #[async_trait]
@@ -219,9 +163,7 @@ pub trait Vm: Send + Sync {
     /// runs on afterwards if `resume`, else stays paused until stopped.
     async fn snapshot(&self, resume: bool) -> Result<SnapshotDone, VmError> {
         let _ = resume;
-        Err(VmError::Unsupported(
-            "this backend cannot snapshot a VM".into(),
-        ))
+        Err(Unsupported::Snapshots.into())
     }
     /// From the backend's `start` to the guest's first instruction (the machine built and its
     /// vCPUs running): the VMM's own start-up cost, where the backend knows it (not QEMU).
@@ -260,8 +202,8 @@ pub(crate) fn prepare(spec: &VmSpec) -> Result<VmSpec, VmError> {
         if let Err(e) = made {
             let _ = std::fs::remove_dir_all(&spec.state_dir);
             return Err(match e {
-                crate::scratch::ScratchError::Size(_) => VmError::InvalidSpec(e.to_string()),
-                e => VmError::Start(e.to_string()),
+                crate::scratch::ScratchError::Size(_) => SpecError::DiskSize(e).into(),
+                e => VmStartError::Disk(e).into(),
             });
         }
         // The guest's init finds its writable layer by this serial.
@@ -278,26 +220,17 @@ pub(crate) fn prepare(spec: &VmSpec) -> Result<VmSpec, VmError> {
 /// Checks what every backend needs of a spec: vCPUs, memory, and files that exist.
 pub(crate) fn validate_spec(spec: &VmSpec) -> Result<(), VmError> {
     if spec.vcpus == 0 || spec.vcpus > 64 {
-        return Err(VmError::InvalidSpec(format!(
-            "vcpus must be 1 to 64, not {}",
-            spec.vcpus
-        )));
+        return Err(SpecError::Vcpus(spec.vcpus).into());
     }
     if spec.memory_mib < 128 {
-        return Err(VmError::InvalidSpec(format!(
-            "memory_mib must be at least 128, not {}",
-            spec.memory_mib
-        )));
+        return Err(SpecError::Memory(spec.memory_mib).into());
     }
     for p in std::iter::once(&spec.kernel)
         .chain(spec.initrd.iter())
         .chain(spec.disks.iter().map(|d| &d.path))
     {
         if !p.is_file() {
-            return Err(VmError::InvalidSpec(format!(
-                "{} does not exist",
-                p.display()
-            )));
+            return Err(SpecError::Missing(p.clone()).into());
         }
     }
     Ok(())
@@ -308,10 +241,7 @@ pub(crate) fn validate_spec(spec: &VmSpec) -> Result<(), VmError> {
 pub(crate) fn make_state_dir(dir: &Path) -> Result<(), VmError> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.exists() {
-        return Err(VmError::InvalidSpec(format!(
-            "the VM state directory {} already exists",
-            dir.display()
-        )));
+        return Err(SpecError::StateDirExists(dir.to_path_buf()).into());
     }
     std::fs::DirBuilder::new()
         .recursive(true)

@@ -47,13 +47,19 @@ pub const UNRESPONSIVE_DEFAULT: std::time::Duration = std::time::Duration::from_
 /// operator fixes in the compose file, not on the machine (the guide's fault table has both rows).
 pub fn no_kvm_device() -> &'static str {
     if std::env::var_os("SANDBOX_HOST_CONTAINER").is_some_and(|v| v == "1") {
-        "No /dev/kvm in this container: map the device into it (the sandbox-host service of \
-         docker-compose.yaml does, with devices: [/dev/kvm]), or run the sandbox host on a machine \
-         with KVM"
+        container_no_kvm()
     } else {
         "there is no /dev/kvm on this machine (no KVM: load kvm_intel or kvm_amd, or run on a host \
          with hardware virtualisation)"
     }
+}
+
+/// Why there is no KVM in our container: a sentence that says what to do, so QEMU's fallback
+/// warning adds no advice of its own to it.
+pub fn container_no_kvm() -> &'static str {
+    "No /dev/kvm in this container: map the device into it (the sandbox-host service of \
+     docker-compose.yaml does, with devices: [/dev/kvm]), or run the sandbox host on a machine \
+     with KVM"
 }
 
 /// `SANDBOX_HOST_UNRESPONSIVE_MS`: how long the guest agent may leave a ping unanswered before

@@ -8,6 +8,7 @@
 pub mod arch;
 pub mod backend;
 pub mod config;
+pub mod error;
 pub mod host;
 pub mod image;
 #[cfg(target_os = "linux")]

@@ -9,8 +9,133 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backend, VmSpec};
-use crate::image::{ImageStore, STOCK};
+use thiserror::Error;
+
+use crate::backend::{Backend, VmError, VmExit, VmSpec, VmStartError, console_suffix};
+use crate::image::{ImageError, ImageStore, STOCK};
+use sandbox_protocol::client::{Client, ClientError, ExecEvent};
+
+/// Why a backend is taken not to boot a guest here; `what` names the backend as the operator
+/// knows it ("the KVM backend", "QEMU with KVM").
+#[derive(Debug, Error)]
+pub enum ProbeError {
+    /// The stock image, which the probe boots, is not there.
+    #[error("{what} could not be checked: {source}")]
+    Image {
+        /// The backend.
+        what: &'static str,
+        /// Why the image is missing.
+        #[source]
+        source: ImageError,
+    },
+    /// The host's KVM cannot run a Linux kernel (a nested hypervisor that emulates it).
+    #[error("/dev/kvm cannot run a Linux guest here (KVM internal error: emulation failure)")]
+    Emulation,
+    /// `/dev/kvm` is missing (the sentence says how to get one).
+    #[error("{0}")]
+    NoDevice(&'static str),
+    /// `/dev/kvm` cannot be opened.
+    #[error("no usable /dev/kvm ({0})")]
+    Device(#[source] std::io::Error),
+    /// The backend refused to start the probe's VM.
+    #[error("{what} did not start a guest ({source})")]
+    Start {
+        /// The backend.
+        what: &'static str,
+        /// What it said.
+        #[source]
+        source: VmError,
+    },
+    /// The backend did not hand back a VM in time.
+    #[error("{what} did not boot a guest within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)")]
+    StartTimeout {
+        /// The backend.
+        what: &'static str,
+        /// The bound.
+        limit: Duration,
+    },
+    /// The guest's agent was not ready in time.
+    #[error("a {what} guest did not boot within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)")]
+    BootTimeout {
+        /// The backend.
+        what: &'static str,
+        /// The bound.
+        limit: Duration,
+    },
+    /// The guest ended before its agent was ready.
+    #[error("{what} could not boot a guest: {}{}", .exit.reason, console_suffix(&.exit.console))]
+    Stopped {
+        /// The backend.
+        what: &'static str,
+        /// How it ended.
+        exit: VmExit,
+    },
+    /// The agent channel failed while the VM ran on.
+    #[error("the {what} probe guest lost its channel ({source})")]
+    LostChannel {
+        /// The backend.
+        what: &'static str,
+        /// How the channel failed.
+        #[source]
+        source: ClientError,
+    },
+    /// `true` ran and failed.
+    #[error("`true` failed in the {what} probe guest: {status}")]
+    TrueFailed {
+        /// The backend.
+        what: &'static str,
+        /// Its status, as the agent gave it.
+        status: String,
+    },
+    /// `true` could not be run.
+    #[error("exec in the {what} probe guest failed: {source}")]
+    Exec {
+        /// The backend.
+        what: &'static str,
+        /// What the agent channel said.
+        #[source]
+        source: ClientError,
+    },
+    /// `true`'s output ended without its status.
+    #[error("exec in the {what} probe guest ended without a status")]
+    NoStatus {
+        /// The backend.
+        what: &'static str,
+    },
+    /// `true` did not finish in time.
+    #[error("`true` did not finish within {limit:?} in the {what} probe guest")]
+    TrueTimeout {
+        /// The backend.
+        what: &'static str,
+        /// The bound.
+        limit: Duration,
+    },
+    /// What an earlier probe on this host boot found (its sentence, from the record).
+    #[error("{0}")]
+    Remembered(String),
+}
+
+impl ProbeError {
+    /// Whether a loaded host, rather than a backend that cannot work, may be the cause: a
+    /// deadline passed. Such a result is not remembered; the next start tries again.
+    fn may_pass(&self) -> bool {
+        match self {
+            ProbeError::StartTimeout { .. }
+            | ProbeError::BootTimeout { .. }
+            | ProbeError::TrueTimeout { .. } => true,
+            ProbeError::Start {
+                source: VmError::Start(e),
+                ..
+            } => matches!(
+                e,
+                VmStartError::AgentRefused { .. }
+                    | VmStartError::BuildTimeout(_)
+                    | VmStartError::ConnectTimeout(_)
+            ),
+            _ => false,
+        }
+    }
+}
 
 /// How long a probe boot may take by default; a real KVM host needs well under a second, QEMU
 /// under TCG a few seconds.
@@ -44,14 +169,14 @@ struct ProbeRecord {
 /// the host's boot id, `extra` files (e.g. the QEMU binary), the image and our own binary.
 pub async fn boots_cached(
     backend: &dyn Backend,
-    what: &str,
+    what: &'static str,
     name: &str,
     extra: &[&Path],
     store: &ImageStore,
-) -> Result<(), String> {
+) -> Result<(), ProbeError> {
     let image = store
         .resolve(STOCK)
-        .map_err(|e| format!("{what} could not be checked: {e}"))?;
+        .map_err(|source| ProbeError::Image { what, source })?;
     let exe = std::env::current_exe().ok();
     let mut keyed: Vec<&Path> = extra.to_vec();
     keyed.push(&image.kernel);
@@ -70,18 +195,26 @@ pub async fn boots_cached(
         .ok()
         .and_then(|b| serde_json::from_slice::<ProbeRecord>(&b).ok());
     if let Some(r) = cached.filter(|r| r.key == key) {
-        return if r.ok { Ok(()) } else { Err(r.reason) };
+        return if r.ok {
+            Ok(())
+        } else {
+            Err(ProbeError::Remembered(r.reason))
+        };
     }
     let result = probe(backend, what, &image.kernel, image.initrd.clone()).await;
     // A timeout may be a loaded host rather than a backend that cannot work: the next start
     // tries again instead of living with it until the host reboots.
-    if result.as_ref().is_err_and(|e| e.contains(" within ")) {
+    if result.as_ref().is_err_and(ProbeError::may_pass) {
         return result;
     }
     let record = ProbeRecord {
         key,
         ok: result.is_ok(),
-        reason: result.clone().err().unwrap_or_default(),
+        reason: result
+            .as_ref()
+            .err()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
     };
     if let Some(dir) = record_path.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -97,9 +230,6 @@ pub async fn boots_cached(
     result
 }
 
-const EMULATION_FAILURE: &str =
-    "/dev/kvm cannot run a Linux guest here (KVM internal error: emulation failure)";
-
 fn emulation_failed(lines: &[String]) -> bool {
     lines
         .iter()
@@ -109,10 +239,10 @@ fn emulation_failed(lines: &[String]) -> bool {
 /// Boots the stock image once on `backend` and runs `true` in it.
 pub async fn probe(
     backend: &dyn Backend,
-    what: &str,
+    what: &'static str,
     kernel: &Path,
     initrd: Option<PathBuf>,
-) -> Result<(), String> {
+) -> Result<(), ProbeError> {
     let seq = PROBE_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let state_dir = crate::config::state_dir().join(format!(
         "probe-{}-{}-{seq}",
@@ -139,57 +269,46 @@ pub async fn probe(
     let started = Instant::now();
     let vm = match tokio::time::timeout(limit, backend.start(spec)).await {
         Ok(Ok(vm)) => vm,
-        Ok(Err(e)) => {
-            let text = e.to_string();
-            return Err(if text.contains("KVM internal error") {
-                EMULATION_FAILURE.to_string()
+        Ok(Err(source)) => {
+            return Err(if source.to_string().contains("KVM internal error") {
+                ProbeError::Emulation
             } else {
-                format!("{what} did not start a guest ({text})")
+                ProbeError::Start { what, source }
             });
         }
-        Err(_) => {
-            return Err(format!(
-                "{what} did not boot a guest within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)"
-            ));
-        }
+        Err(_) => return Err(ProbeError::StartTimeout { what, limit }),
     };
-    let client = sandbox_protocol::client::Client::new(vm.channel.read, vm.channel.write);
+    let client = Client::new(vm.channel.read, vm.channel.write);
     let vm = vm.vm;
     let outcome = loop {
         tokio::select! {
             r = client.wait_ready(Duration::from_millis(200)) => match r {
                 Ok(_) => break Ok(()),
-                Err(sandbox_protocol::client::ClientError::Timeout(_)) => {}
-                Err(e) => match tokio::time::timeout(Duration::from_secs(1), vm.wait()).await {
-                    Ok(exit) => break Err(stopped(what, &exit)),
-                    Err(_) => break Err(format!("the {what} probe guest lost its channel ({e})")),
+                Err(ClientError::Timeout(_)) => {}
+                Err(source) => match tokio::time::timeout(Duration::from_secs(1), vm.wait()).await {
+                    Ok(exit) => break Err(ProbeError::Stopped { what, exit }),
+                    Err(_) => break Err(ProbeError::LostChannel { what, source }),
                 },
             },
-            exit = vm.wait() => break Err(stopped(what, &exit)),
+            exit = vm.wait() => break Err(ProbeError::Stopped { what, exit }),
         }
         if emulation_failed(&vm.console_tail(50)) {
-            break Err(EMULATION_FAILURE.into());
+            break Err(ProbeError::Emulation);
         }
         if started.elapsed() > limit {
-            break Err(format!(
-                "a {what} guest did not boot within {limit:?} (SANDBOX_HOST_PROBE_TIMEOUT_S)"
-            ));
+            break Err(ProbeError::BootTimeout { what, limit });
         }
     };
     let outcome = match outcome {
         Ok(()) => tokio::time::timeout(limit, run_true(&client, what))
             .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "`true` did not finish within {limit:?} in the {what} probe guest"
-                ))
-            }),
+            .unwrap_or(Err(ProbeError::TrueTimeout { what, limit })),
         Err(e) => Err(e),
     };
     // Whatever went wrong, an emulation failure in the console is the real reason.
     let outcome = outcome.map_err(|why| {
         if emulation_failed(&vm.console_tail(50)) {
-            EMULATION_FAILURE.to_string()
+            ProbeError::Emulation
         } else {
             why
         }
@@ -198,7 +317,7 @@ pub async fn probe(
     outcome
 }
 
-async fn run_true(client: &sandbox_protocol::client::Client, what: &str) -> Result<(), String> {
+async fn run_true(client: &Client, what: &'static str) -> Result<(), ProbeError> {
     let req = sandbox_protocol::message::ExecRequest {
         argv: Some(vec!["true".into()]),
         cwd: Some("/".into()),
@@ -207,33 +326,20 @@ async fn run_true(client: &sandbox_protocol::client::Client, what: &str) -> Resu
     match client.exec(&req).await {
         Ok(mut e) => loop {
             match e.output.next().await {
-                Some(Ok(sandbox_protocol::client::ExecEvent::Exit(s)))
-                    if s.exit_code == Some(0) =>
-                {
-                    break Ok(());
-                }
-                Some(Ok(sandbox_protocol::client::ExecEvent::Exit(s))) => {
-                    break Err(format!("`true` failed in the {what} probe guest: {s:?}"));
+                Some(Ok(ExecEvent::Exit(s))) if s.exit_code == Some(0) => break Ok(()),
+                Some(Ok(ExecEvent::Exit(s))) => {
+                    break Err(ProbeError::TrueFailed {
+                        what,
+                        status: format!("{s:?}"),
+                    });
                 }
                 Some(Ok(_)) => {}
-                Some(Err(e)) => break Err(format!("exec in the {what} probe guest failed: {e}")),
-                None => {
-                    break Err(format!(
-                        "exec in the {what} probe guest ended without a status"
-                    ));
-                }
+                Some(Err(source)) => break Err(ProbeError::Exec { what, source }),
+                None => break Err(ProbeError::NoStatus { what }),
             }
         },
-        Err(e) => Err(format!("exec in the {what} probe guest failed: {e}")),
+        Err(source) => Err(ProbeError::Exec { what, source }),
     }
-}
-
-fn stopped(what: &str, exit: &crate::backend::VmExit) -> String {
-    format!(
-        "{what} could not boot a guest: {}{}",
-        exit.reason,
-        crate::backend::console_suffix(&exit.console)
-    )
 }
 
 fn probe_key(paths: &[&Path]) -> u64 {

@@ -18,7 +18,7 @@ use sandbox_control::console::ConsoleLog;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::watch;
 
-use crate::backend::{VmError, VmExit};
+use crate::backend::{VmError, VmExit, VmStartError};
 
 /// Console lines kept in an exit.
 pub const EXIT_CONSOLE_LINES: usize = 20;
@@ -100,10 +100,8 @@ impl Supervised {
         let jailer = sandbox_jail::global();
         let jailed = tokio::task::spawn_blocking(move || jailer.spawn(cmd))
             .await
-            .map_err(|e| VmError::Start(format!("the jail's spawner failed: {e}")))?
-            .map_err(|e| {
-                VmError::Start(format!("cannot run {} in its jail: {e}", program.display()))
-            })?;
+            .map_err(VmStartError::Spawner)?
+            .map_err(|source| VmStartError::Jail { program, source })?;
         let jailed = Arc::new(jailed);
         let console = Arc::new(Mutex::new(ConsoleLog::default()));
         for (fd, prefix) in outputs {

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use sandbox_protocol::client::ExecEvent;
+use sandbox_protocol::client::{ClientError, ExecEvent};
 use sandbox_protocol::message::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
@@ -18,7 +18,7 @@ use serde_json::json;
 use super::{ApiJson, SandboxId, channel_body};
 use crate::error::ApiError;
 use crate::json::{integral_present, present};
-use crate::registry::count;
+use crate::registry::{SandboxEntry, count};
 use crate::state::AppState;
 
 pub fn router() -> Router<AppState> {
@@ -50,6 +50,76 @@ fn line(v: &serde_json::Value) -> Vec<u8> {
     b
 }
 
+impl ExecBody {
+    /// Refuses a body the agent would not run (what to run given twice or not at all, a
+    /// relative `cwd`); the stdin it carries, decoded.
+    fn check(&self) -> Result<Option<Vec<u8>>, ApiError> {
+        match (&self.argv, &self.command) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::BadRequest(
+                    "give either argv or command, not both".into(),
+                ));
+            }
+            (None, None) => {
+                return Err(ApiError::BadRequest(
+                    "give argv (a list) or command (a shell string)".into(),
+                ));
+            }
+            (Some(a), None) if a.is_empty() => {
+                return Err(ApiError::BadRequest("argv is empty".into()));
+            }
+            _ => {}
+        }
+        if let Some(cwd) = &self.cwd
+            && !cwd.starts_with('/')
+        {
+            return Err(ApiError::BadRequest(format!(
+                "cwd `{cwd}` is not an absolute path"
+            )));
+        }
+        match &self.stdin {
+            Some(s) => B64
+                .decode(s)
+                .map(Some)
+                .map_err(|e| ApiError::BadRequest(format!("stdin is not valid base64: {e}"))),
+            None => Ok(None),
+        }
+    }
+}
+
+/// The NDJSON line of one event of the process (its output counted as it passes).
+async fn event_line(
+    ev: Result<ExecEvent, ClientError>,
+    entry: &SandboxEntry,
+    state: &AppState,
+) -> Vec<u8> {
+    match ev {
+        Ok(ExecEvent::Stdout(b)) => {
+            count(
+                &entry.counters.bytes_out,
+                &state.metrics().bytes_out,
+                b.len() as u64,
+            );
+            line(&json!({ "stdout": B64.encode(&b) }))
+        }
+        Ok(ExecEvent::Stderr(b)) => {
+            count(
+                &entry.counters.bytes_out,
+                &state.metrics().bytes_out,
+                b.len() as u64,
+            );
+            line(&json!({ "stderr": B64.encode(&b) }))
+        }
+        Ok(ExecEvent::Exit(s)) => line(&json!({
+            "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
+        })),
+        Err(e) => {
+            let err = entry.explain(e).await;
+            line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }))
+        }
+    }
+}
+
 async fn exec(
     State(state): State<AppState>,
     SandboxId(id): SandboxId,
@@ -59,36 +129,7 @@ async fn exec(
     let entry = state.registry().get(&id)?;
     let _entered = entry.enter()?;
     let ApiJson(body) = body?;
-    match (&body.argv, &body.command) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::BadRequest(
-                "give either argv or command, not both".into(),
-            ));
-        }
-        (None, None) => {
-            return Err(ApiError::BadRequest(
-                "give argv (a list) or command (a shell string)".into(),
-            ));
-        }
-        (Some(a), None) if a.is_empty() => {
-            return Err(ApiError::BadRequest("argv is empty".into()));
-        }
-        _ => {}
-    }
-    if let Some(cwd) = &body.cwd
-        && !cwd.starts_with('/')
-    {
-        return Err(ApiError::BadRequest(format!(
-            "cwd `{cwd}` is not an absolute path"
-        )));
-    }
-    let stdin = match &body.stdin {
-        Some(s) => Some(
-            B64.decode(s)
-                .map_err(|e| ApiError::BadRequest(format!("stdin is not valid base64: {e}")))?,
-        ),
-        None => None,
-    };
+    let stdin = body.check()?;
     let mut env = entry.env.clone();
     env.extend(body.env);
     let req = ExecRequest {
@@ -120,31 +161,7 @@ async fn exec(
     tokio::spawn(async move {
         let _busy = busy;
         while let Some(ev) = output.next().await {
-            let l = match ev {
-                Ok(ExecEvent::Stdout(b)) => {
-                    count(
-                        &entry.counters.bytes_out,
-                        &state.metrics().bytes_out,
-                        b.len() as u64,
-                    );
-                    line(&json!({ "stdout": B64.encode(&b) }))
-                }
-                Ok(ExecEvent::Stderr(b)) => {
-                    count(
-                        &entry.counters.bytes_out,
-                        &state.metrics().bytes_out,
-                        b.len() as u64,
-                    );
-                    line(&json!({ "stderr": B64.encode(&b) }))
-                }
-                Ok(ExecEvent::Exit(s)) => line(&json!({
-                    "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
-                })),
-                Err(e) => {
-                    let err = entry.explain(e).await;
-                    line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }))
-                }
-            };
+            let l = event_line(ev, &entry, &state).await;
             // A client that went away drops the receiver; dropping `output` then kills the process.
             if tx.send(Ok(l)).await.is_err() {
                 return;

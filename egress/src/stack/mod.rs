@@ -189,6 +189,103 @@ struct Conn {
     _memory: crate::memory::Hold,
 }
 
+impl Conn {
+    /// What the connection's task asked for: a reset, or the handshake's answer. True if it
+    /// changed the socket.
+    fn apply_ctl(&mut self, socket: &mut tcp::Socket) -> bool {
+        match self.ctl.get() {
+            Ctl::ABORT if !self.aborted => {
+                self.aborted = true;
+                socket.abort();
+                true
+            }
+            Ctl::ACCEPT | Ctl::RUNNING if !self.accepted => {
+                self.accepted = true;
+                socket.pause_synack(false);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The guest's bytes to the task, as far as its channel has room; EOF once the guest
+    /// closed its side and everything it sent is passed on. True if anything moved.
+    fn guest_to_task(&mut self, socket: &mut tcp::Socket) -> bool {
+        let mut moved = false;
+        while socket.can_recv() {
+            let Some(tx) = &self.to_task else { break };
+            let Ok(permit) = tx.try_reserve() else { break };
+            let chunk = socket.recv(|b| {
+                let n = b.len().min(CHUNK);
+                (n, b[..n].to_vec())
+            });
+            match chunk {
+                Ok(chunk) if !chunk.is_empty() => {
+                    tracing::trace!(len = chunk.len(), "egress: guest -> task");
+                    permit.send(chunk);
+                    moved = true;
+                }
+                _ => break,
+            }
+        }
+        let guest_done = matches!(
+            socket.state(),
+            tcp::State::CloseWait
+                | tcp::State::LastAck
+                | tcp::State::Closing
+                | tcp::State::TimeWait
+                | tcp::State::Closed
+        );
+        if self.to_task.is_some() && guest_done && !socket.can_recv() {
+            self.to_task = None; // the guest closed its side: EOF to the task
+            moved = true;
+        }
+        moved
+    }
+
+    /// The task's bytes to the guest, as far as the socket's buffer has room; a FIN after
+    /// them once the task is done. True if anything moved.
+    fn task_to_guest(&mut self, socket: &mut tcp::Socket) -> bool {
+        let mut moved = false;
+        loop {
+            if !self.pending.is_empty() {
+                if !socket.can_send() {
+                    break;
+                }
+                match socket.send_slice(&self.pending) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        self.pending.drain(..n);
+                        moved = true;
+                    }
+                }
+                if !self.pending.is_empty() {
+                    break;
+                }
+            }
+            match self.from_task.try_recv() {
+                Ok(chunk) => {
+                    self.pending = chunk;
+                    moved = true;
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    if !self.task_done {
+                        self.task_done = true;
+                        self.task_done_at = Some(Instant::now());
+                        if !self.aborted && socket.may_send() {
+                            socket.close(); // FIN after what is queued
+                        }
+                        moved = true;
+                    }
+                    break;
+                }
+            }
+        }
+        moved
+    }
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
         self.task.abort();
@@ -457,84 +554,9 @@ impl Stack {
         let linger = self.limits.linger;
         for (handle, c) in &mut self.conns {
             let socket = self.sockets.get_mut::<tcp::Socket>(*handle);
-            match c.ctl.get() {
-                Ctl::ABORT if !c.aborted => {
-                    c.aborted = true;
-                    socket.abort();
-                    moved = true;
-                }
-                Ctl::ACCEPT | Ctl::RUNNING if !c.accepted => {
-                    c.accepted = true;
-                    socket.pause_synack(false);
-                    moved = true;
-                }
-                _ => {}
-            }
-            // Guest -> task.
-            while socket.can_recv() {
-                let Some(tx) = &c.to_task else { break };
-                let Ok(permit) = tx.try_reserve() else { break };
-                let chunk = socket.recv(|b| {
-                    let n = b.len().min(CHUNK);
-                    (n, b[..n].to_vec())
-                });
-                match chunk {
-                    Ok(chunk) if !chunk.is_empty() => {
-                        tracing::trace!(len = chunk.len(), "egress: guest -> task");
-                        permit.send(chunk);
-                        moved = true;
-                    }
-                    _ => break,
-                }
-            }
-            let guest_done = matches!(
-                socket.state(),
-                tcp::State::CloseWait
-                    | tcp::State::LastAck
-                    | tcp::State::Closing
-                    | tcp::State::TimeWait
-                    | tcp::State::Closed
-            );
-            if c.to_task.is_some() && guest_done && !socket.can_recv() {
-                c.to_task = None; // the guest closed its side: EOF to the task
-                moved = true;
-            }
-            // Task -> guest.
-            loop {
-                if !c.pending.is_empty() {
-                    if !socket.can_send() {
-                        break;
-                    }
-                    match socket.send_slice(&c.pending) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => {
-                            c.pending.drain(..n);
-                            moved = true;
-                        }
-                    }
-                    if !c.pending.is_empty() {
-                        break;
-                    }
-                }
-                match c.from_task.try_recv() {
-                    Ok(chunk) => {
-                        c.pending = chunk;
-                        moved = true;
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        if !c.task_done {
-                            c.task_done = true;
-                            c.task_done_at = Some(Instant::now());
-                            if !c.aborted && socket.may_send() {
-                                socket.close(); // FIN after what is queued
-                            }
-                            moved = true;
-                        }
-                        break;
-                    }
-                }
-            }
+            moved |= c.apply_ctl(socket);
+            moved |= c.guest_to_task(socket);
+            moved |= c.task_to_guest(socket);
             let state = socket.state();
             tracing::trace!(
                 ?state,

@@ -6,7 +6,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
 use sandbox_protocol::Kind;
@@ -23,6 +23,7 @@ const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin
 /// (a process that left the group with `setsid` can hold them open forever).
 const DRAIN_AFTER_KILL: Duration = Duration::from_secs(5);
 
+/// Runs `req` to its end: its output streamed as it comes, its exit status last.
 pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     let mut cmd = match command(&req) {
         Ok(c) => c,
@@ -43,28 +44,10 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     if ctx.cancelled.load(Ordering::SeqCst) {
         kill_group(pgid, libc::SIGKILL);
     }
-
-    let upload = ctx.take_upload();
-    if let (Some(mut stdin), Some(mut upload)) = (child.stdin.take(), upload) {
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 64 * 1024];
-            let mut open = true;
-            loop {
-                let n = match upload.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                // Once the process stops reading, keep draining so the host is never stuck.
-                if open && stdin.write_all(&buf[..n]).is_err() {
-                    open = false;
-                }
-            }
-        });
+    if let (Some(stdin), Some(upload)) = (child.stdin.take(), ctx.take_upload()) {
+        std::thread::spawn(move || feed_stdin(stdin, upload));
     }
-
-    let (done_tx, done_rx) = channel::<()>();
-    let mut pumps = 0;
-    for (pipe, kind) in [
+    let outputs = [
         (
             child
                 .stdout
@@ -79,7 +62,51 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
                 .map(|p| Box::new(p) as Box<dyn Read + Send>),
             Kind::Stderr,
         ),
-    ] {
+    ];
+    let (done_rx, pumps) = start_pumps(&ctx, outputs);
+    let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
+    let (status, timed_out) = wait_status(&status_rx, deadline, pgid);
+    let duration_ms = started.elapsed().as_millis() as u64;
+    drain(&done_rx, pumps, deadline, timed_out, pgid);
+    let (exit_code, signal) = match status {
+        Some(Status::Exited(c)) => (Some(c), None),
+        Some(Status::Signaled(s)) => (None, Some(s)),
+        None => (None, None),
+    };
+    let exit = ExitStatus {
+        exit_code,
+        signal,
+        timed_out,
+        duration_ms,
+    };
+    ctx.out.send_json(Kind::Exit, ctx.id, &exit);
+}
+
+/// Copies the host's stdin stream into the process; once the process stops reading, keeps
+/// draining it so the host is never stuck.
+fn feed_stdin(mut stdin: impl Write, mut upload: impl Read) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut open = true;
+    loop {
+        let n = match upload.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if open && stdin.write_all(&buf[..n]).is_err() {
+            open = false;
+        }
+    }
+}
+
+/// A thread per output pipe, each streaming it under the window; what each says when its pipe
+/// is done, and how many there are.
+fn start_pumps(
+    ctx: &StreamCtx,
+    outputs: [(Option<Box<dyn Read + Send>>, Kind); 2],
+) -> (Receiver<()>, usize) {
+    let (done_tx, done_rx) = channel::<()>();
+    let mut pumps = 0;
+    for (pipe, kind) in outputs {
         if let Some(pipe) = pipe {
             let dl = Download::new(ctx.out.clone(), ctx.id, kind, ctx.credit.clone());
             let done = done_tx.clone();
@@ -90,11 +117,17 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
             pumps += 1;
         }
     }
-    drop(done_tx);
+    (done_rx, pumps)
+}
 
-    let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
+/// The process's status, and whether its timeout killed its group first.
+fn wait_status(
+    status_rx: &Receiver<Status>,
+    deadline: Option<Instant>,
+    pgid: i32,
+) -> (Option<Status>, bool) {
     let mut timed_out = false;
-    let status = loop {
+    loop {
         let r = match deadline {
             // Killed: its status follows at once (a process stuck in the kernel gets a bound).
             _ if timed_out => status_rx.recv_timeout(DRAIN_AFTER_KILL),
@@ -102,18 +135,25 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
             None => status_rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };
         match r {
-            Ok(s) => break Some(s),
+            Ok(s) => return (Some(s), timed_out),
             Err(RecvTimeoutError::Timeout) if !timed_out => {
                 timed_out = true;
                 kill_group(pgid, libc::SIGKILL);
             }
-            Err(_) => break None,
+            Err(_) => return (None, timed_out),
         }
-    };
-    let duration_ms = started.elapsed().as_millis() as u64;
+    }
+}
 
-    // Output is complete when every writer of the pipes is gone. Processes left in the group
-    // keep them open (as with ssh); the timeout, if any, still applies to them.
+/// Waits for the output to be complete: every writer of the pipes gone. Processes left in the
+/// group keep them open (as with ssh); the timeout, if any, still applies to them.
+fn drain(
+    done_rx: &Receiver<()>,
+    mut pumps: usize,
+    deadline: Option<Instant>,
+    timed_out: bool,
+    pgid: i32,
+) {
     let mut killed_at: Option<Instant> = timed_out.then(Instant::now);
     while pumps > 0 {
         let wait = match (killed_at, deadline) {
@@ -132,19 +172,6 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
             Err(_) => break,
         }
     }
-
-    let (exit_code, signal) = match status {
-        Some(Status::Exited(c)) => (Some(c), None),
-        Some(Status::Signaled(s)) => (None, Some(s)),
-        None => (None, None),
-    };
-    let exit = ExitStatus {
-        exit_code,
-        signal,
-        timed_out,
-        duration_ms,
-    };
-    ctx.out.send_json(Kind::Exit, ctx.id, &exit);
 }
 
 fn pump(mut pipe: Box<dyn Read + Send>, mut dl: Download) {

@@ -40,48 +40,8 @@ pub(super) fn run_once(
     stats.exits.fetch_add(1, Ordering::Relaxed);
     stats.last.store(exit_kind(&exit), Ordering::Relaxed);
     match exit {
-        Ok(VcpuExit::IoOut(port, data)) => match port {
-            p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
-                if let Some(&b) = data.first() {
-                    let _ = console
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .write((p - serial::COM1_BASE) as u8, b);
-                }
-            }
-            // i8042 command 0xFE: pulse the reset line.
-            0x64 if data.first() == Some(&0xfe) => {
-                shared.end(
-                    "the guest powered off or restarted (i8042 reset)".into(),
-                    true,
-                    false,
-                );
-            }
-            BootMarker::PORT => {
-                if let Some(&b) = data.first()
-                    && shared.marker.write(b)
-                {
-                    // Under the lock its waiters check the mark with: none misses it.
-                    let _held = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
-                    shared.ended.notify_all();
-                }
-            }
-            _ => {}
-        },
-        Ok(VcpuExit::IoIn(port, data)) => {
-            let v = match port {
-                p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
-                    console
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .read((p - serial::COM1_BASE) as u8)
-                }
-                // i8042 status: no data, input buffer empty.
-                0x64 | 0x60 => 0,
-                _ => 0xff,
-            };
-            data.fill(v);
-        }
+        Ok(VcpuExit::IoOut(port, data)) => port_write(port, data, shared, console),
+        Ok(VcpuExit::IoIn(port, data)) => data.fill(port_read(port, console)),
         Ok(VcpuExit::MmioRead(addr, data)) => match find(addr) {
             Some((base, dev)) => dev
                 .lock()
@@ -97,21 +57,14 @@ pub(super) fn run_once(
             }
         }
         Ok(VcpuExit::Hlt) => shared.end("the guest halted".into(), true, false),
-        Ok(VcpuExit::Shutdown) => {
-            // Where the vCPU was helps tell a reboot (reboot=t) from a crash early in boot.
-            let at = match (vcpu.get_regs(), vcpu.get_sregs()) {
-                (Ok(r), Ok(s)) => format!(
-                    " on vCPU {id} at rip {:#x}, cr0 {:#x}, cr3 {:#x}, cr4 {:#x}",
-                    r.rip, s.cr0, s.cr3, s.cr4
-                ),
-                _ => String::new(),
-            };
-            shared.end(
-                format!("the guest powered off or restarted (triple fault{at})"),
-                true,
-                false,
-            )
-        }
+        Ok(VcpuExit::Shutdown) => shared.end(
+            format!(
+                "the guest powered off or restarted (triple fault{})",
+                where_it_was(vcpu, id)
+            ),
+            true,
+            false,
+        ),
         Ok(VcpuExit::SystemEvent(kind, _)) => {
             shared.end(format!("the guest sent system event {kind}"), true, false)
         }
@@ -134,6 +87,65 @@ pub(super) fn run_once(
         Err(e) => shared.end(format!("KVM_RUN failed on vCPU {id}: {e}"), false, false),
     }
     false
+}
+
+/// A guest's write to an I/O port: the serial console, the i8042's reset line, the boot marker;
+/// every other port ignores it.
+fn port_write(port: u16, data: &[u8], shared: &Shared, console: &Mutex<serial::Console>) {
+    match port {
+        p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => {
+            if let Some(&b) = data.first() {
+                let _ = console
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .write((p - serial::COM1_BASE) as u8, b);
+            }
+        }
+        // i8042 command 0xFE: pulse the reset line.
+        0x64 if data.first() == Some(&0xfe) => {
+            shared.end(
+                "the guest powered off or restarted (i8042 reset)".into(),
+                true,
+                false,
+            );
+        }
+        BootMarker::PORT => {
+            if let Some(&b) = data.first()
+                && shared.marker.write(b)
+            {
+                // Under the lock its waiters check the mark with: none misses it.
+                let _held = shared.exit.lock().unwrap_or_else(|e| e.into_inner());
+                shared.ended.notify_all();
+            }
+        }
+        _ => {}
+    }
+}
+
+/// What a guest reads from an I/O port: the serial console's registers, an i8042 with nothing
+/// to say, all ones elsewhere.
+fn port_read(port: u16, console: &Mutex<serial::Console>) -> u8 {
+    match port {
+        p if (serial::COM1_BASE..serial::COM1_BASE + serial::COM1_LEN).contains(&p) => console
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .read((p - serial::COM1_BASE) as u8),
+        // i8042 status: no data, input buffer empty.
+        0x64 | 0x60 => 0,
+        _ => 0xff,
+    }
+}
+
+/// Where a vCPU was when the guest shut down: it tells a reboot (reboot=t) from a crash early
+/// in boot.
+fn where_it_was(vcpu: &VcpuFd, id: usize) -> String {
+    match (vcpu.get_regs(), vcpu.get_sregs()) {
+        (Ok(r), Ok(s)) => format!(
+            " on vCPU {id} at rip {:#x}, cr0 {:#x}, cr3 {:#x}, cr4 {:#x}",
+            r.rip, s.cr0, s.cr3, s.cr4
+        ),
+        _ => String::new(),
+    }
 }
 
 /// The most exits a vCPU handles while it completes its last one for a pause.

@@ -6,17 +6,18 @@ use async_trait::async_trait;
 use thiserror::Error;
 
 use super::guest::{AGENT_PORT, GUEST_CID, kernel_cmdline};
-use crate::backend::{Backend, StartedVm, VmError, VmSpec, validate_spec};
+use crate::backend::{Backend, MissingProgram, StartedVm, VmError, VmSpec, validate_spec};
+use crate::probe::ProbeError;
 
 /// Why the KVM backend cannot be used on this host; each says what to do about it.
 #[derive(Debug, Error)]
 pub enum KvmUnusable {
     /// There is no `/dev/kvm` (the sentence says how to get one, for this host or container).
     #[error("{0}")]
-    NoDevice(String),
+    NoDevice(&'static str),
     /// `/dev/kvm` exists but this user may not open it (the sentence says how to allow it).
     #[error("{0}")]
-    NoAccess(String),
+    NoAccess(&'static str),
     /// `/dev/kvm` could not be opened for another reason.
     #[error("/dev/kvm cannot be opened: {0}")]
     Open(#[source] kvm_ioctls::Error),
@@ -24,11 +25,11 @@ pub enum KvmUnusable {
     #[error("the host's KVM lacks {0}")]
     Lacks(&'static str),
     /// The VM program is not where the service looks for it.
-    #[error("{0}")]
-    NoVmProgram(String),
-    /// The stock image did not boot on it (the probe's sentence).
-    #[error("{0}")]
-    DoesNotBoot(String),
+    #[error(transparent)]
+    NoVmProgram(#[from] MissingProgram),
+    /// The stock image did not boot on it.
+    #[error(transparent)]
+    DoesNotBoot(#[from] ProbeError),
 }
 
 /// The KVM backend.
@@ -45,7 +46,7 @@ impl KvmBackend {
     /// the host's KVM can run Linux; [`probe`] does.
     pub fn new() -> Result<KvmBackend, KvmUnusable> {
         check_kvm()?;
-        super::process::vm_binary().map_err(KvmUnusable::NoVmProgram)?;
+        super::process::vm_binary()?;
         Ok(KvmBackend::default())
     }
 
@@ -60,7 +61,7 @@ impl KvmBackend {
 
 /// Why this user may not open /dev/kvm, and the fix that applies here: a device left to root
 /// alone needs a group first (Debian's udev rule makes it `root:kvm`, 0660).
-fn kvm_access_hint() -> String {
+fn kvm_access_hint() -> &'static str {
     use std::os::unix::fs::MetadataExt;
     let group_only_root = std::fs::metadata("/dev/kvm")
         .map(|m| m.gid() == 0 && m.mode() & 0o060 == 0)
@@ -69,9 +70,8 @@ fn kvm_access_hint() -> String {
         "/dev/kvm exists but only root may open it: give it to the kvm group (chgrp kvm /dev/kvm; \
          chmod 0660 /dev/kvm, or the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0660\") and add \
          this user to that group"
-            .to_string()
     } else {
-        "/dev/kvm exists but this user may not open it (add the user to the kvm group)".to_string()
+        "/dev/kvm exists but this user may not open it (add the user to the kvm group)"
     }
 }
 
@@ -79,7 +79,7 @@ fn kvm_access_hint() -> String {
 fn check_kvm() -> Result<(), KvmUnusable> {
     {
         let kvm = kvm_ioctls::Kvm::new().map_err(|e| match e.errno() {
-            libc::ENOENT => KvmUnusable::NoDevice(crate::config::no_kvm_device().to_string()),
+            libc::ENOENT => KvmUnusable::NoDevice(crate::config::no_kvm_device()),
             libc::EACCES | libc::EPERM => KvmUnusable::NoAccess(kvm_access_hint()),
             _ => KvmUnusable::Open(e),
         })?;

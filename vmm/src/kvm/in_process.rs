@@ -11,7 +11,7 @@ use sandbox_vm::machine::{DiskConfig, Machine, MachineConfig, MachineExit};
 use tokio::sync::{oneshot, watch};
 
 use super::guest::{AGENT_PORT, GUEST_CID, kernel_cmdline};
-use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSnapshotError, VmSpec, VmStartError};
 use crate::supervised::{EXIT_CONSOLE_LINES, remove_state_dir, unknown_exit};
 
 /// How long a guest gets from start to listening on the agent port.
@@ -37,7 +37,7 @@ pub(super) async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
                 devices: 1 + spec.disks.len() + usize::from(spec.net.is_some()),
             };
             let state = sandbox_vm::snapshot::MachineState::read_from(&state, &expect)
-                .map_err(|e| VmError::Snapshot(e.to_string()))?;
+                .map_err(VmSnapshotError::Machine)?;
             Some(sandbox_vm::machine::Restore {
                 state: Arc::new(state),
                 memory: files.memory.clone().into(),
@@ -85,8 +85,8 @@ pub(super) async fn start(spec: &VmSpec) -> Result<StartedVm, VmError> {
     });
     let machine = tokio::task::spawn_blocking(move || Machine::start(&cfg, Some(on_exit)))
         .await
-        .map_err(|e| VmError::Start(format!("the VM start task failed: {e}")))?
-        .map_err(|e| VmError::Start(e.to_string()))?;
+        .map_err(VmStartError::Task)?
+        .map_err(VmStartError::Machine)?;
     let vmm_start = t0.elapsed();
     let machine = Arc::new(machine);
     let vm = KvmVm {
@@ -137,10 +137,12 @@ async fn connect(
                         Some(e) => e.to_string(),
                         None => "the guest's vsock driver never came up, or its kernel never answered".into(),
                     };
-                    return Err(VmError::Start(format!(
-                        "the guest agent did not accept the host's connection within {within:?}: {why}{}",
-                        crate::backend::console_suffix(&machine.console_tail(8))
-                    )));
+                    return Err(VmStartError::AgentRefused {
+                        within,
+                        why,
+                        console: machine.console_tail(8),
+                    }
+                    .into());
                 }
             },
             e = exit.wait_for(|e| e.is_some()) => {
@@ -162,10 +164,12 @@ async fn connect(
                 refusals += 1;
             }
             Err(e) => {
-                return Err(VmError::Start(format!(
-                    "the guest agent did not accept the host's connection within {within:?}: {e}{}",
-                    crate::backend::console_suffix(&machine.console_tail(8))
-                )));
+                return Err(VmStartError::AgentRefused {
+                    within,
+                    why: e.to_string(),
+                    console: machine.console_tail(8),
+                }
+                .into());
             }
         }
     }
@@ -227,31 +231,28 @@ impl Vm for KvmVm {
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
         let Some(files) = self.snapshot_to.clone() else {
-            return Err(VmError::Snapshot(
-                "this VM was started without snapshot files".into(),
-            ));
+            return Err(VmSnapshotError::NoFiles.into());
         };
         let m = self.machine.clone();
         let memory_mib = self.memory_mib;
-        tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let state_file = |what| move |source| VmSnapshotError::StateFile { what, source };
+        tokio::task::spawn_blocking(move || -> Result<_, VmSnapshotError> {
             let (state, memory) = (&files.0, &files.1);
-            sandbox_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)
-                .map_err(|e| e.to_string())?;
+            sandbox_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)?;
             state
                 .set_len(0)
                 .and_then(|()| std::io::Seek::seek(&mut &*state, std::io::SeekFrom::Start(0)))
-                .map_err(|e| format!("emptying the state file: {e}"))?;
-            let done = m
-                .pause_and_snapshot(&mut &*state, memory, resume)
-                .map_err(|e| e.to_string())?;
-            state
-                .sync_data()
-                .map_err(|e| format!("syncing the state file: {e}"))?;
+                .map_err(state_file("emptying"))?;
+            let done = m.pause_and_snapshot(&mut &*state, memory, resume)?;
+            state.sync_data().map_err(state_file("syncing"))?;
             Ok(done)
         })
         .await
-        .map_err(|e| VmError::Snapshot(format!("the snapshot task failed: {e}")))?
-        .map_err(VmError::Snapshot)
+        .map_err(|source| VmSnapshotError::Task {
+            what: "the snapshot task failed",
+            source,
+        })?
+        .map_err(VmError::from)
     }
 
     async fn diagnostics(&self) -> String {

@@ -13,7 +13,10 @@ use tokio::sync::watch;
 
 use super::control::{Control, Learned, read_events, told};
 use super::judge::ProcessEnd;
-use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{
+    MissingProgram, SpecError, StartedVm, Vm, VmError, VmExit, VmSnapshotError, VmSpec,
+    VmStartError,
+};
 use crate::supervised::{Spawn, Supervised, pipe};
 use sandbox_control::link::NetLink;
 use sandbox_control::vm::{self as control, DiskFd, NetFd, Request, SnapshotFds, VmConfig};
@@ -35,22 +38,16 @@ const STATE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where `sandbox-vm` is: `SANDBOX_HOST_VM_BINARY`, else beside this program (or one directory
 /// up, for cargo's test binaries in `deps/`).
-pub fn vm_binary() -> Result<PathBuf, String> {
+pub fn vm_binary() -> Result<PathBuf, MissingProgram> {
     if let Some(p) = std::env::var_os("SANDBOX_HOST_VM_BINARY").filter(|p| !p.is_empty()) {
         return Ok(PathBuf::from(p));
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let exe = std::env::current_exe().map_err(MissingProgram::OwnPath)?;
     let dir = exe.parent().unwrap_or(Path::new("/"));
     [dir.join("sandbox-vm"), dir.join("../sandbox-vm")]
         .into_iter()
         .find(|p| p.is_file())
-        .ok_or_else(|| {
-            format!(
-                "the VM program sandbox-vm is not beside {} (build it with `cargo build -p sandbox-vm --bins`, \
-                 or set SANDBOX_HOST_VM_BINARY)",
-                exe.display()
-            )
-        })
+        .ok_or(MissingProgram::VmProgram(exe))
 }
 
 /// Starts `sandbox-vm` for `spec` (already prepared) and returns it with its agent channel.
@@ -60,7 +57,7 @@ pub async fn start(
     agent_port: u32,
     vsock_cid: u64,
 ) -> Result<StartedVm, VmError> {
-    let program = vm_binary().map_err(VmError::MissingProgram)?;
+    let program = vm_binary()?;
     start_program(program, spec, cmdline, agent_port, vsock_cid).await
 }
 
@@ -146,6 +143,9 @@ async fn start_program(
     Ok(StartedVm::over_socket(Box::new(vm), stream))
 }
 
+/// The host's end of a VM's network socket and the in-process link a pump serves over it.
+type Pumped = (UnixStream, Arc<dyn sandbox_control::link::FrameLink>);
+
 /// What the VM process inherits, and the host's ends.
 struct Descriptors {
     /// 0: `/dev/null`, 1: the console pipe, 2: its log, 3: the control socket, 4: KVM, then
@@ -159,7 +159,7 @@ struct Descriptors {
     console: OwnedFd,
     log: OwnedFd,
     /// The frames of an in-process link, which a pump here serves.
-    pumped: Option<(UnixStream, Arc<dyn sandbox_control::link::FrameLink>)>,
+    pumped: Option<Pumped>,
 }
 
 /// Every file the VM process gets, as a descriptor (it opens nothing itself), and the machine's
@@ -175,73 +175,52 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
     let (console, console_w) = pipe("console")?;
     let (log, log_w) = pipe("VM log")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
-    let mut fds: Vec<OwnedFd> = vec![null.into(), console_w, log_w, ctl_vm.into(), kvm.into()];
-    let mut push = |f: OwnedFd| {
-        fds.push(f);
-        fds.len() as i32 - 1
-    };
-    let open = |p: &Path, write: bool| {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(write)
-            .open(p)
-            .map(OwnedFd::from)
-            .map_err(|e| VmError::io(format!("opening {}", p.display()), e))
-    };
-    let kernel_fd = push(open(&spec.kernel, false)?);
+    let mut fds = Inherited(vec![
+        null.into(),
+        console_w,
+        log_w,
+        ctl_vm.into(),
+        kvm.into(),
+    ]);
+    let kernel_fd = fds.push(open_file(&spec.kernel, false)?);
     let initrd_fd = match &spec.initrd {
-        Some(i) => Some(push(open(i, false)?)),
+        Some(i) => Some(fds.push(open_file(i, false)?)),
         None => None,
     };
     let mut disks = vec![];
     let mut fsize = 0u64;
     for d in &spec.disks {
-        let f = open(&d.path, !d.read_only)?;
+        let f = open_file(&d.path, !d.read_only)?;
         if !d.read_only {
             fsize = fsize.max(std::fs::metadata(&d.path).map(|m| m.len()).unwrap_or(0));
         }
         disks.push(DiskFd {
-            fd: push(f),
+            fd: fds.push(f),
             read_only: d.read_only,
         });
     }
-    // The network: a socket whose other end the sandbox's network process holds, handed over
-    // as it is; or a link in this process, which a pump here serves.
-    let mut pumped = None;
-    let net = match &spec.net {
+    let (net, pumped) = match &spec.net {
         Some(n) => {
-            let vm = match &n.link {
-                NetLink::Socket(fd) => fd
-                    .try_clone()
-                    .map_err(|e| VmError::io("the network socket", e))?,
-                NetLink::Frames(link) => {
-                    let (host, vm) = UnixStream::pair()
-                        .map_err(|e| VmError::io("making the network socket", e))?;
-                    pumped = Some((host, link.clone()));
-                    vm.into()
-                }
-            };
-            Some(NetFd {
-                fd: push(vm),
+            let (vm, pumped) = net_socket(n)?;
+            let net = NetFd {
+                fd: fds.push(vm),
                 mac: n.mac,
-            })
+            };
+            (Some(net), pumped)
         }
-        None => None,
+        None => (None, None),
     };
     // A snapshot to restore from, read-only (the memory file is mapped privately, so a template
     // serves many VMs unchanged). Where a snapshot is written is handed over only with each
     // request for one: until then the process holds no file but its disks to write, and its
     // file size limit is its largest disk's.
-    let restore = spec
-        .restore_from
-        .as_ref()
-        .map(|f| -> Result<SnapshotFds, VmError> {
-            Ok(SnapshotFds {
-                state_fd: push(open(&f.state, false)?),
-                memory_fd: push(open(&f.memory, false)?),
-            })
-        })
-        .transpose()?;
+    let restore = match &spec.restore_from {
+        Some(f) => Some(SnapshotFds {
+            state_fd: fds.push(open_file(&f.state, false)?),
+            memory_fd: fds.push(open_file(&f.memory, false)?),
+        }),
+        None => None,
+    };
     let config = VmConfig {
         version: sandbox_control::vm::VERSION,
         restore,
@@ -256,7 +235,7 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         net,
     };
     let d = Descriptors {
-        fds,
+        fds: fds.0,
         fsize,
         control,
         console,
@@ -264,6 +243,47 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         pumped,
     };
     Ok((d, config))
+}
+
+/// The descriptors a VM process inherits, numbered in order.
+struct Inherited(Vec<OwnedFd>);
+
+impl Inherited {
+    /// Adds one; its number in the VM process.
+    fn push(&mut self, fd: OwnedFd) -> i32 {
+        self.0.push(fd);
+        self.0.len() as i32 - 1
+    }
+}
+
+/// A file the VM process gets, opened here.
+fn open_file(path: &Path, write: bool) -> Result<OwnedFd, VmError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .open(path)
+        .map(OwnedFd::from)
+        .map_err(|e| VmError::io(format!("opening {}", path.display()), e))
+}
+
+/// The VM's end of its network: a socket whose other end the sandbox's network process holds,
+/// handed over as it is; or a socket to a link in this process, which a pump here serves.
+fn net_socket(
+    net: &sandbox_control::link::NetAttachment,
+) -> Result<(OwnedFd, Option<Pumped>), VmError> {
+    match &net.link {
+        NetLink::Socket(fd) => {
+            let vm = fd
+                .try_clone()
+                .map_err(|e| VmError::io("the network socket", e))?;
+            Ok((vm, None))
+        }
+        NetLink::Frames(link) => {
+            let (host, vm) =
+                UnixStream::pair().map_err(|e| VmError::io("making the network socket", e))?;
+            Ok((vm.into(), Some((host, link.clone()))))
+        }
+    }
 }
 
 /// The jail the VM process runs in: an empty root, its memory (the guest's and its own
@@ -278,7 +298,7 @@ fn jail_command(
     std::fs::create_dir(&staging)
         .map_err(|e| VmError::io(format!("creating {}", staging.display()), e))?;
     let allowance = crate::config::vmm_allowance_mib()
-        .map_err(|e| VmError::InvalidSpec(e.to_string()))?
+        .map_err(SpecError::Setting)?
         .unwrap_or(VMM_ALLOWANCE_MIB);
     let limits = sandbox_jail::Limits {
         memory_bytes: (u64::from(spec.memory_mib) + allowance) << 20,
@@ -314,9 +334,7 @@ impl ProcessVm {
     async fn build_machine(&self, config: VmConfig) -> Result<(), VmError> {
         if !self.control.ask(&Request::Start(config)) {
             self.stop(Duration::ZERO).await;
-            return Err(VmError::Start(
-                "the VM process closed its control socket".into(),
-            ));
+            return Err(VmStartError::ControlClosed.into());
         }
         match self
             .control
@@ -326,14 +344,12 @@ impl ProcessVm {
             Ok(Ok(())) => Ok(()),
             Ok(Err(why)) => {
                 self.stop(Duration::ZERO).await;
-                Err(VmError::Start(why))
+                Err(VmStartError::Reported(why).into())
             }
             Err(Some(exit)) => Err(VmError::DiedEarly(exit)),
             Err(None) => {
                 self.stop(Duration::ZERO).await;
-                Err(VmError::Start(format!(
-                    "the VM process did not build its machine within {START_TIMEOUT:?}"
-                )))
+                Err(VmStartError::BuildTimeout(START_TIMEOUT).into())
             }
         }
     }
@@ -356,17 +372,17 @@ impl ProcessVm {
             Ok(Err(why)) => {
                 let console = self.console_tail(8);
                 self.stop(Duration::ZERO).await;
-                Err(VmError::Start(format!(
-                    "the guest agent did not accept the host's connection within {within:?}: {why}{}",
-                    crate::backend::console_suffix(&console)
-                )))
+                Err(VmStartError::AgentRefused {
+                    within,
+                    why,
+                    console,
+                }
+                .into())
             }
             Err(Some(exit)) => Err(VmError::DiedEarly(exit)),
             Err(None) => {
                 self.stop(Duration::ZERO).await;
-                Err(VmError::Start(format!(
-                    "the VM process did not answer a connection request within {within:?}"
-                )))
+                Err(VmStartError::ConnectTimeout(within).into())
             }
         }
     }
@@ -374,22 +390,67 @@ impl ProcessVm {
 
 /// A snapshot's state as the VM process wrote it into its pipe: at most
 /// [`sandbox_control::files::MAX_STATE_BYTES`], as a restore reads; more is refused.
-async fn read_state(pipe: OwnedFd) -> Result<Vec<u8>, String> {
+async fn read_state(pipe: OwnedFd) -> Result<Vec<u8>, VmSnapshotError> {
     use tokio::io::AsyncReadExt;
     let max = sandbox_control::files::MAX_STATE_BYTES;
     let pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe)
-        .map_err(|e| format!("reading the state from the VM process: {e}"))?;
+        .map_err(VmSnapshotError::StateRead)?;
     let mut bytes = Vec::new();
     pipe.take(max + 1)
         .read_to_end(&mut bytes)
         .await
-        .map_err(|e| format!("reading the state from the VM process: {e}"))?;
+        .map_err(VmSnapshotError::StateRead)?;
     if bytes.len() as u64 > max {
-        return Err(format!(
-            "the VM process sent a state longer than {max} bytes"
-        ));
+        return Err(VmSnapshotError::StateTooLong(max));
     }
     Ok(bytes)
+}
+
+/// The memory file of a snapshot, sized here to the guest's memory: the VM process writes it
+/// through a mapping and cannot grow it.
+async fn prepare_memory_file(
+    path: PathBuf,
+    mem_bytes: u64,
+) -> Result<std::fs::File, VmSnapshotError> {
+    tokio::task::spawn_blocking(move || {
+        let f = open_truncated(&path, true)?;
+        sandbox_control::files::size_memory_file(&f, mem_bytes)?;
+        Ok(f)
+    })
+    .await
+    .map_err(|source| VmSnapshotError::Task {
+        what: "preparing the memory file",
+        source,
+    })?
+}
+
+/// Writes a snapshot's state, as the VM process sent it, into its file (synced).
+async fn write_state_file(path: PathBuf, bytes: Vec<u8>) -> Result<(), VmSnapshotError> {
+    tokio::task::spawn_blocking(move || {
+        let file = open_truncated(&path, false)?;
+        sandbox_control::files::write_state_file(&bytes, &file)?;
+        Ok(())
+    })
+    .await
+    .map_err(|source| VmSnapshotError::Task {
+        what: "writing the state",
+        source,
+    })?
+}
+
+/// A snapshot's file, opened to be written from its start (`read` too for the memory file,
+/// which the VM process maps).
+fn open_truncated(path: &Path, read: bool) -> Result<std::fs::File, VmSnapshotError> {
+    std::fs::OpenOptions::new()
+        .read(read)
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|source| VmSnapshotError::File {
+            what: "opening",
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// A VM in a process of its own.
@@ -405,6 +466,29 @@ pub struct ProcessVm {
 }
 
 impl ProcessVm {
+    /// The state of a snapshot the process has answered, read from its pipe: it was written
+    /// before the answer, so a process that keeps the pipe open past that is given up on.
+    async fn state_read(
+        &self,
+        mut state: tokio::task::JoinHandle<Result<Vec<u8>, VmSnapshotError>>,
+    ) -> Result<Vec<u8>, VmSnapshotError> {
+        match tokio::time::timeout(STATE_TIMEOUT, &mut state).await {
+            Ok(read) => read.map_err(|source| VmSnapshotError::Task {
+                what: "reading the state",
+                source,
+            })?,
+            Err(_) => {
+                state.abort();
+                self.kill(format!(
+                    "the VM process answered its snapshot but did not close the state's pipe \
+                     within {STATE_TIMEOUT:?}"
+                ))
+                .await;
+                Err(VmSnapshotError::PipeHeld(STATE_TIMEOUT))
+            }
+        }
+    }
+
     /// Once the process is gone: a memory file it was handed, and kept a descriptor of past
     /// its pause, cut back to the guest's size (a compromised process could write past its end,
     /// up to its file size limit).
@@ -467,32 +551,17 @@ impl Vm for ProcessVm {
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
         if let Some(e) = self.exit() {
-            return Err(VmError::Snapshot(format!("the VM has ended: {}", e.reason)));
+            return Err(VmSnapshotError::Ended(e.reason).into());
         }
         let Some(files) = &self.snapshot_to else {
-            return Err(VmError::Snapshot(
-                "this VM was started without snapshot files".into(),
-            ));
+            return Err(VmSnapshotError::NoFiles.into());
         };
         let id = self
             .snapshots
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        // The memory file, sized here to the guest's memory (the VM process writes it through a
-        // mapping and cannot grow it), and a pipe for the state, which is read here, bounded.
-        let (path, mem_bytes) = (files.memory.clone(), u64::from(self.memory_mib) << 20);
-        let memory = tokio::task::spawn_blocking(move || {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .truncate(true)
-                .open(&path)
-                .map_err(|e| format!("opening {}: {e}", path.display()))?;
-            sandbox_control::files::size_memory_file(&f, mem_bytes).map_err(|e| e.to_string())?;
-            Ok::<_, String>(f)
-        })
-        .await
-        .map_err(|e| VmError::Snapshot(format!("preparing the memory file: {e}")))?
-        .map_err(VmError::Snapshot)?;
+        // The memory file, and a pipe for the state, which is read here, bounded.
+        let memory =
+            prepare_memory_file(files.memory.clone(), u64::from(self.memory_mib) << 20).await?;
         let (state_r, state_w) = pipe("snapshot state")?;
         let sent = {
             use std::os::fd::AsRawFd;
@@ -511,13 +580,11 @@ impl Vm for ProcessVm {
         // Ours closed: the pipe ends when the VM process closes its copy.
         drop((state_w, memory));
         if !sent {
-            return Err(VmError::Snapshot(
-                "the VM process closed its control socket".into(),
-            ));
+            return Err(VmSnapshotError::ControlClosed.into());
         }
         // Read as it comes (a state larger than the pipe's buffer blocks the VM until it is),
         // on the runtime: aborted, the pipe closes, so no VM can pin a thread by holding it.
-        let mut state = tokio::spawn(read_state(state_r));
+        let state = tokio::spawn(read_state(state_r));
         let answer = self
             .control
             .wait_for(SNAPSHOT_TIMEOUT, &self.exit, |l| match l.snapshot.take() {
@@ -528,56 +595,26 @@ impl Vm for ProcessVm {
             .await;
         match answer {
             Ok(Ok(done)) => {
-                // Written before the answer: a process that keeps its pipe open past that is
-                // given up on.
-                let bytes = match tokio::time::timeout(STATE_TIMEOUT, &mut state).await {
-                    Ok(read) => read
-                        .map_err(|e| VmError::Snapshot(format!("reading the state: {e}")))?
-                        .map_err(VmError::Snapshot)?,
-                    Err(_) => {
-                        state.abort();
-                        let why = format!(
-                            "the VM process answered its snapshot but did not close the state's \
-                             pipe within {STATE_TIMEOUT:?}"
-                        );
-                        self.kill(why.clone()).await;
-                        return Err(VmError::Snapshot(format!("{why}; the VM was stopped")));
-                    }
-                };
-                let path = files.state.clone();
-                tokio::task::spawn_blocking(move || {
-                    let file = std::fs::OpenOptions::new()
-                        .write(true)
-                        .truncate(true)
-                        .open(&path)
-                        .map_err(|e| format!("opening {}: {e}", path.display()))?;
-                    sandbox_control::files::write_state_file(&bytes, &file)
-                        .map_err(|e| e.to_string())
-                })
-                .await
-                .map_err(|e| VmError::Snapshot(format!("writing the state: {e}")))?
-                .map_err(VmError::Snapshot)?;
+                let bytes = self.state_read(state).await?;
+                write_state_file(files.state.clone(), bytes).await?;
                 Ok(done)
             }
             Ok(Err(why)) => {
                 state.abort();
-                Err(VmError::Snapshot(why))
+                Err(VmSnapshotError::Reported(why).into())
             }
             Err(Some(exit)) => {
                 state.abort();
-                Err(VmError::Snapshot(format!(
-                    "the VM ended while its snapshot was taken: {}",
-                    exit.reason
-                )))
+                Err(VmSnapshotError::EndedDuring(exit.reason).into())
             }
             Err(None) => {
                 state.abort();
                 // Paused or running, writing or not: nobody can say. It is ended.
-                let why = format!(
+                self.kill(format!(
                     "the VM process did not write its snapshot within {SNAPSHOT_TIMEOUT:?}"
-                );
-                self.kill(why.clone()).await;
-                Err(VmError::Snapshot(format!("{why}; the VM was stopped")))
+                ))
+                .await;
+                Err(VmSnapshotError::Timeout(SNAPSHOT_TIMEOUT).into())
             }
         }
     }
@@ -719,7 +756,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let spec = spec(dir.path());
         let why = match start_program(program, &spec, "grow".into(), 1024, 3).await {
-            Err(VmError::Start(why)) => why,
+            Err(VmError::Start(VmStartError::Reported(why))) => why,
             Err(other) => panic!("expected the stand-in's report, got {other}"),
             Ok(_) => panic!("the stand-in never starts a machine"),
         };

@@ -8,6 +8,7 @@ use super::QemuBackend;
 use super::args::{Accel, Arch};
 use crate::config::AccelSetting;
 use crate::image::ImageStore;
+use crate::probe::ProbeError;
 
 /// The accelerator picked, and a warning for the operator when it is not what they would want.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,7 +50,8 @@ pub async fn resolve_accel(
             Ok(()) => fixed(Accel::Kvm),
             Err(why) => {
                 // The container's own reason already says what to do.
-                let fix = if why.starts_with("No /dev/kvm in this container") {
+                let container = crate::config::container_no_kvm();
+                let fix = if matches!(why, ProbeError::NoDevice(s) if s == container) {
                     ""
                 } else {
                     ". Run the sandbox host on a machine with hardware virtualisation to fix this"
@@ -67,16 +69,16 @@ pub async fn resolve_accel(
 
 /// Whether QEMU with KVM boots the stock image here, remembered per host boot, QEMU binary and
 /// image, so only the first start after a change pays for the probe.
-async fn kvm_boots(arch: Arch, program: &Path, store: &ImageStore) -> Result<(), String> {
+async fn kvm_boots(arch: Arch, program: &Path, store: &ImageStore) -> Result<(), ProbeError> {
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/kvm")
     {
         if e.kind() == std::io::ErrorKind::NotFound {
-            return Err(crate::config::no_kvm_device().to_string());
+            return Err(ProbeError::NoDevice(crate::config::no_kvm_device()));
         }
-        return Err(format!("no usable /dev/kvm ({e})"));
+        return Err(ProbeError::Device(e));
     }
     let backend = QemuBackend::with(arch, Accel::Kvm, program.to_path_buf());
     crate::probe::boots_cached(&backend, "QEMU with KVM", "qemu-kvm", &[program], store).await

@@ -97,6 +97,17 @@ pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,re
 
 /// The full argument list (program not included).
 pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
+    let mut a = machine_args(arch, accel, spec, wiring);
+    a.extend(kernel_args(arch, spec, wiring));
+    a.extend(channel_args(arch, wiring));
+    a.extend(disk_args(spec, wiring));
+    a.extend(net_args(spec, wiring));
+    a.extend(snapshot_args(wiring));
+    a
+}
+
+/// The machine, its accelerator and processor, its size, and what QEMU leaves out or denies.
+fn machine_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
     let mut push = |s: &str| a.push(s.into());
     match arch {
@@ -164,15 +175,24 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
         push("-sandbox");
         push(SANDBOX);
     }
-    push("-kernel");
-    a.push(wiring.kernel.clone().into());
+    a
+}
+
+/// The kernel, its initramfs and its command line, at their paths in QEMU's jail.
+fn kernel_args(arch: Arch, spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
+    let mut a: Vec<OsString> = vec!["-kernel".into(), wiring.kernel.clone().into()];
     if let Some(initrd) = &wiring.initrd {
         a.push("-initrd".into());
         a.push(initrd.clone().into());
     }
     a.push("-append".into());
     a.push(kernel_cmdline(arch, spec).into());
+    a
+}
 
+/// The agent channel, the guest's entropy, and the boot marker.
+fn channel_args(arch: Arch, wiring: &Wiring) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
     // The agent channel: a socket QEMU inherits, connected to the host before QEMU starts.
     a.extend([
         "-chardev".into(),
@@ -204,7 +224,12 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             }
         });
     }
+    a
+}
 
+/// The disks, each from its inherited descriptors.
+fn disk_args(spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
     for (i, (disk, fds)) in spec.disks.iter().zip(&wiring.disk_fds).enumerate() {
         // The disk is a QEMU fd set of inherited descriptors; format=raw always: a
         // guest-written image must never be probed for a format.
@@ -225,6 +250,12 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             format!("virtio-blk-device,drive=disk{i},serial=disk{i}").into(),
         ]);
     }
+    a
+}
+
+/// The network device, when the guest has one.
+fn net_args(spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
     // The network: frames as a 4-byte big-endian length and the frame (`-netdev stream`) on an
     // inherited socket, with no offloads (the guest computes checksums).
     if let (Some(net), Some(fd)) = (&spec.net, wiring.net_fd) {
@@ -241,6 +272,12 @@ pub fn qemu_args(arch: Arch, accel: Accel, spec: &VmSpec, wiring: &Wiring) -> Ve
             .into(),
         );
     }
+    a
+}
+
+/// QEMU's monitor, and the snapshot a VM is restored from.
+fn snapshot_args(wiring: &Wiring) -> Vec<OsString> {
+    let mut a: Vec<OsString> = Vec::new();
     // Snapshots: QEMU's migration to a file, through descriptors (its jail has no path to
     // write), and its monitor to start one. A VM restored from one starts with the machine
     // state in the file instead of booting its kernel.

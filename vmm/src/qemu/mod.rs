@@ -14,8 +14,9 @@ use async_trait::async_trait;
 
 pub use accel::{AccelChoice, resolve_accel};
 pub use args::{Accel, Arch};
+pub use qmp::QmpError;
 
-use crate::backend::{Backend, StartedVm, VmError, VmSpec};
+use crate::backend::{Backend, MissingProgram, SpecError, StartedVm, VmError, VmSpec};
 use crate::config::AccelSetting;
 use crate::image::ImageStore;
 
@@ -36,14 +37,13 @@ impl QemuBackend {
     /// for `setting` (probing KVM for `auto`). A foreign architecture is emulated: asking for a
     /// hardware accelerator for it is an error, not a VM that fails later.
     pub async fn new(setting: AccelSetting, store: &ImageStore) -> Result<QemuBackend, VmError> {
-        let arch = Arch::from_env().map_err(|e| VmError::InvalidSpec(e.to_string()))?;
+        let arch = Arch::from_env().map_err(SpecError::Setting)?;
         if !arch.is_native() && matches!(setting, AccelSetting::Kvm | AccelSetting::Hvf) {
-            return Err(VmError::InvalidSpec(format!(
-                "SANDBOX_HOST_ARCH={arch} on this {} host runs only under emulation, but \
-                 SANDBOX_HOST_QEMU_ACCEL asks for a hardware accelerator; set SANDBOX_HOST_QEMU_ACCEL=auto \
-                 (or tcg), or leave SANDBOX_HOST_ARCH unset",
-                Arch::host()
-            )));
+            return Err(SpecError::ForeignArch {
+                arch,
+                host: Arch::host(),
+            }
+            .into());
         }
         let program = find_qemu(arch)?;
         let choice = resolve_accel(setting, arch, &program, store).await;
@@ -88,12 +88,11 @@ pub fn find_qemu(arch: Arch) -> Result<PathBuf, VmError> {
         Arch::X86_64 => "qemu-system-x86",
         Arch::Aarch64 => "qemu-system-arm",
     };
-    let missing = |what: &str| {
-        VmError::MissingProgram(format!(
-            "the sandbox host has no {what} on its PATH. Install QEMU on the machine of the sandbox host \
-             (Debian: apt-get install {debian} qemu-utils; macOS: brew install qemu), \
-             then stop the sandbox host and start it again"
-        ))
+    let missing = |program: &'static str| {
+        VmError::from(MissingProgram::Qemu {
+            program,
+            package: debian,
+        })
     };
     let system = which(arch.qemu_program()).ok_or_else(|| missing(arch.qemu_program()))?;
     which("qemu-img").ok_or_else(|| missing("qemu-img"))?;
@@ -141,11 +140,12 @@ fn validate(spec: &VmSpec) -> Result<(), VmError> {
     crate::backend::validate_spec(spec)?;
     let sock_len = spec.state_dir.join("agent.sock").as_os_str().len();
     if sock_len > MAX_SOCKET_PATH {
-        return Err(VmError::InvalidSpec(format!(
-            "the state directory {} is too long for a Unix socket path ({sock_len} > {MAX_SOCKET_PATH} bytes); \
-             set SANDBOX_HOST_STATE_DIR to a shorter directory",
-            spec.state_dir.display()
-        )));
+        return Err(SpecError::StateDirTooLong {
+            dir: spec.state_dir.clone(),
+            len: sock_len,
+            max: MAX_SOCKET_PATH,
+        }
+        .into());
     }
     Ok(())
 }

@@ -12,7 +12,9 @@ use tokio::sync::watch;
 
 use sandbox_control::link::{FrameLink, NetLink};
 
-use crate::backend::{StartedVm, Vm, VmError, VmExit, VmSpec};
+use crate::backend::{
+    SpecError, StartedVm, Unsupported, Vm, VmError, VmExit, VmSnapshotError, VmSpec,
+};
 use crate::supervised::{Classify, Ending, Spawn, Supervised, pipe};
 
 /// The longest a stop waits for QEMU to be reaped after SIGKILL.
@@ -306,7 +308,7 @@ fn jail_command(
         (vec![], vec![])
     };
     let allowance = crate::config::vmm_allowance_mib()
-        .map_err(|e| VmError::InvalidSpec(e.to_string()))?
+        .map_err(SpecError::Setting)?
         .unwrap_or(if accel == super::Accel::Tcg {
             QEMU_ALLOWANCE_TCG_MIB
         } else {
@@ -471,22 +473,18 @@ impl Vm for QemuVm {
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
         let Some(target) = &self.snapshot else {
-            return Err(VmError::Unsupported(
-                "this VM was started without a snapshot file, so it cannot be snapshotted".into(),
-            ));
+            return Err(Unsupported::NoSnapshotFile.into());
         };
         // One snapshot per VM: its memory file is written once, from its start.
         let Some(monitor) = target.monitor.lock().await.take() else {
-            return Err(VmError::Snapshot(
-                "this VM has been snapshotted already; a QEMU VM is snapshotted once".into(),
-            ));
+            return Err(VmSnapshotError::Taken.into());
         };
         let monitor = tokio::net::UnixStream::from_std(monitor)
             .map_err(|e| VmError::io("connecting QEMU's monitor", e))?;
         let taking = async {
             let mut qmp = super::qmp::Qmp::connect(monitor, Duration::from_secs(10))
                 .await
-                .map_err(|e| VmError::Snapshot(format!("QEMU's monitor: {e}")))?;
+                .map_err(VmSnapshotError::Monitor)?;
             // The memory file, handed over now: QEMU's migration writes it as `/dev/fdset/N`.
             let memory = std::fs::OpenOptions::new()
                 .write(true)
@@ -502,17 +500,14 @@ impl Vm for QemuVm {
                     Duration::from_secs(10),
                 )
                 .await
-                .map_err(|e| VmError::Snapshot(format!("handing QEMU its snapshot file: {e}")))?;
+                .map_err(VmSnapshotError::HandOver)?;
             }
             drop(memory);
             super::snapshot::take(&mut qmp, &target.header, &target.state, resume).await
         };
         tokio::select! {
             r = taking => r,
-            exit = self.wait() => Err(VmError::Snapshot(format!(
-                "the VM ended while its snapshot was taken: {}",
-                exit.reason
-            ))),
+            exit = self.wait() => Err(VmSnapshotError::EndedDuring(exit.reason).into()),
         }
     }
 }

@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::args::{Accel, Arch, SNAPSHOT_FDSET};
 use super::qmp::Qmp;
-use crate::backend::{SnapshotDone, VmError, VmSpec};
+use crate::backend::{SnapshotDone, VmError, VmSnapshotError, VmSpec};
 
 /// The longest a snapshot may take: under emulation the guest's memory is copied at a few
 /// hundred MB a second, and the host may be loaded.
@@ -53,29 +53,32 @@ impl Header {
 
     /// Checks that the snapshot whose state file is `path` is one of this machine.
     pub fn check(&self, path: &Path) -> Result<(), VmError> {
-        let text = std::fs::read(path)
-            .map_err(|e| VmError::Snapshot(format!("reading {}: {e}", path.display())))?;
-        let theirs: Header = serde_json::from_slice(&text).map_err(|e| {
-            VmError::Snapshot(format!(
-                "{} is not a snapshot of the QEMU backend ({e})",
-                path.display()
-            ))
+        let text = std::fs::read(path).map_err(|source| VmSnapshotError::File {
+            what: "reading",
+            path: path.to_path_buf(),
+            source,
         })?;
+        let theirs: Header =
+            serde_json::from_slice(&text).map_err(|source| VmSnapshotError::NotQemu {
+                path: path.to_path_buf(),
+                source,
+            })?;
         if &theirs != self {
-            return Err(VmError::Snapshot(format!(
-                "the snapshot is of another machine ({} {} with {} MiB and {} vCPUs, {}); this VM is {} {} with {} MiB and {} vCPUs",
-                theirs.arch,
-                theirs.accel,
-                theirs.memory_mib,
-                theirs.vcpus,
-                theirs.format,
-                self.arch,
-                self.accel,
-                self.memory_mib,
-                self.vcpus
-            )));
+            return Err(VmSnapshotError::OtherMachine {
+                theirs: format!("{}, {}", theirs.machine(), theirs.format),
+                ours: self.machine(),
+            }
+            .into());
         }
         Ok(())
+    }
+
+    /// The machine, as a person reads it.
+    fn machine(&self) -> String {
+        format!(
+            "{} {} with {} MiB and {} vCPUs",
+            self.arch, self.accel, self.memory_mib, self.vcpus
+        )
     }
 }
 
@@ -87,7 +90,7 @@ pub async fn take(
     state: &Path,
     resume: bool,
 ) -> Result<SnapshotDone, VmError> {
-    let fail = |e: super::qmp::QmpError| VmError::Snapshot(format!("the snapshot failed: {e}"));
+    let fail = VmSnapshotError::Command;
     let t0 = Instant::now();
     qmp.execute(
         "migrate",
@@ -108,22 +111,21 @@ pub async fn take(
                     .get("error-desc")
                     .and_then(|d| d.as_str())
                     .unwrap_or("no reason given");
-                return Err(VmError::Snapshot(format!(
-                    "QEMU's migration to the snapshot file {s}: {}",
-                    why.chars().take(300).collect::<String>()
-                )));
+                return Err(VmSnapshotError::Migration {
+                    status: s.to_string(),
+                    why: why.chars().take(300).collect(),
+                }
+                .into());
             }
             _ => {}
         }
         if t0.elapsed() > SNAPSHOT_TIMEOUT {
-            return Err(VmError::Snapshot(format!(
-                "QEMU did not write the snapshot within {SNAPSHOT_TIMEOUT:?}"
-            )));
+            return Err(VmSnapshotError::MigrationTimeout(SNAPSHOT_TIMEOUT).into());
         }
         tokio::time::sleep(POLL).await;
     };
     let write_us = t0.elapsed().as_micros() as u64;
-    let text = serde_json::to_vec(header).map_err(|e| VmError::Snapshot(e.to_string()))?;
+    let text = serde_json::to_vec(header).map_err(VmSnapshotError::Encode)?;
     std::fs::write(state, text)
         .map_err(|e| VmError::io(format!("writing {}", state.display()), e))?;
     if resume {
