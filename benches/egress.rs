@@ -1118,15 +1118,17 @@ fn pass_through(total: usize, scan: bool, event: &[u8]) -> f64 {
     ];
     let forms = EchoForms::new(keys).expect("compiles").expect("three keys");
     let chunk: Vec<u8> = event.iter().copied().cycle().take(16 * 1024).collect();
+    // As hyper hands the proxy a body's chunks: shared, so giving one up copies nothing.
+    let shared = bytes::Bytes::from(chunk.clone());
     let mut scanner = EchoScanner::new(forms);
     let mut out = Vec::with_capacity(chunk.len() + 256);
     let t = Instant::now();
     let mut moved = 0usize;
     while moved < total {
         if scan {
-            let (o, n) = scanner.feed(&chunk);
+            let (released, n) = scanner.feed_bytes(shared.clone());
             assert_eq!(n, 0);
-            out = o;
+            std::hint::black_box(&released);
         } else {
             out.clear();
             out.extend_from_slice(&chunk);

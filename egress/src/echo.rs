@@ -36,6 +36,7 @@
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use regex_automata::meta::Regex;
 use regex_automata::util::syntax;
 
@@ -206,6 +207,15 @@ impl EchoForms {
             );
         }
         overwrite(buf, &found)
+    }
+
+    /// Whether `hay` holds an occurrence: [`EchoForms::mask`] without writing, for a chunk that
+    /// is to go on as it came if it holds none.
+    fn any_in(&self, hay: &[u8]) -> bool {
+        self.anchors
+            .windows(hay)
+            .into_iter()
+            .any(|(start, end)| matches(&self.matcher, &hay[start..end]).next().is_some())
     }
 
     /// [`EchoForms::mask`] with the regex over all of `buf`: what the anchors must not change.
@@ -415,6 +425,31 @@ fn base64_pattern(v: &[u8], lead: usize) -> Option<String> {
     Some(p)
 }
 
+/// What one chunk releases, in order: the bytes held back from before it, then the chunk's own
+/// (either may be empty). Two pieces, so that the chunk's own bytes go on as they came, without
+/// a copy, wherever nothing in them is masked; and two pieces wherever something is, cut at the
+/// same place: where the pieces meet depends on the bytes' classes alone (the held bytes are
+/// those after the last chunk's last barrier), never on what was found.
+#[derive(Debug, Default)]
+pub struct Released {
+    /// The bytes held back from before this chunk.
+    pub held: Bytes,
+    /// The chunk's own bytes that go on now.
+    pub chunk: Bytes,
+}
+
+impl Released {
+    /// The bytes `feed` released, cut after the first `held` of them.
+    fn split(out: Vec<u8>, held: usize) -> Released {
+        let mut held_bytes = Bytes::from(out);
+        let chunk = held_bytes.split_off(held.min(held_bytes.len()));
+        Released {
+            held: held_bytes,
+            chunk,
+        }
+    }
+}
+
 /// One response body's scan: bytes in, masked bytes out, the tail after the last barrier byte
 /// (at most [`HOLD_BACK`] bytes) held back between chunks. Each chunk costs work in proportion to
 /// itself and the longest form, never to what is held: the held bytes are neither scanned again
@@ -579,6 +614,58 @@ impl EchoScanner {
             self.start = 0;
         }
         (out, found)
+    }
+
+    /// [`EchoScanner::feed`] for a chunk the caller owns and gives up: the same bytes released
+    /// and the same occurrences found, as [`Released`]'s two pieces. Where neither the chunk nor
+    /// its seam with the held bytes holds an occurrence, and the chunk holds back no more than
+    /// itself, the chunk's released bytes are the chunk's own memory (issue 29's budget: the
+    /// scan was a copy of every byte besides its reading). The seam is at most the held bytes
+    /// and the chunk's first `longest` bytes: an occurrence that starts in the held bytes ends
+    /// there.
+    pub fn feed_bytes(&mut self, chunk: Bytes) -> (Released, usize) {
+        if chunk.is_empty() {
+            return (Released::default(), 0);
+        }
+        let held = self.buf.len() - self.start;
+        let seam_end = chunk.len().min(self.forms.longest);
+        let mut seam = Vec::with_capacity(held + seam_end);
+        seam.extend_from_slice(&self.buf[self.start..]);
+        seam.extend_from_slice(&chunk[..seam_end]);
+        let clean = !self.forms.any_in(&seam) && !self.forms.any_in(&chunk);
+        #[cfg(test)]
+        {
+            self.work += seam.len() + chunk.len();
+        }
+        // What `feed` would hold back, read from the chunk as it would be read.
+        let saved = (self.barrier, self.after_base64, self.cr);
+        let old = self.buf.len();
+        self.lines(old, &chunk);
+        let barrier = self
+            .barrier
+            .filter(|&b| b >= self.start)
+            .map(|b| b - self.start);
+        let keep = self.forms.held_back(held + chunk.len(), barrier);
+        if !clean || keep > chunk.len() {
+            (self.barrier, self.after_base64, self.cr) = saved;
+            let (out, found) = self.feed(&chunk);
+            return (Released::split(out, held), found);
+        }
+        let cut = chunk.len() - keep;
+        let held_bytes = Bytes::copy_from_slice(&self.buf[self.start..]);
+        self.buf.clear();
+        self.buf.extend_from_slice(&chunk[cut..]);
+        self.start = 0;
+        self.barrier = self.barrier.and_then(|b| b.checked_sub(old + cut));
+        #[cfg(test)]
+        {
+            self.work += keep;
+        }
+        let released = Released {
+            held: held_bytes,
+            chunk: chunk.slice(..cut),
+        };
+        (released, 0)
     }
 
     /// The bytes still held back, masked (the body ended: nothing can complete a longer form),
@@ -746,6 +833,55 @@ mod tests {
             format!("--b\r\nContent-Transfer-Encoding: base64\r\n\r\n{enc}\r\n--b--\r\n")
         } else {
             format!("{{\"error\":\"Unexpected value(s) `{enc}` for the header\"}}\n")
+        }
+    }
+
+    /// `feed_bytes` releases what `feed` does, byte for byte and occurrence for occurrence, in
+    /// every split, cut after the held bytes; and holds back the same.
+    #[test]
+    fn feed_bytes_releases_what_feed_does() {
+        let forms = forms();
+        let mut bodies: Vec<Vec<u8>> = encodings()
+            .iter()
+            .map(|e| body_of(e).into_bytes())
+            .collect();
+        bodies.push(b"data: {\"text\":\"Hello, world. \"}\n\ndata: {\"x\":1}\n\n".repeat(40));
+        bodies.push(b"line one ends in a letter\nline two too\r\nand three".repeat(30));
+        for body in &bodies {
+            for size in [1, 3, 7, 16, 64, 100, 333, 4096] {
+                let (mut a, mut b) = (
+                    EchoScanner::new(forms.clone()),
+                    EchoScanner::new(forms.clone()),
+                );
+                let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+                let (mut found_a, mut found_b) = (0, 0);
+                for piece in body.chunks(size) {
+                    let held = b.held();
+                    let (o, n) = a.feed(piece);
+                    let (r, m) = b.feed_bytes(Bytes::copy_from_slice(piece));
+                    assert!(
+                        r.held.len() <= held,
+                        "more held bytes released than were held"
+                    );
+                    assert!(
+                        r.chunk.is_empty() || r.held.len() == held,
+                        "cut elsewhere than after the held bytes"
+                    );
+                    assert_eq!(o, [&r.held[..], &r.chunk[..]].concat(), "size {size}");
+                    assert_eq!(a.held(), b.held());
+                    out_a.extend_from_slice(&o);
+                    out_b.extend_from_slice(&r.held);
+                    out_b.extend_from_slice(&r.chunk);
+                    (found_a, found_b) = (found_a + n, found_b + m);
+                }
+                let ((o, n), (p, m)) = (a.finish(), b.finish());
+                assert_eq!(o, p);
+                out_a.extend_from_slice(&o);
+                out_b.extend_from_slice(&p);
+                assert_eq!(out_a, out_b, "size {size}");
+                assert_eq!(found_a + n, found_b + m, "size {size}");
+                assert_eq!(out_a.len(), body.len());
+            }
         }
     }
 

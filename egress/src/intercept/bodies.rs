@@ -128,6 +128,8 @@ pub(super) struct MeteredBody {
     pub(super) call: Option<Pending>,
     /// Masks secret values on their way to the guest (intercepted hosts with secrets).
     pub(super) echo: Option<EchoScanner>,
+    /// A chunk's own bytes, which wait while the bytes the echo scan held back before it go.
+    pub(super) next: Option<Bytes>,
     /// Trailers that wait until the bytes the echo scan held back have gone.
     pub(super) trailers: Option<HeaderMap>,
     pub(super) target: String,
@@ -220,6 +222,9 @@ impl Body for MeteredBody {
         cx: &mut TaskContext<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
+        if let Some(d) = this.next.take() {
+            return Poll::Ready(Some(Ok(Frame::data(d))));
+        }
         if let Some(t) = this.trailers.take() {
             return Poll::Ready(Some(Ok(Frame::trailers(t))));
         }
@@ -233,13 +238,20 @@ impl Body for MeteredBody {
                                 this.meter(&data);
                                 return Poll::Ready(Some(Ok(Frame::data(data))));
                             };
-                            let (out, n) = echo.feed(&data);
+                            let (out, n) = echo.feed_bytes(data);
                             this.echoed(n);
-                            this.meter(&out);
-                            if out.is_empty() {
-                                continue; // all held back: wait for more
-                            }
-                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                            this.meter(&out.held);
+                            this.meter(&out.chunk);
+                            let first = match (out.held.is_empty(), out.chunk.is_empty()) {
+                                (true, true) => continue, // all held back: wait for more
+                                (true, false) => out.chunk,
+                                (false, true) => out.held,
+                                (false, false) => {
+                                    this.next = Some(out.chunk);
+                                    out.held
+                                }
+                            };
+                            return Poll::Ready(Some(Ok(Frame::data(first))));
                         }
                         Err(frame) => frame,
                     };
@@ -287,7 +299,8 @@ impl Body for MeteredBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.trailers.is_none()
+        self.next.is_none()
+            && self.trailers.is_none()
             && !self.echo.as_ref().is_some_and(EchoScanner::holding)
             && self.inner.is_end_stream()
     }

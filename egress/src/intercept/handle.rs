@@ -534,6 +534,7 @@ impl Proxy {
             inner: Idle::new(body, self.cx.idle_timeout, "the upstream's response body"),
             call: pending,
             echo: echo.map(EchoScanner::new),
+            next: None,
             trailers: None,
             target: target.to_string(),
             stats: self.cx.stats.clone(),
