@@ -232,6 +232,7 @@ impl Jailer {
         }
         let program = cmd
             .program
+            .clone()
             .unwrap_or_else(|| PathBuf::from("/usr/bin/true"));
         let shown = program.display().to_string();
         let start = |what: &'static str| {
@@ -242,45 +243,11 @@ impl Jailer {
                 source,
             }
         };
-        // Everything the child touches is made here: between fork and exec it may not allocate.
-        let bad = |_| SpawnError::Invalid(format!("a NUL byte in the command of {}", cmd.name));
-        let path = CString::new(program.as_os_str().as_bytes()).map_err(bad)?;
-        let mut words = vec![path.clone()];
-        for a in &cmd.args {
-            words.push(CString::new(a.as_bytes()).map_err(bad)?);
-        }
-        let mut argv: Vec<*const libc::c_char> = words.iter().map(|w| w.as_ptr()).collect();
-        argv.push(std::ptr::null());
-        let envp: [*const libc::c_char; 1] = [std::ptr::null()];
-        let sources: Vec<RawFd> = cmd.fds.iter().map(AsRawFd::as_raw_fd).collect();
-        let n = sources.len() as RawFd;
-        let mut moved = [0 as RawFd; MAX_FDS];
-        let limit = |v: u64| libc::rlimit {
-            rlim_cur: v as libc::rlim_t,
-            rlim_max: v as libc::rlim_t,
-        };
-        let limits = [
-            (libc::RLIMIT_CORE, Some(limit(0))),
-            (libc::RLIMIT_NOFILE, Some(limit(cmd.nofile))),
-            (libc::RLIMIT_FSIZE, cmd.fsize.map(limit)),
-        ];
-        let mut top = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes only the struct passed.
-        let top = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut top) } == 0 {
-            top.rlim_cur.min(65536) as RawFd
-        } else {
-            4096
-        };
-        // SAFETY: an all-zero sigset is valid storage; sigemptyset initialises it.
-        let mut no_signals: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        unsafe { libc::sigemptyset(&raw mut no_signals) };
+        let exec = Exec::prepare(&cmd, &program)?;
         // The child reports a failed step here; above every target, close-on-exec, so a
         // successful exec closes it and the parent reads end-of-file.
         let (report_r, report_w) = std::io::pipe().map_err(start("making its report pipe"))?;
+        let n = exec.sources.len() as RawFd;
         // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor we own into a new one.
         let w = unsafe { libc::fcntl(report_w.as_raw_fd(), libc::F_DUPFD_CLOEXEC, n.max(3)) };
         if w < 0 {
@@ -299,47 +266,8 @@ impl Jailer {
             return Err(start("forking")(std::io::Error::last_os_error()));
         }
         if pid == 0 {
-            // SAFETY: the child of a fork: async-signal-safe calls only (see above).
-            unsafe {
-                let fail = |step: i32| report_and_exit(w, step);
-                // First above every target, then down into place: a source may sit on
-                // another's target.
-                for (i, &fd) in sources.iter().enumerate() {
-                    let d = libc::fcntl(fd, libc::F_DUPFD, n.max(3));
-                    if d < 0 {
-                        fail(0);
-                    }
-                    moved[i] = d;
-                }
-                for (i, &d) in moved[..sources.len()].iter().enumerate() {
-                    if libc::dup2(d, i as RawFd) < 0 {
-                        fail(0);
-                    }
-                }
-                // Nothing else reaches the program: every other descriptor closes at exec.
-                for fd in n..top {
-                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-                }
-                for (res, l) in &limits {
-                    if let Some(l) = l
-                        && libc::setrlimit(*res, l) != 0
-                    {
-                        fail(1);
-                    }
-                }
-                // No terminal's signals (a Ctrl-C meant for the service); the service stops it.
-                if libc::setsid() < 0 {
-                    fail(2);
-                }
-                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-                libc::sigprocmask(
-                    libc::SIG_SETMASK,
-                    &raw const no_signals,
-                    std::ptr::null_mut(),
-                );
-                libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr());
-                fail(3)
-            }
+            // SAFETY: the child of a fork (see `Exec::run`).
+            unsafe { exec.run(w) }
         }
         drop(report_w_high);
         // The parent's copies of the descriptors: the child has its own now.
@@ -349,22 +277,9 @@ impl Jailer {
             reap: Mutex::new(()),
             exit: OnceLock::new(),
         };
-        let mut report = [0u8; 8];
-        let mut got = 0;
-        let mut r = report_r;
-        while got < report.len() {
-            match std::io::Read::read(&mut r, &mut report[got..]) {
-                Ok(0) => break,
-                Ok(k) => got += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => break,
-            }
-        }
-        if got == 0 {
+        let Some((step, errno)) = read_report(report_r) else {
             return Ok(jailed);
-        }
-        let step = i32::from_ne_bytes(report[..4].try_into().unwrap_or_default());
-        let errno = i32::from_ne_bytes(report[4..].try_into().unwrap_or_default());
+        };
         // The child has _exited: reap it before saying why.
         let _ = jailed.try_wait();
         Err(SpawnError::Child {
@@ -376,6 +291,143 @@ impl Jailer {
             source: std::io::Error::from_raw_os_error(errno),
         })
     }
+}
+
+/// Everything the child of the fork touches, made before it: between fork and exec it may not
+/// allocate.
+struct Exec {
+    path: CString,
+    /// The strings `argv` points into.
+    _words: Vec<CString>,
+    argv: Vec<*const libc::c_char>,
+    envp: [*const libc::c_char; 1],
+    /// The descriptors it gets, in order: source `i` becomes descriptor `i`.
+    sources: Vec<RawFd>,
+    core: libc::rlimit,
+    nofile: libc::rlimit,
+    fsize: Option<libc::rlimit>,
+    /// Descriptors below this are made close-on-exec (all the parent may have open).
+    top: RawFd,
+    no_signals: libc::sigset_t,
+}
+
+impl Exec {
+    fn prepare(cmd: &Command, program: &std::path::Path) -> Result<Exec, SpawnError> {
+        let bad = |_| SpawnError::Invalid(format!("a NUL byte in the command of {}", cmd.name));
+        let path = CString::new(program.as_os_str().as_bytes()).map_err(bad)?;
+        let mut words = vec![path.clone()];
+        for a in &cmd.args {
+            words.push(CString::new(a.as_bytes()).map_err(bad)?);
+        }
+        let mut argv: Vec<*const libc::c_char> = words.iter().map(|w| w.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let limit = |v: u64| libc::rlimit {
+            rlim_cur: v as libc::rlim_t,
+            rlim_max: v as libc::rlim_t,
+        };
+        let mut top = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes only the struct passed.
+        let top = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut top) } == 0 {
+            top.rlim_cur.min(65536) as RawFd
+        } else {
+            4096
+        };
+        // SAFETY: an all-zero sigset is valid storage; sigemptyset initialises it.
+        let mut no_signals: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::sigemptyset(&raw mut no_signals) };
+        Ok(Exec {
+            path,
+            _words: words,
+            argv,
+            envp: [std::ptr::null()],
+            sources: cmd.fds.iter().map(AsRawFd::as_raw_fd).collect(),
+            core: limit(0),
+            nofile: limit(cmd.nofile),
+            fsize: cmd.fsize.map(limit),
+            top,
+            no_signals,
+        })
+    }
+
+    /// The child's steps: its descriptors into place, the others closed at exec, its rlimits,
+    /// a session of its own, default signals; then the program. A failed step is reported on
+    /// `w` by its number in [`STEPS`].
+    ///
+    /// # Safety
+    /// Only in the child of a fork: it calls only async-signal-safe functions, on memory made
+    /// before the fork, and ends in `execve` or `_exit`.
+    unsafe fn run(&self, w: RawFd) -> ! {
+        let fail = |step: i32| report_and_exit(w, step);
+        let n = self.sources.len() as RawFd;
+        let mut moved = [0 as RawFd; MAX_FDS];
+        // SAFETY: the child of a fork; each call below is async-signal-safe, on memory of our
+        // own.
+        unsafe {
+            // First above every target, then down into place: a source may sit on another's
+            // target.
+            for (i, &fd) in self.sources.iter().enumerate() {
+                let d = libc::fcntl(fd, libc::F_DUPFD, n.max(3));
+                if d < 0 {
+                    fail(0);
+                }
+                moved[i] = d;
+            }
+            for (i, &d) in moved[..self.sources.len()].iter().enumerate() {
+                if libc::dup2(d, i as RawFd) < 0 {
+                    fail(0);
+                }
+            }
+            // Nothing else reaches the program: every other descriptor closes at exec.
+            for fd in n..self.top {
+                libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            }
+            if libc::setrlimit(libc::RLIMIT_CORE, &self.core) != 0
+                || libc::setrlimit(libc::RLIMIT_NOFILE, &self.nofile) != 0
+                || self
+                    .fsize
+                    .is_some_and(|l| libc::setrlimit(libc::RLIMIT_FSIZE, &l) != 0)
+            {
+                fail(1);
+            }
+            // No terminal's signals (a Ctrl-C meant for the service); the service stops it.
+            if libc::setsid() < 0 {
+                fail(2);
+            }
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::sigprocmask(
+                libc::SIG_SETMASK,
+                &raw const self.no_signals,
+                std::ptr::null_mut(),
+            );
+            libc::execve(self.path.as_ptr(), self.argv.as_ptr(), self.envp.as_ptr());
+        }
+        fail(3)
+    }
+}
+
+/// What the child reported on its report pipe before it ended: the step that failed and its
+/// errno; `None` when the pipe closed empty (its exec succeeded).
+fn read_report(mut r: std::io::PipeReader) -> Option<(i32, i32)> {
+    let mut report = [0u8; 8];
+    let mut got = 0;
+    while got < report.len() {
+        match std::io::Read::read(&mut r, &mut report[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    if got == 0 {
+        return None;
+    }
+    let step = i32::from_ne_bytes(report[..4].try_into().unwrap_or_default());
+    let errno = i32::from_ne_bytes(report[4..].try_into().unwrap_or_default());
+    Some((step, errno))
 }
 
 #[cfg(test)]
