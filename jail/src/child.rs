@@ -360,9 +360,19 @@ unsafe fn build_root(plan: &Plan, trees: &[RawFd; MAX_BINDS]) -> Result<(), Step
     if plan.staging.is_none() {
         return Ok(());
     }
-    let none = std::ptr::null::<c_char>();
-    // SAFETY: file system calls on paths relative to the new root, with the parent's strings
-    // and the detached trees taken before.
+    // SAFETY: each step makes file system calls on paths relative to the new root, with the
+    // parent's strings and the detached trees taken before.
+    unsafe {
+        make_entries(plan)?;
+        mount_binds(plan, trees)?;
+        mount_proc(plan)?;
+        pivot()
+    }
+}
+
+/// The root's directories, empty files (bind targets) and links.
+unsafe fn make_entries(plan: &Plan) -> Result<(), Step> {
+    // SAFETY: mkdir, open, close and symlink on the parent's strings.
     unsafe {
         for d in &plan.mkdirs {
             check(
@@ -385,6 +395,15 @@ unsafe fn build_root(plan: &Plan, trees: &[RawFd; MAX_BINDS]) -> Result<(), Step
                 libc::symlink(target.as_ptr(), link.as_ptr()) != 0,
             )?;
         }
+    }
+    Ok(())
+}
+
+/// Each detached tree moved onto its target, then remounted with its bind's flags.
+unsafe fn mount_binds(plan: &Plan, trees: &[RawFd; MAX_BINDS]) -> Result<(), Step> {
+    let none = std::ptr::null::<c_char>();
+    // SAFETY: move_mount of trees the parent detached for us, mount on the parent's strings.
+    unsafe {
         for (i, bind) in plan.binds.iter().enumerate() {
             check(
                 Step::BindMount,
@@ -409,18 +428,36 @@ unsafe fn build_root(plan: &Plan, trees: &[RawFd; MAX_BINDS]) -> Result<(), Step
                 ) != 0,
             )?;
         }
-        if let Some(p) = &plan.proc_dir {
-            check(
-                Step::MountProc,
-                libc::mount(
-                    c"proc".as_ptr(),
-                    p.as_ptr(),
-                    c"proc".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                    c"subset=pid".as_ptr().cast(),
-                ) != 0,
-            )?;
-        }
+    }
+    Ok(())
+}
+
+/// `/proc` of the process's own pid namespace, if the plan has one: no set-uid, devices or
+/// programs, and only the processes (`subset=pid`).
+unsafe fn mount_proc(plan: &Plan) -> Result<(), Step> {
+    let Some(p) = &plan.proc_dir else {
+        return Ok(());
+    };
+    // SAFETY: mount with static strings and the parent's path.
+    unsafe {
+        check(
+            Step::MountProc,
+            libc::mount(
+                c"proc".as_ptr(),
+                p.as_ptr(),
+                c"proc".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                c"subset=pid".as_ptr().cast(),
+            ) != 0,
+        )
+    }
+}
+
+/// Into the new root (the current directory), the host's mounts detached, the root read-only.
+unsafe fn pivot() -> Result<(), Step> {
+    let none = std::ptr::null::<c_char>();
+    // SAFETY: pivot_root, umount2, mount, chroot and chdir with static strings.
+    unsafe {
         if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) == 0 {
             check(
                 Step::DetachHost,
