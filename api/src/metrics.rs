@@ -158,37 +158,94 @@ impl Metrics {
         unmetered: &[(String, u64)],
     ) -> String {
         let mut o = String::new();
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_sandboxes Sandboxes by state.\n# TYPE sandbox_host_sandboxes gauge"
+        family(
+            &mut o,
+            ("sandbox_host_sandboxes", "gauge", "Sandboxes by state."),
+            "state",
+            states.iter().map(|&(s, n)| (s, n)),
         );
-        for (state, n) in states {
-            let _ = writeln!(o, "sandbox_host_sandboxes{{state=\"{state}\"}} {n}");
+        counter(
+            &mut o,
+            "sandbox_host_boots_total",
+            "MicroVMs booted.",
+            self.boots.load(Relaxed),
+        );
+        counter(
+            &mut o,
+            "sandbox_host_template_restores_total",
+            "Sandboxes restored from a template instead of booted (counted in sandbox_host_boots_total too).",
+            self.restores.load(Relaxed),
+        );
+        counter(
+            &mut o,
+            "sandbox_host_boot_failures_total",
+            "MicroVMs that failed to boot.",
+            self.boot_failures.load(Relaxed),
+        );
+        counter(
+            &mut o,
+            "sandbox_host_capacity_refusals_total",
+            "Creates refused with 503 no_capacity.",
+            self.capacity_refusals.load(Relaxed),
+        );
+        self.render_boot_durations(&mut o);
+        for (name, help, v) in [
+            (
+                "sandbox_host_execs_total",
+                "Commands run in sandboxes.",
+                &self.execs,
+            ),
+            (
+                "sandbox_host_bytes_in_total",
+                "Bytes sent into guests (archives, files, stdin).",
+                &self.bytes_in,
+            ),
+            (
+                "sandbox_host_bytes_out_total",
+                "Bytes read out of guests (archives, files, stdout, stderr).",
+                &self.bytes_out,
+            ),
+        ] {
+            counter(&mut o, name, help, v.load(Relaxed));
         }
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_boots_total MicroVMs booted.\n# TYPE sandbox_host_boots_total counter"
+        family(
+            &mut o,
+            (
+                "sandbox_host_disposals_total",
+                "counter",
+                "Sandboxes disposed of, by reason.",
+            ),
+            "reason",
+            Disposal::ALL
+                .iter()
+                .zip(&self.disposals)
+                .map(|(d, n)| (d.as_str(), n.load(Relaxed))),
         );
-        let _ = writeln!(o, "sandbox_host_boots_total {}", self.boots.load(Relaxed));
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_template_restores_total Sandboxes restored from a template instead of booted (counted in sandbox_host_boots_total too).\n# TYPE sandbox_host_template_restores_total counter\nsandbox_host_template_restores_total {}",
-            self.restores.load(Relaxed)
+        family(
+            &mut o,
+            (
+                "sandbox_host_egress_refusals_total",
+                "counter",
+                "Guest requests refused by the egress policy, by reason.",
+            ),
+            "reason",
+            refusals.iter().map(|(r, n)| (r.as_str(), *n)),
         );
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_boot_failures_total MicroVMs that failed to boot.\n# TYPE sandbox_host_boot_failures_total counter"
+        family(
+            &mut o,
+            (
+                "sandbox_host_unmetered_calls_total",
+                "counter",
+                "Model calls to meter or secret hosts whose usage could not be read, by reason.",
+            ),
+            "reason",
+            unmetered.iter().map(|(r, n)| (r.as_str(), *n)),
         );
-        let _ = writeln!(
-            o,
-            "sandbox_host_boot_failures_total {}",
-            self.boot_failures.load(Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_capacity_refusals_total Creates refused with 503 no_capacity.\n# TYPE sandbox_host_capacity_refusals_total counter\nsandbox_host_capacity_refusals_total {}",
-            self.capacity_refusals.load(Relaxed)
-        );
+        o
+    }
+
+    /// The boot-time histogram, from start to agent ready.
+    fn render_boot_durations(&self, o: &mut String) {
         let _ = writeln!(
             o,
             "# HELP sandbox_host_boot_duration_seconds From start to agent ready.\n# TYPE sandbox_host_boot_duration_seconds histogram"
@@ -212,62 +269,24 @@ impl Metrics {
             self.boot_ms_sum.load(Relaxed) as f64 / 1000.0
         );
         let _ = writeln!(o, "sandbox_host_boot_duration_seconds_count {boots}");
-        for (name, help, v) in [
-            (
-                "sandbox_host_execs_total",
-                "Commands run in sandboxes.",
-                &self.execs,
-            ),
-            (
-                "sandbox_host_bytes_in_total",
-                "Bytes sent into guests (archives, files, stdin).",
-                &self.bytes_in,
-            ),
-            (
-                "sandbox_host_bytes_out_total",
-                "Bytes read out of guests (archives, files, stdout, stderr).",
-                &self.bytes_out,
-            ),
-        ] {
-            let _ = writeln!(
-                o,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                v.load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_disposals_total Sandboxes disposed of, by reason.\n# TYPE sandbox_host_disposals_total counter"
-        );
-        for (i, d) in Disposal::ALL.iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "sandbox_host_disposals_total{{reason=\"{}\"}} {}",
-                d.as_str(),
-                self.disposals[i].load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_egress_refusals_total Guest requests refused by the egress policy, by reason.\n# TYPE sandbox_host_egress_refusals_total counter"
-        );
-        for (reason, n) in refusals {
-            let _ = writeln!(
-                o,
-                "sandbox_host_egress_refusals_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP sandbox_host_unmetered_calls_total Model calls to meter or secret hosts whose usage could not be read, by reason.\n# TYPE sandbox_host_unmetered_calls_total counter"
-        );
-        for (reason, n) in unmetered {
-            let _ = writeln!(
-                o,
-                "sandbox_host_unmetered_calls_total{{reason=\"{reason}\"}} {n}"
-            );
-        }
-        o
+    }
+}
+
+/// A counter without labels: its HELP and TYPE lines and its value.
+fn counter(o: &mut String, name: &str, help: &str, n: u64) {
+    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {n}");
+}
+
+/// A family of one label: its HELP and TYPE lines (`(name, type, help)`), then a line per value.
+fn family<'a>(
+    o: &mut String,
+    (name, kind, help): (&str, &str, &str),
+    label: &str,
+    values: impl IntoIterator<Item = (&'a str, u64)>,
+) {
+    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (value, n) in values {
+        let _ = writeln!(o, "{name}{{{label}=\"{value}\"}} {n}");
     }
 }
 
