@@ -105,20 +105,10 @@ impl StartedVm {
     }
 }
 
-/// How and why a VM ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VmExit {
-    /// One line for a person: what ended the VM.
-    pub reason: String,
-    /// Whether the host asked for it (a stop), as opposed to the guest or a failure.
-    pub requested: bool,
-    /// The last lines the guest (and the VMM) printed.
-    pub console: Vec<String>,
-}
-
 pub use crate::error::{
-    MissingProgram, SpecError, Unsupported, VmError, VmSnapshotError, VmStartError, console_suffix,
+    MissingProgram, SpecError, Unsupported, VmError, VmSnapshotError, VmStartError,
 };
+pub use crate::exit::{VmExit, console_suffix};
 
 /// A virtual machine backend.
 #[async_trait]

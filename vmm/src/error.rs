@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::backend::VmExit;
+use crate::exit::{VmExit, console_suffix};
 use crate::setting::SettingError;
 
 /// Why a VM could not be started, snapshotted or restored.
@@ -52,23 +52,6 @@ impl VmError {
             context: context.into(),
             source,
         }
-    }
-}
-
-/// " Last console lines: a | b" when there are any.
-pub fn console_suffix(lines: &[String]) -> String {
-    let lines: Vec<&str> = lines
-        .iter()
-        .map(String::as_str)
-        .filter(|l| !l.trim().is_empty())
-        .collect();
-    if lines.is_empty() {
-        String::new()
-    } else {
-        format!(
-            ". Last console lines: {}",
-            lines[lines.len().saturating_sub(8)..].join(" | ")
-        )
     }
 }
 
@@ -272,13 +255,13 @@ pub enum VmSnapshotError {
     Reported(String),
     /// QEMU's monitor did not come up.
     #[error("QEMU's monitor: {0}")]
-    Monitor(#[source] crate::qemu::QmpError),
+    Monitor(#[source] crate::qmp::QmpError),
     /// QEMU did not take the memory file's descriptor.
     #[error("handing QEMU its snapshot file: {0}")]
-    HandOver(#[source] crate::qemu::QmpError),
+    HandOver(#[source] crate::qmp::QmpError),
     /// A monitor command of the migration failed.
     #[error("the snapshot failed: {0}")]
-    Command(#[source] crate::qemu::QmpError),
+    Command(#[source] crate::qmp::QmpError),
     /// QEMU's migration failed or was cancelled, with QEMU's reason (at most 300 characters).
     #[error("QEMU's migration to the snapshot file {status}: {why}")]
     Migration {

@@ -9,6 +9,7 @@ pub mod arch;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod exit;
 pub mod host;
 pub mod image;
 #[cfg(target_os = "linux")]
@@ -16,6 +17,7 @@ pub mod kvm;
 mod netpump;
 pub mod probe;
 pub mod qemu;
+mod qmp;
 pub mod sandbox;
 pub mod scratch;
 pub mod select;
@@ -26,5 +28,6 @@ pub use backend::{
     Backend, Channel, Disk, SnapshotDone, SnapshotFiles, StartedVm, Vm, VmError, VmExit, VmSpec,
 };
 pub use image::{Image, ImageError, ImageStore};
+pub use qmp::QmpError;
 pub use sandbox::{BootError, Liveness, Sandbox, boot, boot_watched};
 pub use sandbox_control::link::{FrameLink, NetAttachment, NetLink};

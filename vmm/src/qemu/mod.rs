@@ -5,7 +5,6 @@
 mod accel;
 pub mod args;
 mod process;
-mod qmp;
 mod snapshot;
 
 use std::path::PathBuf;
@@ -14,7 +13,6 @@ use async_trait::async_trait;
 
 pub use accel::{AccelChoice, resolve_accel};
 pub use args::{Accel, Arch};
-pub use qmp::QmpError;
 
 use crate::backend::{Backend, MissingProgram, SpecError, StartedVm, VmError, VmSpec};
 use crate::config::AccelSetting;

@@ -482,7 +482,7 @@ impl Vm for QemuVm {
         let monitor = tokio::net::UnixStream::from_std(monitor)
             .map_err(|e| VmError::io("connecting QEMU's monitor", e))?;
         let taking = async {
-            let mut qmp = super::qmp::Qmp::connect(monitor, Duration::from_secs(10))
+            let mut qmp = crate::qmp::Qmp::connect(monitor, Duration::from_secs(10))
                 .await
                 .map_err(VmSnapshotError::Monitor)?;
             // The memory file, handed over now: QEMU's migration writes it as `/dev/fdset/N`.

@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::args::{Accel, Arch, SNAPSHOT_FDSET};
-use super::qmp::Qmp;
 use crate::backend::{SnapshotDone, VmError, VmSnapshotError, VmSpec};
+use crate::qmp::Qmp;
 
 /// The longest a snapshot may take: under emulation the guest's memory is copied at a few
 /// hundred MB a second, and the host may be loaded.
