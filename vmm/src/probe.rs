@@ -126,15 +126,31 @@ impl ProbeError {
             ProbeError::Start {
                 source: VmError::Start(e),
                 ..
-            } => matches!(
-                e,
+            } => match e {
                 VmStartError::AgentRefused { .. }
-                    | VmStartError::BuildTimeout(_)
-                    | VmStartError::ConnectTimeout(_)
-            ),
+                | VmStartError::BuildTimeout(_)
+                | VmStartError::ConnectTimeout(_) => true,
+                // The jailed process did not say it had started in time (a loaded host).
+                VmStartError::Jail { source, .. } => timed_out(source),
+                _ => false,
+            },
             _ => false,
         }
     }
+}
+
+/// Whether `e`, or an error it was caused by, is an I/O deadline that passed.
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// How long a probe boot may take by default; a real KVM host needs well under a second, QEMU
@@ -355,4 +371,40 @@ fn probe_key(paths: &[&Path]) -> u64 {
         }
     }
     h.finish()
+}
+
+// The jail's errors are Linux's here (the macOS jail has its own).
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    fn jail_failure(kind: std::io::ErrorKind) -> ProbeError {
+        ProbeError::Start {
+            what: "the KVM backend",
+            source: VmError::Start(VmStartError::Jail {
+                program: "sandbox-vm".into(),
+                source: sandbox_jail::SpawnError::Prepare {
+                    what: "waiting for the jailed process to start".into(),
+                    source: std::io::Error::new(kind, "no answer within 10s"),
+                },
+            }),
+        }
+    }
+
+    /// A deadline that passed is a loaded host, not a backend that cannot work: not
+    /// remembered, so the next start tries again; the jail's own start-up bound too (issue 31's
+    /// review: the typed check first missed it, where the old text check had " within ").
+    #[test]
+    fn a_deadline_that_passed_is_not_remembered() {
+        assert!(jail_failure(std::io::ErrorKind::TimedOut).may_pass());
+        assert!(!jail_failure(std::io::ErrorKind::PermissionDenied).may_pass());
+        assert!(
+            ProbeError::BootTimeout {
+                what: "the KVM backend",
+                limit: Duration::from_secs(20)
+            }
+            .may_pass()
+        );
+        assert!(!ProbeError::Emulation.may_pass());
+    }
 }
