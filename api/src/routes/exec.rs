@@ -93,31 +93,25 @@ async fn event_line(
     entry: &SandboxEntry,
     state: &AppState,
 ) -> Vec<u8> {
-    match ev {
-        Ok(ExecEvent::Stdout(b)) => {
-            count(
-                &entry.counters.bytes_out,
-                &state.metrics().bytes_out,
-                b.len() as u64,
-            );
-            line(&json!({ "stdout": B64.encode(&b) }))
+    let (stream, b) = match ev {
+        Ok(ExecEvent::Stdout(b)) => ("stdout", b),
+        Ok(ExecEvent::Stderr(b)) => ("stderr", b),
+        Ok(ExecEvent::Exit(s)) => {
+            return line(&json!({
+                "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
+            }));
         }
-        Ok(ExecEvent::Stderr(b)) => {
-            count(
-                &entry.counters.bytes_out,
-                &state.metrics().bytes_out,
-                b.len() as u64,
-            );
-            line(&json!({ "stderr": B64.encode(&b) }))
-        }
-        Ok(ExecEvent::Exit(s)) => line(&json!({
-            "exit_code": s.exit_code, "signal": s.signal, "timed_out": s.timed_out, "duration_ms": s.duration_ms
-        })),
         Err(e) => {
             let err = entry.explain(e).await;
-            line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }))
+            return line(&json!({ "error": err.to_string(), "code": err.status_and_code().1 }));
         }
-    }
+    };
+    count(
+        &entry.counters.bytes_out,
+        &state.metrics().bytes_out,
+        b.len() as u64,
+    );
+    line(&json!({ stream: B64.encode(&b) }))
 }
 
 async fn exec(
