@@ -129,6 +129,7 @@ fn spec_for(kernel: &std::path::Path, initrd: &std::path::Path, name: &str) -> V
         start_timeout: None,
         snapshot_to: None,
         restore_from: None,
+        outlive: false,
     }
 }
 

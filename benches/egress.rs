@@ -322,6 +322,7 @@ fn process_guest(
         memory_bytes: 96 << 20,
         resolve: format!("sink.test:{port}:127.0.0.1"),
         upstream_ca_pem: None,
+        token: String::new(),
     };
     // The service's dialer makes its upstream connections, as in the service.
     let (dialer, their_dialer) = UnixStream::pair().unwrap();

@@ -70,6 +70,7 @@ fn main() {
                 keep_groups: vec![],
                 seccomp: true,
                 host_network: false,
+                outlive: false,
             })
             .expect("jailed spawn");
         let exit = rt.block_on(j.wait());

@@ -45,6 +45,7 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str, disk: Option<&Path>) -> VmSp
         start_timeout: None,
         snapshot_to: None,
         restore_from: None,
+        outlive: false,
     }
 }
 

@@ -85,6 +85,7 @@ impl Qemu {
             kernel: spec.kernel.clone(),
             initrd: spec.initrd.clone(),
             agent_fd: 3,
+            agent_listens: false,
             marker_fd: Some(4),
             net_fd: None,
             disk_fds: vec![],

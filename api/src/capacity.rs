@@ -74,6 +74,12 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// What it holds: guest memory, egress memory, disk (MiB), as [`Capacity::reserve`] takes
+    /// them (a restart of the service reserves them again).
+    pub fn shares(&self) -> [u64; 3] {
+        [self.memory_mib, self.egress_mib, self.disk_mib]
+    }
+
     /// Gives the memory part back (a paused sandbox holds only its disk); returns how much.
     pub fn release_memory(&mut self) -> u64 {
         let mut c = self.capacity.lock();
@@ -181,6 +187,30 @@ impl Capacity {
             egress_mib,
             disk_mib,
         })
+    }
+
+    /// Accounts for the share of a sandbox that already runs (taken on again after a restart of
+    /// the service), without the admission's checks: it is no new load, and refusing it would
+    /// end a healthy run. Says so when the host is now committed beyond its memory limit (a
+    /// smaller `SANDBOX_HOST_MEMORY_LIMIT_MIB` than before): creates wait until runs end.
+    pub fn hold(self: &Arc<Self>, memory_mib: u64, egress_mib: u64, disk_mib: u64) -> Reservation {
+        let mut c = self.lock();
+        c.memory_mib += memory_mib + egress_mib;
+        c.disk_mib += disk_mib;
+        c.sandboxes += 1;
+        if c.memory_mib > self.limits.memory_mib {
+            tracing::warn!(
+                committed_mib = c.memory_mib,
+                limit_mib = self.limits.memory_mib,
+                "The sandboxes taken on again commit more memory than SANDBOX_HOST_MEMORY_LIMIT_MIB: new sandboxes wait until enough runs end"
+            );
+        }
+        Reservation {
+            capacity: self.clone(),
+            memory_mib,
+            egress_mib,
+            disk_mib,
+        }
     }
 
     fn free_disk_mib(&self) -> u64 {

@@ -133,21 +133,25 @@ pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) ->
         memory_bytes: config.egress_memory_mib << 20,
         resolve: config.egress_resolve.to_value(),
         upstream_ca_pem: config.egress_ca_pem.clone(),
+        // TODO(adopt): the sandbox's token of adoption, made and kept by the service.
+        token: String::new(),
     }
 }
 
 /// Starts the network process of sandbox `id` with the run's settings, for a guest whose network
-/// device has `mac` (the id's own when `None`). The patterns were validated with the create
+/// device has `mac` (the id's own when `None`); one that may `outlive` the service for a sandbox
+/// its next run takes on again. The patterns were validated with the create
 /// request; a secret value that cannot go into a header is refused here.
 pub async fn start(
     id: &str,
     spec: &EgressSpec,
     config: &Config,
     mac: Option<[u8; 6]>,
+    outlive: bool,
 ) -> Result<Started, NetProcessError> {
     let mac = mac.unwrap_or_else(|| sandbox_egress::net::guest_mac(id));
     let mut cfg = net_config(id, spec, config, mac);
-    let started = NetProcess::start(id, &cfg, &config.state_dir).await;
+    let started = NetProcess::start(id, &cfg, &config.state_dir, outlive).await;
     for s in &mut cfg.secrets {
         zeroize::Zeroize::zeroize(&mut s.value);
     }

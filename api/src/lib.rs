@@ -3,6 +3,7 @@
 //! the API's router in process through [`fuzzing`].
 #![forbid(unsafe_code)]
 
+mod adopt;
 mod auth;
 mod capacity;
 pub mod client;

@@ -15,12 +15,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sandbox_control::line::{Reader, send};
-use sandbox_control::net::{Event, MAX_COUNTS, MAX_REPORT, NetConfig, Report, Request};
+use sandbox_control::net::{Event, MAX_COUNTS, MAX_REPORT, NetConfig, Report, Request, VERSION};
 use sandbox_vmm::backend::VmExit;
-use sandbox_vmm::supervised::{Classify, Ending, Spawn, Supervised};
+use sandbox_vmm::supervised::{Classify, Ending, Kind, Spawn, Supervised};
 
 /// How long the process may take to start its stack and answer.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a network process may take to answer an adoption (it answers at once: no stack
+/// to start).
+const ADOPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest path a Unix socket may be bound at (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
 /// How long a report may take.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the counts `/metrics` asks for may take (a late process is not asked again).
@@ -52,6 +57,59 @@ pub struct NetProcess {
     /// The last report it gave: what the API shows once it has gone (its sandbox's VM died, or
     /// it did).
     last: Mutex<Report>,
+    /// What the next run of the service needs to take it on again: its token and its cgroup's
+    /// memory limit (`None`: it dies with this service).
+    adoptable: Option<(String, u64)>,
+}
+
+/// What the service keeps of a sandbox's network process to take it on again after a restart
+/// (issue 32): which process it is, and the token it must answer with. Its socket is found
+/// from the sandbox's id ([`socket_path`]), not from the record.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetRecord {
+    /// Its pid.
+    pub pid: u32,
+    /// Its start time (clock ticks since boot).
+    pub start_time: u64,
+    /// Its uid, when it has one of its own.
+    pub uid: Option<u32>,
+    /// Its cgroup's directories.
+    pub cgroup: Vec<PathBuf>,
+    /// Its cgroup's memory limit in MiB.
+    pub memory_mib: u64,
+    /// The token it was started with and answers an adoption with.
+    pub token: String,
+}
+
+/// The directory of sandbox `id`'s network process under the state directory: the staging of
+/// its root while it starts, then the socket it listens on for the service's next run.
+fn process_dir(state_dir: &Path, id: &str) -> PathBuf {
+    state_dir.join(format!("net-{id}"))
+}
+
+/// The socket sandbox `id`'s network process listens on (one that may outlive the service).
+pub fn socket_path(state_dir: &Path, id: &str) -> PathBuf {
+    process_dir(state_dir, id).join("control.sock")
+}
+
+/// A new token: 32 random bytes, in hex.
+fn new_token() -> Result<String, NetProcessError> {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| internal("its token", &e))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Whether two tokens are equal, in a time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 struct Channel {
@@ -117,31 +175,56 @@ fn host_files() -> Vec<sandbox_jail::Bind> {
 
 impl NetProcess {
     /// Starts the network process of sandbox `id` with `cfg`, its root staged under
-    /// `state_dir`.
+    /// `state_dir`. One that may `outlive` the service listens on [`socket_path`] for its next
+    /// run, which takes it on again with [`NetProcess::adopt`].
     pub async fn start(
         id: &str,
         cfg: &NetConfig,
         state_dir: &Path,
+        outlive: bool,
     ) -> Result<Started, NetProcessError> {
         let program = net_binary().map_err(NetProcessError::Internal)?;
         let rules =
             sandbox_net::start::dial_rules(cfg).map_err(|e| NetProcessError::Bad(e.to_string()))?;
         let (sock, theirs) = UnixStream::pair().map_err(|e| internal("its channel", &e))?;
         let (vm_socket, frames) = UnixStream::pair().map_err(|e| internal("its frames", &e))?;
-        let (dialer, their_dialer) = UnixStream::pair().map_err(|e| internal("its dialer", &e))?;
         let (log_r, log_w) = std::io::pipe().map_err(|e| internal("its log", &e))?;
-        // A staging directory for its root, named apart from the sandboxes' own.
-        let staging = state_dir.join(format!("net-{id}"));
-        std::fs::create_dir_all(staging.join("root")).map_err(|e| internal("its root", &e))?;
-        let fds = vec![theirs.into(), frames.into(), log_w.into()];
+        // A directory for its root's staging (and its socket), named apart from the sandboxes'.
+        let dir = process_dir(state_dir, id);
+        let staging = dir.join("root");
+        std::fs::create_dir_all(&staging).map_err(|e| internal("its root", &e))?;
+        let mut fds: Vec<OwnedFd> = vec![theirs.into(), frames.into(), log_w.into()];
+        let mut cfg = cfg.clone();
+        if outlive {
+            let path = socket_path(state_dir, id);
+            if path.as_os_str().len() > MAX_SOCKET_PATH {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(NetProcessError::Internal(format!(
+                    "the network process's socket {} is longer than the {MAX_SOCKET_PATH} bytes a \
+                     socket's path may have: give SANDBOX_HOST_STATE_DIR a shorter path",
+                    path.display()
+                )));
+            }
+            let made = std::os::unix::net::UnixListener::bind(&path)
+                .map_err(|e| internal(&format!("its socket {}", path.display()), &e))
+                .and_then(|l| Ok((l, new_token()?)));
+            let (listener, token) = made.inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&dir);
+            })?;
+            fds.push(listener.into());
+            cfg.token = token;
+        }
+        let memory_mib = (cfg.memory_bytes >> 20) + ALLOWANCE_MIB;
         let process = Supervised::spawn(
             Spawn {
-                name: "the network process",
-                cmd: jail_command(id, program, cfg, &staging, fds),
+                kind: Kind {
+                    name: "the network process",
+                    state_dir: Some(dir.clone()),
+                    reap_within: REAP_TIMEOUT,
+                    line: std::convert::identity,
+                },
+                cmd: jail_command(id, program, &cfg, &dir, fds, outlive),
                 outputs: vec![],
-                state_dir: None,
-                reap_within: REAP_TIMEOUT,
-                line: std::convert::identity,
             },
             Box::new(NetEnd),
         )
@@ -149,6 +232,9 @@ impl NetProcess {
         // The root was built in the process's own mount namespace before the spawn returned:
         // the host's staging directory has done its part, so nothing is left for a crash.
         let _ = std::fs::remove_dir_all(&staging);
+        if process.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         let process = process.map_err(|e| {
             let e = match e {
                 sandbox_vmm::VmError::Start(why) => why.to_string(),
@@ -160,19 +246,13 @@ impl NetProcess {
         std::thread::spawn(move || log_lines(&log_id, log_r));
         let pid = process.pid();
         log_unasked_end(&process, id);
-        // A process that breaks the dialer's protocol no longer follows its own code: it is
-        // ended (its sandbox loses its network), not only logged.
-        let me: Arc<std::sync::OnceLock<std::sync::Weak<NetProcess>>> = Arc::default();
-        let end = me.clone();
-        let hostile = id.to_string();
-        sandbox_net::dial::serve(dialer, rules, tokio::runtime::Handle::current(), move |e| {
-            tracing::warn!(id = hostile, pid, "a sandbox's network process, ended: {e}");
-            if let Some(p) = end.get().and_then(std::sync::Weak::upgrade) {
-                p.kill();
-            }
-        })
-        .map_err(|e| internal("its dialer", &e))?;
-        let (sock, reader, ca_pem, env) = handshake(sock, cfg, their_dialer).await?;
+        let (their_dialer, me) = serve_dialer(id, pid, rules)?;
+        let answer = handshake(sock, &cfg, their_dialer).await;
+        let adoptable = outlive.then(|| (std::mem::take(&mut cfg.token), memory_mib));
+        for s in &mut cfg.secrets {
+            zeroize::Zeroize::zeroize(&mut s.value);
+        }
+        let (sock, reader, ca_pem, env) = answer?;
         #[cfg(target_os = "linux")]
         sealed(pid).map_err(|e| internal("its seal", &e))?;
         let process = Arc::new(NetProcess {
@@ -183,6 +263,7 @@ impl NetProcess {
                 broken: false,
             }),
             last: Mutex::new(Report::default()),
+            adoptable,
         });
         let _ = me.set(Arc::downgrade(&process));
         Ok(Started {
@@ -190,6 +271,111 @@ impl NetProcess {
             vm_socket: vm_socket.into(),
             ca_pem,
             env,
+        })
+    }
+
+    /// Takes on again sandbox `id`'s network process that a previous run of the service left
+    /// running (`record` says which): shown to be that process (its pid, start time, uid and
+    /// cgroup), connected on its socket, given a new dialer (the old one ended with the old
+    /// service) under the rules of `cfg` (the sandbox's settings, secrets' values not needed),
+    /// and answering with its token. On failure a process that was adopted is killed.
+    pub async fn adopt(
+        id: &str,
+        record: &NetRecord,
+        cfg: &NetConfig,
+        state_dir: &Path,
+    ) -> Result<Arc<NetProcess>, String> {
+        let rules = sandbox_net::start::dial_rules(cfg).map_err(|e| e.to_string())?;
+        let identity = sandbox_jail::Identity {
+            pid: record.pid,
+            start_time: record.start_time,
+            uid: record.uid,
+            cgroup: record.cgroup.clone(),
+        };
+        let kind = Kind {
+            name: "the network process",
+            state_dir: Some(process_dir(state_dir, id)),
+            reap_within: REAP_TIMEOUT,
+            line: std::convert::identity,
+        };
+        let process = Supervised::adopt(
+            kind,
+            identity,
+            format!("{id}-net"),
+            record.memory_mib,
+            Box::new(NetEnd),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let pid = process.pid();
+        let (their_dialer, me) = serve_dialer(id, pid, rules).map_err(|e| e.to_string())?;
+        let path = socket_path(state_dir, id);
+        let token = record.token.clone();
+        let answer = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let sock = UnixStream::connect(&path)
+                .map_err(|e| format!("connecting to {}: {e}", path.display()))?;
+            let sent = send(&sock, &Request::Adopt, Some(their_dialer.as_raw_fd()));
+            drop(their_dialer);
+            sent.map_err(|e| format!("asking it to be adopted: {e}"))?;
+            let mut reader = Reader::with_limit(&sock, MAX_REPORT).within(ADOPT_TIMEOUT);
+            let event = reader
+                .read::<Event>()
+                .map_err(|e| format!("its answer: {e}"))?;
+            if reader.take_fd().is_some() {
+                return Err("it sent a descriptor".into());
+            }
+            match event {
+                Some(Event::Adopted { version, .. }) if version != VERSION => Err(format!(
+                    "it speaks version {version} of its channel, this sandbox host {VERSION} (an \
+                     upgrade that changed the channel cannot take it on)"
+                )),
+                Some(Event::Adopted { token: t, .. }) if same_token(&t, &token) => {
+                    Ok((sock, reader))
+                }
+                Some(Event::Adopted { .. }) => Err("it answered with another token".into()),
+                Some(_) => Err("it answered an adoption with something else".into()),
+                None => Err("it closed the connection".into()),
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        let (sock, reader) = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                process
+                    .kill(format!("it could not be taken on again: {e}"))
+                    .await;
+                return Err(e);
+            }
+        };
+        log_unasked_end(&process, id);
+        let net = Arc::new(NetProcess {
+            process,
+            channel: Mutex::new(Channel {
+                sock,
+                reader: reader.within(REPORT_TIMEOUT),
+                broken: false,
+            }),
+            last: Mutex::new(Report::default()),
+            adoptable: Some((record.token.clone(), record.memory_mib)),
+        });
+        let _ = me.set(Arc::downgrade(&net));
+        Ok(net)
+    }
+
+    /// What takes it on again after a restart (`None` for one that dies with the service, or
+    /// has ended).
+    pub fn record(&self) -> Option<NetRecord> {
+        let (token, memory_mib) = self.adoptable.as_ref()?;
+        let identity = self.process.identity()?;
+        Some(NetRecord {
+            pid: identity.pid,
+            start_time: identity.start_time,
+            uid: identity.uid,
+            cgroup: identity.cgroup,
+            memory_mib: *memory_mib,
+            token: token.clone(),
         })
     }
 
@@ -290,6 +476,36 @@ impl NetProcess {
     }
 }
 
+/// Serves the dialer of sandbox `id`'s process `pid` under `rules`: the process's end of its
+/// socket, and where the process goes once it exists, so that one which breaks the dialer's
+/// protocol (it no longer follows its own code) is ended (its sandbox loses its network), not
+/// only logged.
+#[allow(clippy::type_complexity)]
+fn serve_dialer(
+    id: &str,
+    pid: u32,
+    rules: sandbox_net::dial::Rules,
+) -> Result<
+    (
+        UnixStream,
+        Arc<std::sync::OnceLock<std::sync::Weak<NetProcess>>>,
+    ),
+    NetProcessError,
+> {
+    let (dialer, their_dialer) = UnixStream::pair().map_err(|e| internal("its dialer", &e))?;
+    let me: Arc<std::sync::OnceLock<std::sync::Weak<NetProcess>>> = Arc::default();
+    let end = me.clone();
+    let hostile = id.to_string();
+    sandbox_net::dial::serve(dialer, rules, tokio::runtime::Handle::current(), move |e| {
+        tracing::warn!(id = hostile, pid, "a sandbox's network process, ended: {e}");
+        if let Some(p) = end.get().and_then(std::sync::Weak::upgrade) {
+            p.kill();
+        }
+    })
+    .map_err(|e| internal("its dialer", &e))?;
+    Ok((their_dialer, me))
+}
+
 /// A failure on the host's side of starting the process, said as such.
 fn internal(what: &str, e: &dyn std::fmt::Display) -> NetProcessError {
     NetProcessError::Internal(format!("the sandbox's network process: {what}: {e}"))
@@ -301,8 +517,9 @@ fn jail_command(
     id: &str,
     program: PathBuf,
     cfg: &NetConfig,
-    staging: &Path,
+    dir: &Path,
     fds: Vec<OwnedFd>,
+    outlive: bool,
 ) -> sandbox_jail::Command {
     sandbox_jail::Command {
         name: format!("{id}-net"),
@@ -310,7 +527,7 @@ fn jail_command(
         args: vec![],
         fds,
         root: Some(sandbox_jail::Root {
-            staging: staging.join("root"),
+            staging: dir.join("root"),
             system: true,
             binds: host_files(),
             ..Default::default()
@@ -327,6 +544,7 @@ fn jail_command(
         keep_groups: vec![],
         seccomp: true,
         host_network: false,
+        outlive,
     }
 }
 
@@ -379,7 +597,7 @@ async fn handshake(
             message,
         }) => Err(NetProcessError::Bad(message)),
         Some(Event::Refused { message, .. }) => Err(NetProcessError::Internal(message)),
-        Some(Event::Report(_) | Event::Relinked) => Err(internal(
+        Some(Event::Report(_) | Event::Relinked | Event::Adopted { .. }) => Err(internal(
             "its start",
             &"an answer to no request before it started",
         )),

@@ -22,6 +22,21 @@ pub struct Counters {
     pub bytes_out: AtomicU64,
 }
 
+impl Counters {
+    /// Execs, bytes in, bytes out.
+    pub fn values(&self) -> [u64; 3] {
+        [&self.execs, &self.bytes_in, &self.bytes_out].map(|c| c.load(Relaxed))
+    }
+
+    fn from_values([execs, bytes_in, bytes_out]: [u64; 3]) -> Counters {
+        Counters {
+            execs: AtomicU64::new(execs),
+            bytes_in: AtomicU64::new(bytes_in),
+            bytes_out: AtomicU64::new(bytes_out),
+        }
+    }
+}
+
 /// One sandbox: its VM and agent, what it was created with, and its activity.
 pub struct SandboxEntry {
     /// Its id.
@@ -71,6 +86,18 @@ pub struct SandboxEntry {
     /// A pause or resume failed with the VM gone: the sandbox answers 410 until the sweep
     /// disposes of it.
     lost: std::sync::atomic::AtomicBool,
+    /// Its record's turn (`adopt.rs`): the counters it last saved, and whether it was disposed
+    /// of (no save writes it again).
+    pub record: Mutex<RecordTurn>,
+}
+
+/// What the saves of one sandbox's record share.
+#[derive(Debug, Default)]
+pub struct RecordTurn {
+    /// The counters last saved.
+    pub saved: [u64; 3],
+    /// The sandbox was disposed of: its record is gone for good.
+    pub disposed: bool,
 }
 
 impl Pausable {
@@ -352,7 +379,17 @@ impl SandboxEntry {
     /// not kept (issue 32: the network process holds them; the service keeps what it shows,
     /// each secret's variable and hosts, and never needs a value again).
     pub fn new(run: Run, running: Running) -> SandboxEntry {
-        let created_at = SystemTime::now();
+        Self::restored(run, running, SystemTime::now(), [0; 3])
+    }
+
+    /// The entry of a sandbox created at `created_at` with `counters` so far: one a previous run
+    /// of the service left running and this one took on again (`adopt.rs`), or a new one.
+    pub fn restored(
+        run: Run,
+        running: Running,
+        created_at: SystemTime,
+        counters: [u64; 3],
+    ) -> SandboxEntry {
         let mut egress = run.egress;
         for s in &mut egress.secrets {
             zeroize::Zeroize::zeroize(&mut s.value);
@@ -372,14 +409,18 @@ impl SandboxEntry {
             created_at,
             expires_at: created_at + run.time_limit,
             sandbox: std::sync::RwLock::new(Arc::new(running.sandbox)),
-            counters: Counters::default(),
-            last_activity: Mutex::new((Instant::now(), created_at)),
+            counters: Counters::from_values(counters),
+            last_activity: Mutex::new((Instant::now(), SystemTime::now())),
             in_flight: AtomicU64::new(0),
             reservation: Mutex::new(running.reservation),
             pausable: running.pausable,
             paused: tokio::sync::Mutex::new(false),
             paused_now: std::sync::atomic::AtomicBool::new(false),
             lost: std::sync::atomic::AtomicBool::new(false),
+            record: Mutex::new(RecordTurn {
+                saved: counters,
+                disposed: false,
+            }),
         }
     }
 }

@@ -91,13 +91,9 @@ async fn run() -> Result<(), ServiceError> {
     let jail_settings = sandbox_jail::Settings::from_env(&state_dir::jail_instance(&cfg.state_dir))
         .map_err(ServiceError::Jail)?;
     let jail = sandbox_jail::install(&jail_settings);
-    let stale = jail.remove_stale();
-    if stale > 0 {
-        tracing::info!(
-            groups = stale,
-            "Removed the cgroups of VMs a previous run left"
-        );
-    }
+    // From here on a signal is the service's to handle: one during the start-up (which may take
+    // sandboxes on again) is answered once it serves, never with the default action's abrupt end.
+    let signals = Signals::install();
     let store = ImageStore::new(cfg.image_dir.clone());
     let (mut availability, backend) = availability(&store).await;
     add_jail_status(&mut availability, jail.status());
@@ -116,23 +112,48 @@ async fn run() -> Result<(), ServiceError> {
         "Budgets: guest memory up to SANDBOX_HOST_MEMORY_LIMIT_MIB, sandbox disks up to SANDBOX_HOST_DISK_OVERCOMMIT times the free space, file descriptors up to RLIMIT_NOFILE"
     );
     let state = AppState::new(cfg, availability, backend);
+    // The sandboxes an earlier run left running are taken on again before the API serves;
+    // then what that run left of the others goes (their cgroups killing what is in them).
+    let kept = crate::adopt::adopt_all(&state).await;
+    let stale = jail.remove_stale(&kept.cgroups);
+    if stale > 0 {
+        tracing::info!(
+            groups = stale,
+            "Removed the cgroups of VMs a previous run left"
+        );
+    }
+    state_dir::remove_leftovers(&state.config().state_dir, &kept.files)?;
     tokio::spawn(lifecycle::sweep_forever(state.clone()));
+    lifecycle::save_forever(state.clone());
     let app = routes::app(state.clone());
     axum::serve(listener, app)
-        .with_graceful_shutdown(dispose_on_signal(state))
+        .with_graceful_shutdown(dispose_on_signal(state, signals))
         .await
         .map_err(ServiceError::Http)
 }
 
 /// Resolves on SIGTERM or SIGINT once every sandbox is disposed of (or the time for it is up).
-async fn dispose_on_signal(state: AppState) {
-    let sig = shutdown_signal().await;
+/// On SIGUSR2 it hands over instead ([`hand_over`]) and never resolves.
+async fn dispose_on_signal(state: AppState, signals: Signals) {
+    let sig = signals.recv().await;
+    if sig == "SIGUSR2" {
+        hand_over(&state).await;
+    }
     tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
     match tokio::time::timeout(SHUTDOWN_TIMEOUT, lifecycle::dispose_all(&state)).await {
         Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
         Err(_) => tracing::error!(
             "disposing of the sandboxes took longer than {SHUTDOWN_TIMEOUT:?}; exiting anyway"
         ),
+    }
+    // What outlived the disposal (a create that finished meanwhile, a disposal that ran out of
+    // time) would outlive the service too: every process left in this instance's cgroups ends.
+    let left = sandbox_jail::global().remove_stale(&[]);
+    if left > 0 {
+        tracing::warn!(
+            groups = left,
+            "Killed what was left of sandboxes after the disposal"
+        );
     }
 }
 
@@ -217,19 +238,85 @@ fn warn_about_host(cfg: &Config, store: &ImageStore) {
     }
 }
 
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the process still ends on the default action; never resolve.
-        std::future::pending::<()>().await;
-        return "none";
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+/// The status a hand-over exits with: systemd restarts the unit on it (`RestartForceExitStatus`
+/// in deploy/systemd/sandbox-host.service), with whatever binary is installed by then.
+pub const HANDOVER_EXIT: i32 = 75;
+
+/// The upgrade path (SIGUSR2): every sandbox whose processes can outlive the service has its
+/// record written and is left running for the next run to take on again; the others (a backend
+/// that cannot hand over) are disposed of. Then the process exits at once with
+/// [`HANDOVER_EXIT`]: open requests end with their connections (an exec's client sees its
+/// stream cut before any exit line), and nothing of the sandboxes is dropped or stopped.
+async fn hand_over(state: &AppState) -> ! {
+    let dir = state.config().state_dir.clone();
+    let (mut kept, mut disposals) = (0, vec![]);
+    for e in state.registry().all() {
+        let outlives = e.net.as_ref().and_then(|n| n.record()).is_some()
+            && e.sandbox().vm.record().is_some()
+            && !e.is_paused();
+        let (d, entry) = (dir.clone(), e.clone());
+        let saved = outlives
+            && tokio::task::spawn_blocking(move || crate::adopt::save(&d, &entry).is_ok())
+                .await
+                .unwrap_or(false);
+        if saved {
+            kept += 1;
+        } else if let Some(entry) = state.registry().take(&e.id) {
+            let st = state.clone();
+            disposals.push(tokio::spawn(async move {
+                lifecycle::dispose(&st, entry, crate::metrics::Disposal::Shutdown).await
+            }));
+        }
+    }
+    let disposed = disposals.len();
+    let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, async {
+        for d in disposals {
+            let _ = d.await;
+        }
+    })
+    .await;
+    tracing::info!(
+        kept,
+        disposed,
+        "Handed over: the sandboxes are left running for the next sandbox host on this state directory, which takes them on again"
+    );
+    std::process::exit(HANDOVER_EXIT);
+}
+
+/// The signals that end the service, listened for from the start-up on.
+struct Signals(
+    Option<(
+        tokio::signal::unix::Signal,
+        tokio::signal::unix::Signal,
+        tokio::signal::unix::Signal,
+    )>,
+);
+
+impl Signals {
+    fn install() -> Signals {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::user_defined2()),
+        ) {
+            (Ok(term), Ok(int), Ok(usr2)) => Signals(Some((term, int, usr2))),
+            _ => Signals(None),
+        }
+    }
+
+    /// The next one's name.
+    async fn recv(self) -> &'static str {
+        let Some((mut term, mut int, mut usr2)) = self.0 else {
+            // Without signal handlers the process still ends on the default action; never resolve.
+            std::future::pending::<()>().await;
+            return "none";
+        };
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+            _ = usr2.recv() => "SIGUSR2",
+        }
     }
 }
 

@@ -60,9 +60,8 @@ pub fn jail_instance(state_dir: &Path) -> String {
     )
 }
 
-/// Takes the state directory for this process (one sandbox host per directory) and removes what
-/// a crashed earlier process left there. Directories of `sandbox-host run`s still running stay.
-/// The lock is held as long as the file returned is open.
+/// Takes the state directory for this process (one sandbox host per directory). The lock is held
+/// as long as the file returned is open.
 pub fn claim(dir: &Path) -> Result<std::fs::File, StateDirError> {
     std::fs::create_dir_all(dir).map_err(|source| StateDirError::Create {
         dir: dir.to_path_buf(),
@@ -80,6 +79,17 @@ pub fn claim(dir: &Path) -> Result<std::fs::File, StateDirError> {
         })?;
     lock.try_lock()
         .map_err(|_| StateDirError::Taken(dir.to_path_buf()))?;
+    // Only this service's user may reach what is in it: the sockets of the processes that
+    // outlive it among them (whoever connects to those is the service).
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    Ok(lock)
+}
+
+/// Removes what an earlier process left in the state directory, except `keep` (the names of
+/// what belongs to the sandboxes this one took on again) and the directories of
+/// `sandbox-host run`s still running.
+pub fn remove_leftovers(dir: &Path, keep: &[String]) -> Result<(), StateDirError> {
     let entries = std::fs::read_dir(dir).map_err(|source| StateDirError::Read {
         dir: dir.to_path_buf(),
         source,
@@ -87,7 +97,7 @@ pub fn claim(dir: &Path) -> Result<std::fs::File, StateDirError> {
     let mut removed = 0;
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name == ".lock" || live_run(&name) {
+        if name == ".lock" || live_run(&name) || keep.contains(&name) {
             continue;
         }
         let p = e.path();
@@ -103,7 +113,7 @@ pub fn claim(dir: &Path) -> Result<std::fs::File, StateDirError> {
     if removed > 0 {
         tracing::info!(removed, dir = %dir.display(), "Removed what an earlier sandbox host left in the state directory");
     }
-    Ok(lock)
+    Ok(())
 }
 
 /// `run-<pid>-…` of a `sandbox-host run` that is still running.

@@ -1,11 +1,11 @@
 //! Lifecycle on the real binary: idle and time-limit disposal, keepalive, a VM that dies, a guest
-//! that stops answering, SIGTERM disposing of everything, and a restart after a crash cleaning up.
+//! that stops answering, SIGTERM disposing of everything. A restart is `api_restart.rs`.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{qemu_pids_under, start, start_in, state_entries, stock_image_missing};
+use common::{qemu_pids_under, start, state_entries, stock_image_missing};
 use serde_json::json;
 
 async fn wait_gone(h: &common::Host, id: &str, within: Duration) {
@@ -229,48 +229,6 @@ async fn sigterm_disposes_of_every_sandbox() {
     );
     let logs = h.logs.lock().unwrap().join("\n");
     assert!(logs.contains("\"disposed\":2"), "{logs}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_after_a_crash_cleans_up() {
-    if stock_image_missing() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let state = tmp.path().join("state");
-    let mut h = start_in(&state, &[]);
-    h.create(json!({})).await;
-    h.signal("KILL");
-    h.wait_exit(Duration::from_secs(10));
-    // QEMU dies with its parent (PR_SET_PDEATHSIG); its directory stays behind.
-    let t = Instant::now();
-    while !qemu_pids_under(&state).is_empty() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "QEMU outlived a crashed host"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(state_entries(&state).len(), 1);
-    let h2 = start_in(&state, &[]);
-    let line = h2.wait_log(
-        "Removed what an earlier sandbox host left",
-        Duration::from_secs(5),
-    );
-    assert_eq!(line["removed"], 1);
-    // The crashed run's cgroups too (where this host can make cgroups): its sandbox's VM's and
-    // its network process's.
-    let health = h2.json("GET", "/v1/health", None).await.1;
-    if !health["jail"]["cgroup"].is_null() {
-        let line = h2.wait_log(
-            "Removed the cgroups of VMs a previous run left",
-            Duration::from_secs(5),
-        );
-        assert_eq!(line["groups"], 2, "{line}");
-    }
-    assert!(state_entries(&state).is_empty());
-    let (s, v) = h2.json("GET", "/v1/sandboxes", None).await;
-    assert_eq!((s, v["sandboxes"].as_array().map(Vec::len)), (200, Some(0)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

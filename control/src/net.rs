@@ -15,11 +15,47 @@
 //! address it resolves to against the ranges no sandbox may reach, connects, and passes the
 //! connected socket back ([`Dial`], [`Dialed`]). A process taken over by its guest can reach no
 //! more than its guest may: never the host's loopback, a metadata service or the local network.
+//!
+//! The service may end (a crash, an upgrade) while its sandboxes run on. A network process that
+//! was given a listening socket ([`ADOPT_FD`]) outlives it: when its channel ends it keeps moving
+//! the guest's frames and waits there for the service to come back. The service's next run
+//! connects, asks [`Request::Adopt`] with a new dialer's socket attached, and is answered
+//! [`Event::Adopted`] with the sandbox's [`NetConfig::token`]: the process is the one the service
+//! started for that sandbox (the service keeps the token with the sandbox's state). From then on
+//! that connection is the channel, as the first one was:
+//!
+//! ```text
+//! service                                   sandbox-net
+//!    -- Start(NetConfig) + dialer (fd 0) -->
+//!    <------------ Started / Refused -------
+//!    -- Report | Counts | Relink + frames -->
+//!    <------- Report | Relinked ------------
+//!    ... the service ends: the channel's end (the dialer's too) ...
+//!                                           frames still move; dials fail at once;
+//!                                           accept on ADOPT_FD
+//!    -- connect(ADOPT_FD's path) ---------->
+//!    -- Adopt + new dialer ---------------->  (first line, within ADOPT_WITHIN)
+//!    <------- Adopted { version, token } ---
+//!    -- Report | Counts | Relink | Stop ---->  (as before; its end: wait again)
+//! ```
 
 use serde::{Deserialize, Serialize};
 
 /// The channel's version: a `sandbox-net` built from another tree is not spoken to.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
+
+/// The descriptor of `sandbox-net` that, when the service passes one, is a listening Unix
+/// socket: the process waits there for the service to come back after its channel ends, and is
+/// adopted ([`Request::Adopt`]). Without one the process ends with its channel. (It is waited on
+/// blocking: one left non-blocking is polled, ten times a second.)
+pub const ADOPT_FD: std::os::fd::RawFd = 3;
+/// How long a connection to the adoption socket may take to send its first line
+/// ([`Request::Adopt`]): one that says nothing cannot keep the process from the next.
+pub const ADOPT_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+/// The longest first line read on the adoption socket (an adoption is a dozen bytes).
+pub const MAX_ADOPT_LINE: usize = 1024;
+/// The longest token ([`NetConfig::token`]): 32 random bytes, in hex.
+pub const MAX_TOKEN: usize = 64;
 
 /// The longest line the service reads from a network process: a report with every metered call
 /// it keeps ([`MAX_CALLS`] of them, each under 2 KiB as JSON).
@@ -47,7 +83,7 @@ pub const MAX_STRING: usize = 1024;
 
 /// A sandbox's egress, as the create request set it (the service validated it) and as the host
 /// configures it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NetConfig {
     /// The channel's version ([`VERSION`]) the service speaks.
@@ -75,6 +111,35 @@ pub struct NetConfig {
     /// The CA bundle upstream certificates are checked against (`SANDBOX_HOST_EGRESS_CA_FILE`,
     /// read by the service: the network process opens no file); `None`: the system's roots.
     pub upstream_ca_pem: Option<String>,
+    /// The sandbox's secret of adoption, which the service made for it ([`MAX_TOKEN`] bytes at
+    /// most): the process answers [`Request::Adopt`] with it, so a service that came back knows
+    /// the process on the other end is the one it started for that sandbox. The guest may learn
+    /// it by taking the process over, and gains nothing by it; it is kept out of logs all the
+    /// same. Missing from a service of an older version, whose settings are then refused for
+    /// their version, not for a field.
+    #[serde(default, deserialize_with = "bounded::text::<_, MAX_TOKEN>")]
+    pub token: String,
+}
+
+impl std::fmt::Debug for NetConfig {
+    /// Never the token, nor (through [`SecretConfig`]'s) a secret's value: a debug print of a
+    /// config lands in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetConfig")
+            .field("version", &self.version)
+            .field("sandbox", &self.sandbox)
+            .field("mac", &self.mac)
+            .field("allow", &self.allow)
+            .field("meter", &self.meter)
+            .field("intercept_all", &self.intercept_all)
+            .field("meter_strict", &self.meter_strict)
+            .field("meter_body_max", &self.meter_body_max)
+            .field("secrets", &self.secrets)
+            .field("memory_bytes", &self.memory_bytes)
+            .field("resolve", &self.resolve)
+            .field("upstream_ca_pem", &self.upstream_ca_pem)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The longest line on the dialer's socket, either way (a name is at most 253 bytes; an error
@@ -174,13 +239,23 @@ impl std::fmt::Debug for SecretConfig {
     }
 }
 
-/// From the service to the network process.
+/// From the service to the network process: on descriptor 0 first, on a connection to the
+/// adoption socket ([`ADOPT_FD`]) after the service came back. Each request has one answer, sent
+/// before the next request is read.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Request {
-    /// Start the sandbox's egress (the first message, once), with the dialer's socket attached;
-    /// the answer is [`Event::Started`] or [`Event::Refused`].
+    /// Start the sandbox's egress (the first message on descriptor 0, once), with the dialer's
+    /// socket attached; the answer is [`Event::Started`] or [`Event::Refused`].
     Start(NetConfig),
+    /// Take this connection as the channel (the first message on a connection to the adoption
+    /// socket, within [`ADOPT_WITHIN`], and only there), with a new dialer's socket attached:
+    /// the process's upstream connections are made over it from now on. The answer is
+    /// [`Event::Adopted`]; the service sends nothing more before it has read it. A first message
+    /// of anything else, or an adoption without its socket, gets no answer: the connection is
+    /// closed, and the process waits for the next. Anywhere else an adoption is an error that
+    /// ends the process, as a second start is.
+    Adopt,
     /// Answer with [`Event::Report`].
     Report,
     /// Answer with [`Event::Report`] without its lists (no refusal events, no calls): the counts
@@ -190,12 +265,13 @@ pub enum Request {
     /// process of a sandbox gets a socket pair of its own, so the service keeps no end of one);
     /// the answer is [`Event::Relinked`].
     Relink,
-    /// Stop: the process ends.
+    /// Stop: the process ends. (The channel's end, without it, ends the process too when it has
+    /// no adoption socket; with one, it waits there.)
     Stop,
 }
 
 /// From the network process to the service.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Event {
     /// The egress runs.
@@ -220,6 +296,42 @@ pub enum Event {
     Report(Box<Report>),
     /// The frames now come on the socket [`Request::Relink`] carried.
     Relinked,
+    /// The answer to [`Request::Adopt`]: this connection is the channel now, and the dials go
+    /// over the socket the adoption carried.
+    Adopted {
+        /// The channel's version ([`VERSION`]) the process speaks: a service of another (an
+        /// upgrade that changed this channel) does not take it on, as a start of another version
+        /// is refused.
+        version: u32,
+        /// The [`NetConfig::token`] the process was started with: the service checks it against
+        /// the sandbox's own before it takes the process for that sandbox's.
+        #[serde(deserialize_with = "bounded::text::<_, MAX_TOKEN>")]
+        token: String,
+    },
+}
+
+impl std::fmt::Debug for Event {
+    /// Never an adoption's token: a debug print of an unexpected answer lands in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Event::Started { ca_pem, env } => f
+                .debug_struct("Started")
+                .field("ca_pem", ca_pem)
+                .field("env", env)
+                .finish(),
+            Event::Refused {
+                bad_request,
+                message,
+            } => f
+                .debug_struct("Refused")
+                .field("bad_request", bad_request)
+                .field("message", message)
+                .finish(),
+            Event::Report(r) => f.debug_tuple("Report").field(r).finish(),
+            Event::Relinked => f.write_str("Relinked"),
+            Event::Adopted { .. } => f.debug_struct("Adopted").finish_non_exhaustive(),
+        }
+    }
 }
 
 /// What one sandbox's egress has done: `GET /v1/sandboxes/{id}/egress` and `…/usage`, and the
@@ -680,6 +792,69 @@ mod tests {
             let e = parse(&r).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
+    }
+
+    fn config(token: &str) -> NetConfig {
+        NetConfig {
+            version: VERSION,
+            sandbox: "s".into(),
+            mac: [2, 0, 0, 0, 0, 1],
+            allow: vec![],
+            meter: vec![],
+            intercept_all: false,
+            meter_strict: false,
+            meter_body_max: 1,
+            secrets: vec![],
+            memory_bytes: 1,
+            resolve: String::new(),
+            upstream_ca_pem: None,
+            token: token.into(),
+        }
+    }
+
+    /// The token is bounded where it is read, on either side, and printed nowhere.
+    #[test]
+    fn a_token_is_bounded_and_never_in_a_debug_print() {
+        let token = "ab".repeat(MAX_TOKEN / 2);
+        let line = serde_json::to_string(&Request::Start(config(&token))).unwrap();
+        match serde_json::from_str::<Request>(&line).unwrap() {
+            Request::Start(c) => assert_eq!(c.token, token),
+            other => panic!("{other:?}"),
+        }
+        let long = serde_json::to_string(&Request::Start(config(&format!("{token}0")))).unwrap();
+        let e = serde_json::from_str::<Request>(&long).unwrap_err();
+        assert!(e.to_string().contains("longer than"), "{e}");
+        let adopted = Event::Adopted {
+            version: VERSION,
+            token: token.clone(),
+        };
+        let line = serde_json::to_string(&adopted).unwrap();
+        assert!(matches!(
+            serde_json::from_str::<Event>(&line).unwrap(),
+            Event::Adopted { token: t, .. } if t == token
+        ));
+        let long = line.replace(&token, &format!("{token}0"));
+        assert!(serde_json::from_str::<Event>(&long).is_err());
+        for print in [
+            format!("{:?}", config(&token)),
+            format!("{:?}", Request::Start(config(&token))),
+            format!("{adopted:?}"),
+        ] {
+            assert!(!print.contains(&token), "{print}");
+        }
+        // An older service's settings have no token: they parse, and are refused for their
+        // version.
+        let old = serde_json::to_string(&config(""))
+            .unwrap()
+            .replace(",\"token\":\"\"", "");
+        assert!(!old.contains("token"), "{old}");
+        assert!(
+            serde_json::from_str::<NetConfig>(&old)
+                .unwrap()
+                .token
+                .is_empty()
+        );
+        assert_eq!(serde_json::to_string(&Request::Adopt).unwrap(), "\"adopt\"");
     }
 
     #[test]

@@ -15,7 +15,9 @@
 //! unless every frame in it is one the harness meant to send.
 //!
 //! Invariants: serve returns once the host closes its side and every stream ends within 5 s of
-//! that (a watchdog aborts otherwise), without a panic; every frame the agent sends decodes, is
+//! that (a watchdog aborts otherwise: the host's going away abandons the streams without killing
+//! their programs, and every program of [`PROGRAMS`] ends once its stdin is closed), without a
+//! panic; every frame the agent sends decodes, is
 //! of a kind the agent sends, and its JSON payload parses; on no stream does the agent send more
 //! data than the windows the host granted (the initial window per request on that stream id
 //! plus every grant); no child process of the fuzzer is left once the streams ended; nothing

@@ -7,6 +7,7 @@
 //! instance keeps its VMs under `<parent>/<instance>/vm-<name>`, so a restarted service can
 //! remove what a crashed one left without touching another instance's VMs.
 
+use std::os::fd::FromRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -268,9 +269,10 @@ impl Cgroups {
         }
     }
 
-    /// Removes the groups a previous run of this instance left (killing what is still in them);
-    /// returns how many VMs' groups there were.
-    pub fn remove_stale(&self) -> usize {
+    /// Removes the groups a previous run of this instance left (killing what is still in them),
+    /// except those in `keep` (the groups of processes this run adopted); returns how many VMs'
+    /// groups there were.
+    pub fn remove_stale(&self, keep: &[PathBuf]) -> usize {
         let mut removed = std::collections::BTreeSet::new();
         for dir in self.dirs() {
             let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -278,6 +280,9 @@ impl Cgroups {
             };
             for e in entries.flatten() {
                 let p = e.path();
+                if keep.contains(&p) {
+                    continue;
+                }
                 if p.is_dir() && e.file_name().to_string_lossy().starts_with("vm-") {
                     kill_all(&p);
                     if remove_dir(&p) {
@@ -287,6 +292,51 @@ impl Cgroups {
             }
         }
         removed.len()
+    }
+
+    /// The group at `dirs` (as [`Leaf::dirs`] gave them) of process `pid`, which a previous
+    /// run of this service made for a process named `name`: each directory must be that
+    /// process's group (`vm-<name>.<n>`) directly under one of this instance's, one per
+    /// controller it uses, and hold `pid`. The record is the
+    /// service's own, but it is read as if it were not: no path leads elsewhere.
+    pub fn adopt(&self, dirs: &[PathBuf], pid: u32, name: &str) -> Result<Leaf, String> {
+        let mine = self.dirs();
+        if dirs.len() != mine.len() {
+            return Err(format!(
+                "{} directories recorded, this host uses {}",
+                dirs.len(),
+                mine.len()
+            ));
+        }
+        let mut leaf = Leaf {
+            dirs: vec![],
+            v2: matches!(self.layout, Layout::V2(_)),
+            memory_dir: None,
+        };
+        for (d, parent) in dirs.iter().zip(&mine) {
+            let plain = d
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("vm-")?.strip_prefix(name)?.strip_prefix('.'))
+                .is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()));
+            if d.parent() != Some(parent.as_path()) || !plain {
+                return Err(format!("{} is not one of this host's", d.display()));
+            }
+            let procs = std::fs::read_to_string(d.join("cgroup.procs"))
+                .map_err(|e| format!("{}: {e}", d.display()))?;
+            if !procs.lines().any(|l| l.trim().parse() == Ok(pid)) {
+                return Err(format!("{} does not hold process {pid}", d.display()));
+            }
+            leaf.dirs.push(d.clone());
+        }
+        leaf.memory_dir = match &self.layout {
+            Layout::V2(_) => leaf.dirs.first().cloned(),
+            Layout::V1 { memory, .. } => memory
+                .as_ref()
+                .and_then(|m| leaf.dirs.iter().find(|d| d.parent() == Some(m.as_path())))
+                .cloned(),
+        };
+        Ok(leaf)
     }
 
     /// Makes `vm-<name>.<n>` with `limits`, `n` counting this process's groups: two VMs given
@@ -576,15 +626,40 @@ fn optional(path: &Path, value: &str) {
     }
 }
 
-/// SIGKILLs every process of a group (a stale one, or one whose VM process is gone).
+/// SIGKILLs every process of a group (a stale one, or one whose VM process is gone). Each
+/// through a pidfd, opened before the process's cgroup is checked to still be this one: a pid
+/// that ended and was given to another process between the read and the kill is never signalled.
 fn kill_all(dir: &Path) {
     let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
         return;
     };
+    let Some(group) = dir.file_name().and_then(|n| n.to_str()) else {
+        return;
+    };
     for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-        if pid > 0 {
-            // SAFETY: kill has no memory arguments.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+        if pid <= 0 {
+            continue;
+        }
+        // SAFETY: pidfd_open with integer arguments; a non-negative result is ours.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: the descriptor is new and ours.
+        let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        let mine = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .is_ok_and(|c| c.lines().any(|l| l.ends_with(&format!("/{group}"))));
+        if mine {
+            // SAFETY: pidfd_send_signal on our pidfd with no siginfo.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    std::os::fd::AsRawFd::as_raw_fd(&pidfd),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
         }
     }
 }

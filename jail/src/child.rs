@@ -57,6 +57,9 @@ pub(crate) struct Plan {
     pub err_write: RawFd,
     /// The parent's ends of both pipes: closed first, so the lifeline can end.
     pub parent_ends: [RawFd; 2],
+    /// Whether the process dies with the service (`PR_SET_PDEATHSIG`); not for one that
+    /// outlives it ([`crate::Command::outlive`]).
+    pub death_signal: bool,
 }
 
 /// The child's steps, in the order they first run; a failed one is reported by its number.
@@ -209,12 +212,12 @@ pub(crate) unsafe fn run(plan: &Plan) -> ! {
         }
         wait_for_service(plan);
         let mut trees = [-1 as RawFd; MAX_BINDS];
-        let in_jail = arm_death_signal()
+        let in_jail = arm_death_signal(plan)
             .and_then(|()| check(Step::ResetSignals, !reset_signals()))
             .and_then(|()| take_bind_sources(plan, &mut trees))
             .and_then(|()| become_root(plan))
             .and_then(|()| build_root(plan, &trees))
-            .and_then(|()| arm_death_signal())
+            .and_then(|()| arm_death_signal(plan))
             .and_then(|()| service_alive(plan));
         if let Err(step) = in_jail {
             fail(plan.err_write, step);
@@ -262,8 +265,12 @@ unsafe fn wait_for_service(plan: &Plan) {
     }
 }
 
-/// SIGKILL when the service dies. Changing credentials clears it: it is set again after.
-unsafe fn arm_death_signal() -> Result<(), Step> {
+/// SIGKILL when the service dies, unless the process is to outlive it. Changing credentials
+/// clears it: it is set again after.
+unsafe fn arm_death_signal(plan: &Plan) -> Result<(), Step> {
+    if !plan.death_signal {
+        return Ok(());
+    }
     // SAFETY: prctl with integer arguments.
     let r = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as c_ulong, 0, 0, 0) };
     check(Step::DeathSignal, r != 0)

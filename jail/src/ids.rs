@@ -191,6 +191,33 @@ impl IdPool {
     }
 }
 
+impl IdPool {
+    /// The id pair of an adopted process (its uid as recorded), taken from the pool so no new
+    /// process gets it while the adopted one lives: it must be one of the pool's and free.
+    pub fn adopt(self: &Arc<Self>, uid: u32) -> Result<IdLease, String> {
+        if self.mode == IdMode::Shared {
+            return match uid == self.uid_start {
+                true => self.lease().map_err(|e| e.to_string()),
+                false => Err(format!("uid {uid} is not the service's own")),
+            };
+        }
+        let slot = uid
+            .checked_sub(self.uid_start)
+            .filter(|s| *s < self.len)
+            .ok_or_else(|| format!("uid {uid} is not one of the jail's ids"))?;
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        if !used.insert(slot) {
+            return Err(format!("uid {uid} belongs to another live process"));
+        }
+        Ok(IdLease {
+            pool: self.clone(),
+            slot,
+            uid,
+            gid: self.gid_start + slot,
+        })
+    }
+}
+
 fn parse_range(s: &str) -> Option<(u32, u32)> {
     let (a, b) = s.trim().split_once(':')?;
     let start: u32 = a.trim().parse().ok()?;
@@ -249,6 +276,20 @@ mod tests {
         assert!(matches!(pool.lease(), Err(IdError::Exhausted(3))));
         drop(b);
         assert_eq!(pool.lease().unwrap().uid, 1001);
+    }
+
+    #[test]
+    fn an_adopted_id_is_taken_once_and_only_from_the_range() {
+        let pool = Arc::new(IdPool::new(IdMode::Root, 1000, 2000, 3));
+        let a = pool.adopt(1001).unwrap();
+        assert_eq!((a.uid, a.gid), (1001, 2001));
+        assert!(pool.adopt(1001).is_err(), "held by a live process");
+        assert!(pool.adopt(999).is_err() && pool.adopt(1003).is_err());
+        let b = pool.lease().unwrap();
+        let c = pool.lease().unwrap();
+        assert_eq!((b.uid, c.uid), (1000, 1002), "the adopted id is skipped");
+        drop(a);
+        assert_eq!(pool.adopt(1001).unwrap().uid, 1001);
     }
 
     #[test]

@@ -218,6 +218,7 @@ impl Jailer {
                 keep_groups: vec![],
                 seccomp: true,
                 host_network: false,
+                outlive: false,
             })
             .map_err(|e| e.to_string())
             .and_then(|j| {
@@ -251,9 +252,77 @@ impl Jailer {
         self.namespaces
     }
 
-    /// Removes what a previous run of this instance left (cgroups of VMs that outlived it).
-    pub fn remove_stale(&self) -> usize {
-        self.cgroups.as_ref().map_or(0, Cgroups::remove_stale)
+    /// Removes what a previous run of this instance left (cgroups of VMs that outlived it),
+    /// except the groups in `keep` (of the processes this run adopted).
+    pub fn remove_stale(&self, keep: &[PathBuf]) -> usize {
+        self.cgroups.as_ref().map_or(0, |c| c.remove_stale(keep))
+    }
+
+    /// Takes on the process `identity` records, which a previous run of this service started
+    /// with [`Command::outlive`] and named `name`: once it is shown to be that process (see
+    /// [`crate::adopt`]), its ids and its cgroup are this run's again and it is watched through
+    /// its pidfd. What this jailer gives every process it starts must be recorded: a uid of the
+    /// jail's where it maps ids, a cgroup named after `name` where it makes cgroups; a record
+    /// without them names a process this jailer did not start. An adopted process is not this
+    /// process's child: its status is not known when it ends ([`crate::Exit::known`]).
+    pub fn adopt(
+        &self,
+        identity: &crate::Identity,
+        name: &str,
+    ) -> Result<Jailed, crate::AdoptError> {
+        let pid = identity.pid;
+        let refuse = |why: &str| crate::AdoptError::Ids {
+            pid,
+            why: why.to_string(),
+        };
+        let maps_ids = self.namespaces && *self.ids.mode() != IdMode::Shared;
+        match (identity.uid, maps_ids) {
+            (None, true) => {
+                return Err(refuse(
+                    "no uid is recorded, and every jailed process has one",
+                ));
+            }
+            (Some(_), false) => return Err(refuse("a uid is recorded, and this jail maps none")),
+            _ => {}
+        }
+        let cgroup = match (&self.cgroups, identity.cgroup.first()) {
+            (Some(c), Some(first)) => Some((c, first.clone())),
+            (Some(_), None) => {
+                return Err(crate::AdoptError::Cgroup {
+                    pid,
+                    dir: PathBuf::new(),
+                    why: "none is recorded, and every jailed process has one".into(),
+                });
+            }
+            (None, Some(first)) => {
+                return Err(crate::AdoptError::Cgroup {
+                    pid,
+                    dir: first.clone(),
+                    why: "this host makes no cgroups now".into(),
+                });
+            }
+            (None, None) => None,
+        };
+        let pidfd = crate::adopt::open(identity)?;
+        let lease = match identity.uid {
+            Some(uid) => Some(
+                self.ids
+                    .adopt(uid)
+                    .map_err(|why| crate::AdoptError::Ids { pid, why })?,
+            ),
+            None => None,
+        };
+        let leaf = match cgroup {
+            Some((c, first)) => Some(c.adopt(&identity.cgroup, pid, name).map_err(|why| {
+                crate::AdoptError::Cgroup {
+                    pid,
+                    dir: first,
+                    why,
+                }
+            })?),
+            None => None,
+        };
+        Ok(Jailed::adopted(identity, pidfd, lease, leaf))
     }
 
     /// Starts `cmd` jailed (blocking for the few milliseconds it takes: call it from a blocking

@@ -16,6 +16,7 @@
 //! descriptors, rlimits and an empty environment, and says at start-up that the jail is missing,
 //! so `SANDBOX_HOST_JAIL=required` refuses VMs there.
 
+pub mod adopt;
 #[cfg(target_os = "linux")]
 pub mod cgroup;
 #[cfg(target_os = "linux")]
@@ -34,6 +35,7 @@ mod spec;
 #[cfg(any(not(target_os = "linux"), test))]
 pub mod unconfined;
 
+pub use adopt::AdoptError;
 #[cfg(target_os = "linux")]
 pub use cgroup::{Cgroups, Leaf};
 #[cfg(target_os = "linux")]
@@ -42,7 +44,7 @@ pub use ids::{IdMode, IdPool};
 pub use jailer::Jailer;
 #[cfg(target_os = "linux")]
 pub use spawn::{Jailed, SpawnError};
-pub use spec::{Bind, Command, Exit, Limits, Root};
+pub use spec::{Bind, Command, Exit, Identity, Limits, Root};
 #[cfg(not(target_os = "linux"))]
 pub use unconfined::{Jailed, Jailer, SpawnError};
 

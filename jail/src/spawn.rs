@@ -62,8 +62,17 @@ pub struct Jailed {
     pidfd: OwnedFd,
     lease: Option<IdLease>,
     leaf: Option<Leaf>,
-    /// The write end of the sync pipe: the child's lifeline until it is in its program.
-    _lifeline: OwnedFd,
+    /// The write end of the sync pipe: the child's lifeline until it is in its program (none
+    /// for an adopted process).
+    lifeline: Option<OwnedFd>,
+    /// Whether it is this process's child (else adopted after a restart: its end is seen on
+    /// its pidfd, and its status went to whoever reaped it).
+    child: bool,
+    /// Whether it runs under its lease's ids (in namespaces of its own), not the service's.
+    mapped: bool,
+    /// Its start time, read once while it is known to be this process (after its start, or
+    /// as recorded when adopted): never read again by a pid that may have been reused.
+    start_time: OnceLock<u64>,
     exit: OnceLock<Exit>,
     async_fd: OnceLock<tokio::io::unix::AsyncFd<OwnedFd>>,
 }
@@ -93,6 +102,45 @@ impl Jailed {
         self.leaf.as_ref()
     }
 
+    /// What finds this same process again after a restart of the service; `None` once it has
+    /// ended, or when its start time could not be read.
+    pub fn identity(&self) -> Option<crate::Identity> {
+        if self.exit.get().is_some() {
+            return None;
+        }
+        Some(crate::Identity {
+            pid: self.pid,
+            start_time: *self.start_time.get()?,
+            uid: self.lease.as_ref().filter(|_| self.mapped).map(|l| l.uid),
+            cgroup: self
+                .leaf
+                .as_ref()
+                .map(|l| l.dirs().to_vec())
+                .unwrap_or_default(),
+        })
+    }
+
+    /// An adopted process: found again by [`crate::Jailer::adopt`].
+    pub(crate) fn adopted(
+        identity: &crate::Identity,
+        pidfd: OwnedFd,
+        lease: Option<IdLease>,
+        leaf: Option<Leaf>,
+    ) -> Jailed {
+        Jailed {
+            pid: identity.pid,
+            pidfd,
+            start_time: OnceLock::from(identity.start_time),
+            mapped: lease.is_some(),
+            lease,
+            leaf,
+            lifeline: None,
+            child: false,
+            exit: OnceLock::new(),
+            async_fd: OnceLock::new(),
+        }
+    }
+
     /// Sends `sig` through the pidfd (never to a recycled pid).
     pub fn signal(&self, sig: i32) {
         if self.exit.get().is_some() {
@@ -115,8 +163,11 @@ impl Jailed {
         if let Some(e) = self.exit.get() {
             return Some(*e);
         }
+        if !self.child {
+            return crate::adopt::ended(&self.pidfd, 0).then(|| self.finish(0, false));
+        }
         let status = waitid(&self.pidfd, libc::WNOHANG)?;
-        Some(self.finish(status))
+        Some(self.finish(status, true))
     }
 
     /// Waits for the end of the process (needs a tokio runtime).
@@ -158,12 +209,16 @@ impl Jailed {
         }
     }
 
-    fn finish(&self, status: i32) -> Exit {
+    fn finish(&self, status: i32, known: bool) -> Exit {
         let oom_kills = self.leaf.as_ref().map_or(0, Leaf::oom_kills);
         if let Some(leaf) = &self.leaf {
             leaf.remove();
         }
-        let e = Exit { status, oom_kills };
+        let e = Exit {
+            status,
+            oom_kills,
+            known,
+        };
         let _ = self.exit.set(e);
         *self.exit.get().unwrap_or(&e)
     }
@@ -182,8 +237,15 @@ impl Drop for Jailed {
         };
         let lease = self.lease.take();
         let leaf = self.leaf.take();
+        let child = self.child;
         std::thread::spawn(move || {
-            let _ = waitid(&pidfd, 0);
+            if child {
+                let _ = waitid(&pidfd, 0);
+            } else {
+                // Not ours to reap: its end shows on the pidfd. SIGKILL was sent; a process
+                // stuck in the kernel gets a bound.
+                crate::adopt::ended(&pidfd, 10_000);
+            }
             if let Some(l) = leaf {
                 l.remove();
             }
@@ -453,7 +515,10 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
         pidfd,
         lease: Some(lease),
         leaf,
-        _lifeline: sync_write,
+        lifeline: Some(sync_write),
+        child: true,
+        mapped: host.namespaces,
+        start_time: OnceLock::new(),
         exit: OnceLock::new(),
         async_fd: OnceLock::new(),
     };
@@ -467,6 +532,10 @@ pub(crate) fn spawn(cmd: Command, lease: IdLease, host: &Host<'_>) -> Result<Jai
     }
     let jailed = release(jailed, &err_read)?;
     drop(exe);
+    // Our child, not yet reaped: its pid is its own while we read.
+    if let Ok(t) = crate::adopt::start_time(pid) {
+        let _ = jailed.start_time.set(t);
+    }
     Ok(jailed)
 }
 
@@ -541,6 +610,7 @@ fn new_plan(cmd: &Command, host: &Host<'_>, argv_ptrs: Vec<*const libc::c_char>)
         sync_read: -1,
         err_write: -1,
         parent_ends: [-1, -1],
+        death_signal: !cmd.outlive,
     }
 }
 
@@ -587,8 +657,9 @@ fn clone_into_jail(
 /// Lets the child go on (one byte on its sync pipe) and learns whether its `execve`
 /// succeeded: the error pipe closes on exec (or _exit), and 8 bytes on it mean a step failed.
 fn release(jailed: Jailed, err_read: &OwnedFd) -> Result<Jailed, SpawnError> {
+    let lifeline = jailed.lifeline.as_ref().map_or(-1, AsRawFd::as_raw_fd);
     // SAFETY: a one-byte write to our pipe.
-    if unsafe { libc::write(jailed._lifeline.as_raw_fd(), [1u8].as_ptr().cast(), 1) } != 1 {
+    if unsafe { libc::write(lifeline, [1u8].as_ptr().cast(), 1) } != 1 {
         return Err(prep("releasing the jailed process")(
             std::io::Error::last_os_error(),
         ));
@@ -601,7 +672,7 @@ fn release(jailed: Jailed, err_read: &OwnedFd) -> Result<Jailed, SpawnError> {
         let errno = i32::from_ne_bytes(msg[4..].try_into().expect("4 bytes"));
         // Reap it now, so its ids and cgroup are free when we return.
         let _ = waitid(&jailed.pidfd, 0);
-        let _ = jailed.finish(0);
+        let _ = jailed.finish(0, true);
         return Err(SpawnError::Child {
             step: Step::from_number(step).map_or("an unknown step", Step::describe),
             source: std::io::Error::from_raw_os_error(errno),

@@ -77,6 +77,11 @@ pub struct Command {
     /// Whether the process stays in the host's network namespace (the network process, which
     /// connects to upstreams); every other jailed process gets an empty one of its own.
     pub host_network: bool,
+    /// Whether the process may outlive the service: no parent-death signal, so a service that
+    /// crashes or hands over leaves it running for the next one to find again
+    /// ([`crate::Jailer::adopt`]). A process nobody will look for (a probe, a template's build,
+    /// `sandbox-host run`'s) dies with its service.
+    pub outlive: bool,
 }
 
 /// How a jailed process ended.
@@ -87,16 +92,34 @@ pub struct Exit {
     /// Kills by the OOM killer in the process's cgroup: non-zero means it ran out of memory
     /// (always 0 on macOS).
     pub oom_kills: u64,
+    /// Whether `status` is the kernel's word. A process adopted after a restart of the service
+    /// is not its child: its status went to whoever reaped it, and only its end is known.
+    pub known: bool,
 }
 
 impl Exit {
-    /// The exit code, if it exited.
+    /// The exit code, if it exited (and its status is known).
     pub fn code(&self) -> Option<i32> {
-        libc::WIFEXITED(self.status).then(|| libc::WEXITSTATUS(self.status))
+        (self.known && libc::WIFEXITED(self.status)).then(|| libc::WEXITSTATUS(self.status))
     }
 
-    /// The signal that ended it, if one did.
+    /// The signal that ended it, if one did (and its status is known).
     pub fn signal(&self) -> Option<i32> {
-        libc::WIFSIGNALED(self.status).then(|| libc::WTERMSIG(self.status))
+        (self.known && libc::WIFSIGNALED(self.status)).then(|| libc::WTERMSIG(self.status))
     }
+}
+
+/// What the service records of a jailed process it started, to find that same process again
+/// after a restart: its pid with its start time (a pid alone may have been given to another
+/// process since), its uid, and its cgroup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Its pid on the host.
+    pub pid: u32,
+    /// When it started, in clock ticks since the host booted (`/proc/<pid>/stat`, field 22).
+    pub start_time: u64,
+    /// Its uid on the host (`None`: it shares the service's).
+    pub uid: Option<u32>,
+    /// The directories of its cgroup (none without cgroups).
+    pub cgroup: Vec<std::path::PathBuf>,
 }

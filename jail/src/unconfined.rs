@@ -106,6 +106,11 @@ impl Jailed {
         None
     }
 
+    /// Nothing finds it again: a restart of the service disposes of it.
+    pub fn identity(&self) -> Option<crate::Identity> {
+        None
+    }
+
     /// Sends `sig`, unless the process was already reaped.
     pub fn signal(&self, sig: i32) {
         let _held = self.reap.lock().unwrap_or_else(|e| e.into_inner());
@@ -136,6 +141,7 @@ impl Jailed {
         let e = Exit {
             status,
             oom_kills: 0,
+            known: true,
         };
         let _ = self.exit.set(e);
         Some(e)
@@ -213,8 +219,17 @@ impl Jailer {
     }
 
     /// Nothing outlives a run here (no cgroups).
-    pub fn remove_stale(&self) -> usize {
+    pub fn remove_stale(&self, _keep: &[std::path::PathBuf]) -> usize {
         0
+    }
+
+    /// Processes cannot be found again here: a restart of the service disposes of them.
+    pub fn adopt(
+        &self,
+        _identity: &crate::Identity,
+        _name: &str,
+    ) -> Result<Jailed, crate::AdoptError> {
+        Err(crate::AdoptError::Unsupported)
     }
 
     /// Starts `cmd` with only its descriptors, an empty environment, its rlimits and a session
@@ -464,6 +479,7 @@ mod tests {
             keep_groups: vec![],
             seccomp: true,
             host_network: false,
+            outlive: false,
         }
     }
 

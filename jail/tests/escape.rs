@@ -149,6 +149,7 @@ fn run_case(j: &Jailer, case: &str, seccomp: bool, scratch: &Path) -> Outcome {
             keep_groups: vec![],
             seccomp,
             host_network: false,
+            outlive: false,
         })
         .unwrap_or_else(|e| panic!("spawning the payload for {case}: {e}"));
     let uid = status_uid(jailed.pid());

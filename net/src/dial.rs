@@ -11,6 +11,11 @@
 //! Both sides read the other as hostile: lines are bounded ([`MAX_DIAL_LINE`]), the service
 //! makes at most [`MAX_DIALS`] connections of one sandbox at once and refuses a descriptor sent
 //! its way, and the network process waits at most [`DIAL_TIMEOUT`] for an answer.
+//!
+//! The service may go away and come back (a crash, an upgrade) while the process runs on. The
+//! dialer's socket ends with it: the dials waiting on it fail, and so does each later one, at
+//! once (the guest's connection is reset, not left hanging), until the service that adopts the
+//! process brings a new socket ([`Dialer::attach`]).
 
 use std::collections::HashMap;
 use std::io;
@@ -54,72 +59,175 @@ type Answer = (DialResult, Option<OwnedFd>);
 /// An answer as the service sends it.
 type Reply = (Dialed, Option<OwnedFd>);
 
-/// The network process's side: asks the service for each upstream connection.
+/// The network process's side: asks the service for each upstream connection, over a socket
+/// the service may replace ([`Dialer::attach`]): a service that went away and came back
+/// (`Request::Adopt`) brings a new one. While there is none, each dial fails at once.
 pub struct Dialer {
-    /// Requests, to the thread that writes them.
-    requests: SyncSender<Dial>,
+    /// Requests, each with the generation of the socket it is meant for, to the thread that
+    /// writes them.
+    requests: SyncSender<(Dial, u64)>,
     /// Requests in flight, at most [`MAX_DIALS`].
     slots: tokio::sync::Semaphore,
-    /// Answers awaited, by request id.
-    pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>>,
+    shared: Arc<Shared>,
     next: AtomicU64,
+}
+
+/// What the dialer and its threads share.
+#[derive(Default)]
+struct Shared {
+    /// The socket requests go out on.
+    link: Mutex<Link>,
+    /// Answers awaited, by request id.
+    pending: Mutex<HashMap<u64, Waiter>>,
+}
+
+/// The dialer's socket now: each one attached is a generation of its own, so the end of one
+/// fails only the requests that went out on it, and its late answers resolve nothing of the next.
+#[derive(Default)]
+struct Link {
+    /// `None` while the service is away.
+    sock: Option<Arc<UnixStream>>,
+    generation: u64,
+}
+
+/// One dial waiting for its answer.
+struct Waiter {
+    /// The generation of the socket its request went out on.
+    generation: u64,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// Locks `m`, whatever a thread that panicked holding it left (the maps stay consistent: each
+/// change is one call).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// The socket of the generation now, if one is attached.
+    fn current(&self) -> Option<(Arc<UnixStream>, u64)> {
+        let link = lock(&self.link);
+        link.sock.clone().map(|s| (s, link.generation))
+    }
+
+    /// Lets generation `generation`'s socket go, if it is still the one: the service is away
+    /// until a new one is attached. The socket is shut down, so the service (if still there)
+    /// sees the end, and a write blocked on it returns.
+    fn detach(&self, generation: u64) {
+        let mut link = lock(&self.link);
+        if link.generation == generation
+            && let Some(s) = link.sock.take()
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Fails request `id` now: its waiter is dropped, and its dial answers with an error.
+    fn fail(&self, id: u64) {
+        lock(&self.pending).remove(&id);
+    }
 }
 
 impl Dialer {
     /// Starts the threads that write requests to `sock` and read its answers (the stack's
     /// runtime never blocks on the socket).
     pub fn start(sock: UnixStream) -> io::Result<Dialer> {
-        let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<Answer>>>> = Arc::default();
-        let (requests, rx) = sync_channel::<Dial>(MAX_DIALS);
-        let writer = sock.try_clone()?;
+        let shared: Arc<Shared> = Arc::default();
+        let (requests, rx) = sync_channel::<(Dial, u64)>(MAX_DIALS);
+        let out = shared.clone();
+        // One writer for every socket the dialer is given: a request meant for a socket that
+        // has gone since, or whose write fails, fails at once.
         std::thread::Builder::new()
             .name("dial-out".into())
             .spawn(move || {
-                for d in rx {
-                    if send(&writer, &d, None).is_err() {
-                        return;
-                    }
-                }
-            })?;
-        let answers = pending.clone();
-        std::thread::Builder::new()
-            .name("dial-in".into())
-            .spawn(move || {
-                let mut reader = Reader::with_limit(&sock, MAX_DIAL_LINE);
-                while let Ok(Some(d)) = reader.read::<Dialed>() {
-                    // Only a connected answer carries a socket: one read may bring a failed
-                    // answer and then a connected one with its socket, which stays queued for it.
-                    let fd = match d.result {
-                        DialResult::Connected { .. } => reader.take_fd(),
-                        _ => None,
+                for (d, generation) in rx {
+                    let sent = match out.current() {
+                        Some((sock, g)) if g == generation => {
+                            let sent = send(&sock, &d, None).is_ok();
+                            if !sent {
+                                out.detach(generation);
+                            }
+                            sent
+                        }
+                        _ => false,
                     };
-                    let waiter = answers
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&d.id);
-                    if let Some(w) = waiter {
-                        let _ = w.send((d.result, fd));
+                    if !sent {
+                        out.fail(d.id);
                     }
                 }
-                // The service has gone: every waiting dial fails now, and every later one at
-                // once (its request cannot be written).
-                answers.lock().unwrap_or_else(|e| e.into_inner()).clear();
             })?;
-        Ok(Dialer {
+        let dialer = Dialer {
             requests,
             slots: tokio::sync::Semaphore::new(MAX_DIALS),
-            pending,
+            shared,
             next: AtomicU64::new(1),
-        })
+        };
+        dialer.attach(sock)?;
+        Ok(dialer)
+    }
+
+    /// Makes `sock` the dialer's socket (the service came back: `Request::Adopt`), with a thread
+    /// that reads its answers. The socket it replaces, if any, is shut down: the dials waiting on
+    /// it fail, as they do when it ends by itself.
+    pub fn attach(&self, sock: UnixStream) -> io::Result<()> {
+        let sock = Arc::new(sock);
+        let mut link = lock(&self.shared.link);
+        let generation = link.generation + 1;
+        let (shared, reading) = (self.shared.clone(), sock.clone());
+        std::thread::Builder::new()
+            .name("dial-in".into())
+            .spawn(move || answers(&shared, &reading, generation))?;
+        if let Some(old) = link.sock.replace(sock) {
+            let _ = old.shutdown(std::net::Shutdown::Both);
+        }
+        link.generation = generation;
+        Ok(())
+    }
+
+    /// Lets the socket go (the connection that brought it was not adopted after all): dials
+    /// fail at once until another is attached.
+    pub fn detach(&self) {
+        let generation = lock(&self.shared.link).generation;
+        self.shared.detach(generation);
     }
 
     fn forget(&self, id: u64) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        self.shared.fail(id);
     }
 }
+
+/// Reads the answers on `sock` (generation `generation`) until it ends, and hands each to its
+/// dial.
+fn answers(shared: &Shared, sock: &UnixStream, generation: u64) {
+    let mut reader = Reader::with_limit(sock, MAX_DIAL_LINE);
+    while let Ok(Some(d)) = reader.read::<Dialed>() {
+        // Only a connected answer carries a socket: one read may bring a failed answer and then
+        // a connected one with its socket, which stays queued for it.
+        let fd = match d.result {
+            DialResult::Connected { .. } => reader.take_fd(),
+            _ => None,
+        };
+        let waiter = {
+            let mut pending = lock(&shared.pending);
+            match pending.get(&d.id) {
+                Some(w) if w.generation == generation => pending.remove(&d.id),
+                _ => None,
+            }
+        };
+        if let Some(w) = waiter {
+            let _ = w.answer.send((d.result, fd));
+        }
+    }
+    // The socket has ended (the service has gone, or said something that is no answer): first
+    // no request goes out on it any more, then every dial waiting on it fails. In that order, a
+    // dial that registers in between finds the socket gone when its request is to be written,
+    // and fails then.
+    shared.detach(generation);
+    lock(&shared.pending).retain(|_, w| w.generation != generation);
+}
+
+/// Why a dial failed that no service answers: it has gone, and no other has come back yet.
+const GONE: &str = "the service's dialer has gone";
 
 fn failed(name: &str, message: impl Into<String>) -> UpstreamError {
     UpstreamError::Connect {
@@ -149,23 +257,30 @@ impl Dialer {
             .await
             .map_err(|_| failed(name, "the dialer has stopped"))?;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
+        // The service is away (it ended and has not come back yet): no request can go out.
+        let Some((_, generation)) = self.shared.current() else {
+            return Err(failed(name, GONE));
+        };
         let (tx, rx) = oneshot::channel();
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, tx);
+        lock(&self.shared.pending).insert(
+            id,
+            Waiter {
+                generation,
+                answer: tx,
+            },
+        );
         let request = Dial {
             id,
             name: name.to_string(),
             port,
         };
-        if let Err(e) = self.requests.try_send(request) {
+        if let Err(e) = self.requests.try_send((request, generation)) {
             self.forget(id);
             return Err(failed(
                 name,
                 match e {
                     TrySendError::Full(_) => "too many connections are being made at once",
-                    TrySendError::Disconnected(_) => "the service's dialer has gone",
+                    TrySendError::Disconnected(_) => "the dialer has stopped",
                 },
             ));
         }
@@ -174,7 +289,7 @@ impl Dialer {
         let _forget = Forget(self, id);
         let answer = match rx.await {
             Ok(a) => a,
-            Err(_) => return Err(failed(name, "the service's dialer has gone")),
+            Err(_) => return Err(failed(name, GONE)),
         };
         match answer {
             (DialResult::Connected { addr }, Some(fd)) => {

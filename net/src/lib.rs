@@ -2,12 +2,14 @@
 //! the channel's [`NetConfig`](sandbox_control::net::NetConfig) ([`start`]), and what it has done
 //! as the channel's [`Report`](sandbox_control::net::Report) ([`report`]); and its upstream
 //! connections, which the service makes for it ([`dial`]): the process has no network of its own.
+//! A service that went away and came back takes the running process over ([`adopt`]).
 //!
 //! The service builds the settings from the create request and its own configuration and never
 //! needs the stack's types: what it reads back is the report, typed and bounded.
 
 #![forbid(unsafe_code)]
 
+pub mod adopt;
 pub mod dial;
 pub mod report;
 #[cfg(target_os = "linux")]

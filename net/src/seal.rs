@@ -3,7 +3,9 @@
 //! every thread once the stack runs: what a guest that took the process over would reach for
 //! next. It may not start a program or another process (a thread only), change a file, open a
 //! file or a socket, listen or connect: it works only on the descriptors it holds and the
-//! connected sockets the service hands it (`crate::dial`).
+//! connected sockets the service hands it (`crate::dial`). The one socket call it keeps is
+//! `accept4`, on the listening socket the service passed it (`crate::adopt`): a guest that took
+//! the process over could take connections on a socket it already holds, and open nothing by it.
 
 use std::collections::BTreeMap;
 
@@ -94,7 +96,9 @@ fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
     // It opens nothing: no file (what it reads, the TLS roots, it read before the filter), no
     // socket (its upstream connections come from the service, its channels were given to it),
     // and it neither listens nor connects. Each fails with EACCES, which its code reports as an
-    // error of that one connection rather than dying mid-stream.
+    // error of that one connection rather than dying mid-stream. `accept4` stays: a service that
+    // came back connects to the process's adoption socket (`crate::adopt`; std accepts with it,
+    // close-on-exec at once). The old `accept` is refused: nothing of the process calls it.
     let mut refuse: BTreeMap<i64, Vec<SeccompRule>> = [
         libc::SYS_openat,
         libc::SYS_openat2,
@@ -105,7 +109,6 @@ fn programs() -> Result<Vec<BpfProgram>, seccompiler::BackendError> {
         libc::SYS_bind,
         libc::SYS_listen,
         libc::SYS_accept,
-        libc::SYS_accept4,
     ]
     .into_iter()
     .map(|nr| (nr, vec![]))

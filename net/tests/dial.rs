@@ -1,7 +1,9 @@
 //! The service's dialer, asked by a network process that its guest took over (this test plays
 //! it, over a real socket pair): what the sandbox may reach is connected and its socket arrives;
 //! a name or a port outside the allowlist, an address spelled as a name, and a name that resolves
-//! to the local network are refused; a descriptor sent to the service ends the dialer.
+//! to the local network are refused; a descriptor sent to the service ends the dialer. And the
+//! process's dialer outlives its service: it fails at once while none is there, and takes the
+//! socket of the next.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -27,6 +29,7 @@ fn config(allow: &[&str], resolve: &str) -> NetConfig {
         memory_bytes: 1 << 20,
         resolve: resolve.into(),
         upstream_ca_pem: None,
+        token: String::new(),
     }
 }
 
@@ -179,4 +182,60 @@ fn a_burst_beyond_the_bound_waits_its_turn_and_every_connection_is_made() {
         .map(|_| ())
         .unwrap_err();
     assert!(e.to_string().contains("allowlist"), "{e}");
+}
+
+/// The service goes away and the next one comes back: a dial waiting on the old socket fails when
+/// that socket ends, each dial while there is none fails at once (no waiting for the dial's
+/// timeout), and once the new socket is attached dials go through it.
+#[test]
+fn a_dialer_fails_at_once_while_its_service_is_away_and_works_once_attached() {
+    use sandbox_egress::upstream::Dial as _;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in server.incoming().flatten() {
+            held.push(s);
+        }
+    });
+    let cfg = config(&["local.test"], &format!("local.test:{port}:127.0.0.1"));
+    let (old, process) = UnixStream::pair().unwrap();
+    let dialer = std::sync::Arc::new(sandbox_net::dial::Dialer::start(process).unwrap());
+
+    // The old service takes a request, and ends without answering it.
+    let waiting = {
+        let d = dialer.clone();
+        rt.spawn(async move { d.dial("local.test", port).await.map(|_| ()) })
+    };
+    let mut reader = Reader::with_limit(&old, sandbox_control::net::MAX_DIAL_LINE)
+        .within(Duration::from_secs(10));
+    assert!(reader.read::<Dial>().unwrap().is_some(), "the request came");
+    let t = std::time::Instant::now();
+    drop(reader);
+    drop(old);
+    let e = rt.block_on(waiting).unwrap().unwrap_err();
+    assert!(e.to_string().contains("gone"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // Away: each dial fails at once.
+    for _ in 0..3 * sandbox_net::dial::MAX_DIALS {
+        let t = std::time::Instant::now();
+        let e = rt
+            .block_on(dialer.dial("local.test", port))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.to_string().contains("gone"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    }
+
+    // Back: the new service's socket carries the dials.
+    let (service, process) = UnixStream::pair().unwrap();
+    let rules = sandbox_net::start::dial_rules(&cfg).unwrap();
+    sandbox_net::dial::serve(service, rules, rt.handle().clone(), |e| panic!("{e}")).unwrap();
+    dialer.attach(process).unwrap();
+    let (_, addr) = rt
+        .block_on(dialer.dial("local.test", port))
+        .expect("connected through the new service");
+    assert_eq!(addr.port(), port);
 }

@@ -1,11 +1,13 @@
 //! The network process's own filter, tried from inside a process that installed it: this test
 //! binary runs itself as the payload (`SANDBOX_NET_SEAL_PAYLOAD`), seals, and tries what a guest
 //! that took the process over would try next. A thread still starts and a pipe it holds still
-//! carries bytes; opening a file (to read or to write), opening a socket of any family, listening
-//! and connecting fail with EACCES; starting a program kills it.
+//! carries bytes, and a listening socket it holds still accepts (`accept4`: the adoption
+//! socket's); opening a file (to read or to write), opening a socket of any family, listening,
+//! connecting and the old `accept` fail with EACCES; starting a program kills it.
 
 #![cfg(target_os = "linux")]
 
+use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 
 const PAYLOAD: &str = "SANDBOX_NET_SEAL_PAYLOAD";
@@ -20,6 +22,12 @@ fn payload() {
     let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    // Were `accept` let through, it answers at once rather than hang the test.
+    listener.set_nonblocking(true).unwrap();
+    // A listening socket made before the filter, as the adoption socket is (no connection
+    // waits: an accept answers at once).
+    let adoption = std::os::unix::net::UnixListener::bind(format!("{dir}/adopt.sock")).unwrap();
+    adoption.set_nonblocking(true).unwrap();
     sandbox_net::seal::seal().expect("sealed");
     // What it still does.
     use std::io::{Read, Write};
@@ -29,6 +37,12 @@ fn payload() {
     let mut two = [0u8; 2];
     b.read_exact(&mut two)
         .expect("a socket it holds still works");
+    // std accepts with `accept4`: the filter lets it through to the socket, which has nothing.
+    assert_eq!(
+        adoption.accept().unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock,
+        "accept4 on a socket it holds passes the filter"
+    );
     // What it may no longer do.
     let eacces = |what: &str, e: std::io::Error| {
         assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{what}: {e}");
@@ -53,7 +67,20 @@ fn payload() {
         "no Unix socket",
         std::os::unix::net::UnixStream::pair().unwrap_err(),
     );
-    eacces("no accept", listener.accept().unwrap_err());
+    // SAFETY: accept on a descriptor the test holds; a descriptor it returned would be leaked.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_accept,
+            listener.as_raw_fd(),
+            std::ptr::null_mut::<libc::sockaddr>(),
+            std::ptr::null_mut::<libc::socklen_t>(),
+        )
+    };
+    assert_eq!(
+        (r, std::io::Error::last_os_error().raw_os_error()),
+        (-1, Some(libc::EACCES)),
+        "no accept (the old call)"
+    );
     // SAFETY: plain socket calls; a descriptor, if any, is never used.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
     assert_eq!(

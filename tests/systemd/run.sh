@@ -8,7 +8,8 @@
 #      as PID 1 of a podman container (tests/systemd/Containerfile: the runtime image, prepared as
 #      deploy/systemd/install.sh prepares a host). There the unit must start, with every part of the
 #      jail (SANDBOX_HOST_JAIL=required); the service runs as sandbox-host with no_new_privs off
-#      (newuidmap needs it off), its VM under a uid of its own; a sandbox runs a command; and
+#      (newuidmap needs it off), its VM under a uid of its own; a sandbox runs a command; the
+#      upgrade path and a crash each restart the service, which takes the sandbox on again; and
 #      `systemctl stop` disposes of it and the service exits cleanly.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -85,10 +86,39 @@ echo "$out" | grep -q "\"stdout\":\"$(printf 'x86_64\n' | base64)\"" || fail "ex
 # `| head` here: with pipefail, the writer's SIGPIPE would fail the run.
 vm_uid=$(inside sh -c 'for p in /proc/[0-9]*; do [ "$(cat $p/comm 2>/dev/null)" = qemu-system-x86 ] && { stat -c %u $p; break; }; done; true')
 case "$vm_uid" in 16000*) ;; *) fail "the VM process runs as uid '${vm_uid}', not one of the jail's (1600000000-1600065535)" ;; esac
+# A restart keeps the run (issue 32): the upgrade path (SIGUSR2 to the service alone: it hands
+# over and exits 75, which the unit restarts on) and a crash (SIGKILL: KillMode=process leaves the
+# VM running, Restart=on-failure starts the service again); each time the new service takes the
+# sandbox on again, and its file is still there.
+api -H 'content-type: application/json' -d '{"command":"echo kept > /workspace/file"}' \
+  "http://127.0.0.1:3004/v1/sandboxes/$id/exec" >/dev/null
+n=0
+for how in SIGUSR2 SIGKILL; do
+  n=$((n + 1))
+  old=$(inside systemctl show -p MainPID --value sandbox-host)
+  inside systemctl kill --kill-whom=main --signal="$how" sandbox-host
+  took=0
+  for _ in $(seq 1 90); do
+    took=$(inside journalctl -u sandbox-host --no-pager -o cat 2>/dev/null | grep -c 'Took on again a sandbox' || true)
+    now=$(inside systemctl show -p MainPID --value sandbox-host)
+    [ "$took" -ge "$n" ] && [ "$now" != "$old" ] && [ "$now" != 0 ] && break
+    sleep 2
+  done
+  [ "$took" -ge "$n" ] || fail "after $how the unit's new service did not take $id on again: $(inside systemctl status sandbox-host --no-pager 2>&1 | tail -5)"
+  out=""
+  for _ in $(seq 1 30); do
+    out=$(api -H 'content-type: application/json' -d '{"command":"cat /workspace/file"}' \
+      "http://127.0.0.1:3004/v1/sandboxes/$id/exec" 2>/dev/null || true)
+    echo "$out" | grep -q "\"stdout\":\"$(printf 'kept\n' | base64)\"" && break
+    sleep 1
+  done
+  echo "$out" | grep -q "\"stdout\":\"$(printf 'kept\n' | base64)\"" || fail "after $how the run's file is gone: $out"
+  log "after $how the unit's service took $id on again, with its file"
+done
 inside systemctl stop sandbox-host
 inside journalctl -u sandbox-host --no-pager -o cat > "$work/journal"
 grep 'Disposed of sandbox' "$work/journal" | grep "$id" >/dev/null \
   || fail "systemctl stop did not dispose of $id"
 result=$(inside systemctl show -p Result --value sandbox-host)
 [ "$result" = success ] || fail "the service's stop result is $result, not success"
-log "systemd $version ran the unit: available with the full jail, VM uid $vm_uid, exec ok, stop disposed of $id"
+log "systemd $version ran the unit: available with the full jail, VM uid $vm_uid, exec ok, kept across a hand-over and a crash, stop disposed of $id"

@@ -46,6 +46,10 @@ pub struct VmSpec {
     /// Start from this snapshot instead of booting. The spec must be the
     /// one the snapshot was taken with, and its disks in the state they had then.
     pub restore_from: Option<SnapshotFiles>,
+    /// Whether the VM's process may outlive the service, to be taken on again by its next run
+    /// ([`crate::adopt`]): its channels are then sockets it listens on in its state directory,
+    /// which the next run connects to, and it gets no parent-death signal.
+    pub outlive: bool,
 }
 
 /// A snapshot's two files: the machine's state and its memory.
@@ -122,6 +126,12 @@ pub trait Backend: Send + Sync {
     fn can_pause(&self) -> bool {
         false
     }
+    /// Whether a VM started with [`VmSpec::outlive`] can be taken on again by the next run of
+    /// the service ([`crate::adopt`]): QEMU's. A backend that cannot gets no `outlive` VMs:
+    /// they die with the service, as before.
+    fn can_outlive(&self) -> bool {
+        false
+    }
     /// Starts a VM and returns it once its agent channel is connected (not yet ready).
     async fn start(&self, spec: VmSpec) -> Result<StartedVm, VmError>;
 }
@@ -149,6 +159,11 @@ pub trait Vm: Send + Sync {
     }
     /// The host process of the VM, if it is a separate one (QEMU).
     fn pid(&self) -> Option<u32>;
+    /// What takes this VM on again after a restart of the service ([`crate::adopt`]), for a VM
+    /// started with [`VmSpec::outlive`] on a backend that can (QEMU) and still running.
+    fn record(&self) -> Option<crate::adopt::VmRecord> {
+        None
+    }
     /// Pauses the guest and writes its snapshot to the spec's `snapshot_to` files; the guest
     /// runs on afterwards if `resume`, else stays paused until stopped.
     async fn snapshot(&self, resume: bool) -> Result<SnapshotDone, VmError> {

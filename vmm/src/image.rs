@@ -158,6 +158,7 @@ impl Image {
             start_timeout: None,
             snapshot_to: None,
             restore_from: None,
+            outlive: false,
         }
     }
 }

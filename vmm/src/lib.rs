@@ -5,6 +5,7 @@
 //! `qemu-system-*`, the KVM backend runs our VMM in a `sandbox-vm` process; both in the jail of `sandbox-jail`. Both hand back the same
 //! agent channel, so everything above the trait works on either.
 
+pub mod adopt;
 pub mod arch;
 pub mod backend;
 pub mod config;

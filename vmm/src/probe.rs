@@ -281,6 +281,7 @@ pub async fn probe(
         start_timeout: Some(limit),
         snapshot_to: None,
         restore_from: None,
+        outlive: false,
     };
     let started = Instant::now();
     let vm = match tokio::time::timeout(limit, backend.start(spec)).await {

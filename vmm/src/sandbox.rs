@@ -111,6 +111,33 @@ impl Sandbox {
         r
     }
 
+    /// A sandbox of `vm` whose agent is ready, watched from now on as `liveness` says.
+    pub(crate) fn watched(
+        id: String,
+        vm: Arc<dyn Vm>,
+        client: Client,
+        ready: Ready,
+        boot_time: Duration,
+        liveness: Liveness,
+    ) -> Sandbox {
+        let snapshotting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = tokio::spawn(watch(
+            id,
+            vm.clone(),
+            client.clone(),
+            liveness,
+            snapshotting.clone(),
+        ));
+        Sandbox {
+            vm,
+            client,
+            ready,
+            boot_time,
+            watchdog: watchdog.abort_handle(),
+            snapshotting,
+        }
+    }
+
     /// Stops the VM and removes its files.
     pub async fn stop(&self) -> VmExit {
         // A stop is not a failure: the watchdog must not see the closing channel and kill.
@@ -184,22 +211,14 @@ pub async fn boot_watched(
                 vm.stop(Duration::ZERO).await;
                 return Err(BootError::Identity { vm: id, why });
             }
-            let snapshotting = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let watchdog = tokio::spawn(watch(
+            Ok(Sandbox::watched(
                 id,
-                vm.clone(),
-                client.clone(),
-                liveness,
-                snapshotting.clone(),
-            ));
-            Ok(Sandbox {
                 vm,
                 client,
                 ready,
-                boot_time: t0.elapsed(),
-                watchdog: watchdog.abort_handle(),
-                snapshotting,
-            })
+                t0.elapsed(),
+                liveness,
+            ))
         }
         Err(e) => {
             // The channel usually closes because the VM is ending: let its console finish first.

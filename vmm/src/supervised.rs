@@ -51,13 +51,20 @@ pub trait Classify: Send + 'static {
 
 /// How a supervised process is started.
 pub struct Spawn {
-    /// Names it in messages ("QEMU", "the VM process").
-    pub name: &'static str,
+    /// What it is.
+    pub kind: Kind,
     /// The jail's command.
     pub cmd: sandbox_jail::Command,
     /// The read ends of the pipes its output comes through, each with the prefix its lines get
     /// in the console log.
     pub outputs: Vec<(OwnedFd, &'static str)>,
+}
+
+/// What a supervised process is, besides its jail: how it is named, where its files are, how
+/// long its reap may take, how its console lines are read.
+pub struct Kind {
+    /// Names it in messages ("QEMU", "the VM process").
+    pub name: &'static str,
     /// Its directory, removed when it is stopped, killed or dropped.
     pub state_dir: Option<PathBuf>,
     /// The longest a reap waits after SIGKILL before the process is declared left behind.
@@ -87,14 +94,8 @@ impl Supervised {
     /// Spawns the process in its jail (off the runtime's threads), starts reading its outputs
     /// and watching for its end, which `classify` reads.
     pub async fn spawn(s: Spawn, classify: Box<dyn Classify>) -> Result<Self, VmError> {
-        let Spawn {
-            name,
-            cmd,
-            outputs,
-            state_dir,
-            reap_within,
-            line,
-        } = s;
+        let Spawn { kind, cmd, outputs } = s;
+        let name = kind.name;
         let program = cmd.program.clone().unwrap_or_default();
         let limits = cmd.limits;
         let jailer = sandbox_jail::global();
@@ -102,7 +103,6 @@ impl Supervised {
             .await
             .map_err(VmStartError::Spawner)?
             .map_err(|source| VmStartError::Jail { program, source })?;
-        let jailed = Arc::new(jailed);
         let console = Arc::new(Mutex::new(ConsoleLog::default()));
         for (fd, prefix) in outputs {
             match tokio::net::unix::pipe::Receiver::from_owned_fd(fd) {
@@ -112,29 +112,80 @@ impl Supervised {
                 Err(e) => tracing::warn!("cannot read the output of {name}: {e}"),
             }
         }
+        Ok(Self::watched(
+            jailed,
+            kind,
+            console,
+            limits.memory_bytes >> 20,
+            classify,
+        ))
+    }
+
+    /// Takes on the process `identity` records, which a previous run of the service started
+    /// and left running (issue 32) under the jail's name `jail_name` (its command's `name`):
+    /// shown to be that same process, it is watched, stopped and cleaned up as one this run
+    /// started. Its console is not read (its pipes ended with the service that read them); its
+    /// status at its end is not known (`Exit::known`).
+    pub async fn adopt(
+        kind: Kind,
+        identity: sandbox_jail::Identity,
+        jail_name: String,
+        memory_mib: u64,
+        classify: Box<dyn Classify>,
+    ) -> Result<Self, sandbox_jail::AdoptError> {
+        let jailer = sandbox_jail::global();
+        let pid = identity.pid;
+        let jailed = tokio::task::spawn_blocking(move || jailer.adopt(&identity, &jail_name))
+            .await
+            .map_err(|e| sandbox_jail::AdoptError::Host {
+                pid,
+                what: "adopting it",
+                source: std::io::Error::other(e.to_string()),
+            })??;
+        Ok(Self::watched(
+            jailed,
+            kind,
+            Arc::default(),
+            memory_mib,
+            classify,
+        ))
+    }
+
+    fn watched(
+        jailed: sandbox_jail::Jailed,
+        kind: Kind,
+        console: Arc<Mutex<ConsoleLog>>,
+        memory_mib: u64,
+        classify: Box<dyn Classify>,
+    ) -> Self {
         let (exit_tx, exit) = watch::channel(None);
         let me = Supervised {
-            name,
-            jailed,
+            name: kind.name,
+            jailed: Arc::new(jailed),
             console,
             exit,
             exit_tx: Arc::new(exit_tx),
             stop_requested: Arc::default(),
             kill_reason: Arc::default(),
-            state_dir,
-            reap_within,
-            line,
+            state_dir: kind.state_dir,
+            reap_within: kind.reap_within,
+            line: kind.line,
         };
         tokio::spawn(watch_end(
             me.jailed.clone(),
-            limits.memory_bytes >> 20,
+            memory_mib,
             me.console.clone(),
             me.exit_tx.clone(),
             me.stop_requested.clone(),
             me.kill_reason.clone(),
             classify,
         ));
-        Ok(me)
+        me
+    }
+
+    /// What finds this process again after a restart of the service (`None` once it ended).
+    pub fn identity(&self) -> Option<sandbox_jail::Identity> {
+        self.jailed.identity()
     }
 
     /// Its pid on the host.

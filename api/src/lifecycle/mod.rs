@@ -169,6 +169,11 @@ pub async fn create(
     plan: Plan,
 ) -> Result<Created, ApiError> {
     let mut spec = plan.vm_spec(state);
+    // A sandbox outlives a crash or a hand-over of the service where its backend lets the next
+    // run take it on again (`adopt.rs`), and where the jail makes cgroups: what the next run does
+    // not take on (a crash before its record, a record refused) ends with its cgroup, which
+    // nothing else would end.
+    spec.outlive = backend.can_outlive() && sandbox_jail::global().status().cgroup.is_some();
     // Admission: the sandbox's share of the host's budgets, held until it is gone.
     let reservation = state
         .capacity()
@@ -238,6 +243,10 @@ pub async fn create(
             pausable,
         },
     );
+    // Its record, before the create is answered (a crash after the answer keeps the sandbox),
+    // off the runtime's threads (it is synced to disk).
+    let (dir, e) = (state.config().state_dir.clone(), entry.clone());
+    let _ = tokio::task::spawn_blocking(move || crate::adopt::save_or_log(&dir, &e)).await;
     Ok(Created { entry, restored })
 }
 
@@ -308,6 +317,7 @@ async fn start(
         &plan.run.egress,
         state.config(),
         template.map(|t| t.mac),
+        spec.outlive,
     )
     .await
     .map_err(|e| match e {
@@ -382,6 +392,8 @@ fn register(state: &AppState, run: registry::Run, running: registry::Running) ->
 pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
     // A pause or resume under way finishes first (each is bounded).
     let _turn = entry.paused.lock().await;
+    // The record first: a crash from here on leaves nothing that a restart would take on.
+    crate::adopt::forget(&state.config().state_dir, &entry);
     let exit = entry.sandbox().stop().await;
     if let Some(p) = &entry.pausable {
         let _ = std::fs::remove_dir_all(&p.dir);
@@ -460,6 +472,27 @@ pub async fn sweep_forever(state: AppState) {
         sweep(&state).await;
     }
 }
+
+/// Every second, writes the records of the sandboxes whose counters moved, so that a crash of
+/// the service loses at most a second of them; on a thread of its own (each write is synced to
+/// disk), so a slow disk holds up neither the runtime nor the sweep.
+pub fn save_forever(state: AppState) {
+    std::thread::Builder::new()
+        .name("records".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(RECORD_EVERY);
+                for e in state.registry().all() {
+                    crate::adopt::save_if_moved(&state.config().state_dir, &e);
+                }
+            }
+        })
+        .map(drop)
+        .unwrap_or_else(|e| tracing::error!("the records' thread did not start: {e}"));
+}
+
+/// How often the records keep up with the sandboxes' counters.
+const RECORD_EVERY: Duration = Duration::from_secs(1);
 
 /// Disposes of every sandbox (SIGINT/SIGTERM), all at once.
 pub async fn dispose_all(state: &AppState) -> usize {

@@ -81,7 +81,7 @@ async fn build(
     spec.snapshot_to = Some(files.clone());
     // A network device as every sandbox has, on an egress that allows nothing: the template's
     // guest never reaches anything, and a clone's device gets its run's egress.
-    let egress = crate::egress::start(&name, &Default::default(), state.config(), None)
+    let egress = crate::egress::start(&name, &Default::default(), state.config(), None, false)
         .await
         .map_err(|e| fail(format!("the template's egress: {e}")))?;
     let mac = egress.attachment.mac;

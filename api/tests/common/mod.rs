@@ -447,8 +447,23 @@ impl Host {
 
 impl Drop for Host {
     fn drop(&mut self) {
+        // SIGTERM disposes of every sandbox. A SIGKILL would leave them running for a next
+        // service (issue 32), which a test never starts: whatever is left in the instance's
+        // cgroups after is killed.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.signal("TERM");
+            let t = Instant::now();
+            while matches!(self.child.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(60)
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for pid in instance_pids(&self.state) {
+            // SAFETY: kill has no memory arguments; the pid was read from the instance's cgroup.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
         // A failed test shows what the service said about it.
         if std::thread::panicking() {
             let logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
@@ -485,9 +500,21 @@ pub fn parse_ndjson(body: &[u8]) -> (Vec<u8>, Vec<u8>, Value) {
 
 /// Pids of QEMU processes whose command line mentions `dir` (the state directory of a test).
 pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
-    // QEMU runs in its jail with no host path on its command line: find it by its cgroup, which
-    // the service names after its state directory (as `jail_instance` in serve.rs does), so
-    // this finds QEMUs that outlived the service too.
+    instance_pids(dir)
+        .into_iter()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains("qemu-system")
+        })
+        .collect()
+}
+
+/// Every process in the cgroups of the service on state directory `dir`: its VMs' and network
+/// processes'.
+pub fn instance_pids(dir: &Path) -> Vec<u32> {
+    // The jailed processes have no host path on their command lines: find them by their cgroup,
+    // which the service names after its state directory (as `jail_instance` in serve.rs does),
+    // so this finds processes that outlived the service too.
     use sha2::Digest;
     let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     let digest = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
@@ -503,9 +530,8 @@ pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-            String::from_utf8_lossy(&cmd).contains("qemu-system") && cgroup.contains(&instance)
+            cgroup.contains(&instance)
         })
         .collect()
 }

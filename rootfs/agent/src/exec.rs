@@ -1,11 +1,14 @@
 //! Running a process: spawn in its own process group, stream its output under the window, feed
 //! its stdin, enforce its timeout on the whole group, report how it ended.
+//!
+//! An exec whose host goes away is abandoned, not ended: its process group runs on with stdin at
+//! EOF, its output read and dropped, its timeout still enforced, and its exit reported to no one.
 
 use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
@@ -23,7 +26,8 @@ const BASE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin
 /// (a process that left the group with `setsid` can hold them open forever).
 const DRAIN_AFTER_KILL: Duration = Duration::from_secs(5);
 
-/// Runs `req` to its end: its output streamed as it comes, its exit status last.
+/// Runs `req` to its end: its output streamed as it comes, its exit status last (only the
+/// first if the stream is abandoned on the way, see the module's doc).
 pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     let mut cmd = match command(&req) {
         Ok(c) => c,
@@ -64,6 +68,8 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
         ),
     ];
     let (done_rx, pumps) = start_pumps(&ctx, outputs);
+    // The deadline holds whether or not the host is still there: an abandoned exec is killed at
+    // its deadline like any other, by this same wait, which is simpler than a second mechanism.
     let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
     let (status, timed_out) = wait_status(&status_rx, deadline, pgid);
     let duration_ms = started.elapsed().as_millis() as u64;
@@ -79,6 +85,7 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
         timed_out,
         duration_ms,
     };
+    // Dropped by the outbox if the stream was abandoned: a later host never hears of it.
     ctx.out.send_json(Kind::Exit, ctx.id, &exit);
 }
 
@@ -109,9 +116,10 @@ fn start_pumps(
     for (pipe, kind) in outputs {
         if let Some(pipe) = pipe {
             let dl = Download::new(ctx.out.clone(), ctx.id, kind, ctx.credit.clone());
+            let abandoned = ctx.abandoned.clone();
             let done = done_tx.clone();
             std::thread::spawn(move || {
-                pump(pipe, dl);
+                pump(pipe, dl, &abandoned);
                 let _ = done.send(());
             });
             pumps += 1;
@@ -174,14 +182,20 @@ fn drain(
     }
 }
 
-fn pump(mut pipe: Box<dyn Read + Send>, mut dl: Download) {
+/// Streams one output pipe to the host until its writers are gone. Once the stream can send no
+/// more: if it was abandoned, the rest is read and dropped, so the process never blocks on a
+/// full pipe nor gets EPIPE; otherwise (cancelled, or ended) the pipe is closed, which gives a
+/// writer still there EPIPE.
+fn pump(mut pipe: Box<dyn Read + Send>, mut dl: Download, abandoned: &AtomicBool) {
     let mut buf = vec![0u8; sandbox_protocol::DATA_CHUNK];
     loop {
         match pipe.read(&mut buf) {
             Ok(0) => return,
             Ok(n) => {
                 if dl.send_now(&buf[..n]).is_err() {
-                    // Cancelled: dropping the pipe gives the writer EPIPE.
+                    if abandoned.load(Ordering::SeqCst) {
+                        let _ = io::copy(&mut pipe, &mut io::sink());
+                    }
                     return;
                 }
             }

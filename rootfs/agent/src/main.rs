@@ -32,7 +32,8 @@ fn main() -> ExitCode {
             }
         };
         sandbox_agent::serve(conn, &spec, &reaper);
-        // The host went away (EOF): every stream has been cancelled. Wait for it to come back.
+        // The host went away (EOF): its streams were abandoned and run on. Wait for it to come
+        // back.
         if spec.is_serial() {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }

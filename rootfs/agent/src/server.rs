@@ -1,8 +1,10 @@
 //! The frame loop: reads the channel, answers control frames, and hands each stream to a
 //! worker thread. The reader never blocks on a worker, so one stalled stream stalls no other.
+//!
+//! When the host goes away (EOF) its streams are abandoned, not cancelled: the host service may
+//! be restarted while a command runs, and the command goes on (see [`Entry::abandon`]).
 
-use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::channel;
@@ -21,9 +23,20 @@ use crate::transfer::Upload;
 use crate::{archive, exec, files};
 
 /// Serves one connection until the host goes away. On a serial port the device stays open and
-/// EOF means "host disconnected for now", so this only returns for vsock.
+/// EOF means "host disconnected for now", so this only returns for vsock. Streams still open
+/// when it returns are abandoned and run on; the connection is closed at once all the same.
 pub fn serve(conn: Conn, spec: &ChannelSpec, reaper: &Reaper) {
-    let out = Outbox::start(conn.writer);
+    serve_io(conn.reader, conn.writer, spec, reaper);
+}
+
+/// [`serve`] over any reader and writer (the tests' seam).
+pub(crate) fn serve_io(
+    reader: impl Read,
+    writer: impl Write + Send + 'static,
+    spec: &ChannelSpec,
+    reaper: &Reaper,
+) {
+    let out = Outbox::start(writer);
     let mut server = Server {
         out,
         streams: Streams::default(),
@@ -31,8 +44,10 @@ pub fn serve(conn: Conn, spec: &ChannelSpec, reaper: &Reaper) {
         spec: spec.clone(),
     };
     server.send_ready(0);
-    server.read_loop(conn.reader);
-    server.streams.cancel_all();
+    server.read_loop(reader);
+    server.abandon_streams();
+    // Abandoned streams keep handles of the outbox; its writer must not keep the channel open.
+    server.out.close();
 }
 
 struct Server {
@@ -43,7 +58,7 @@ struct Server {
 }
 
 impl Server {
-    fn read_loop(&mut self, mut reader: File) {
+    fn read_loop(&mut self, mut reader: impl Read) {
         let mut dec = Decoder::new();
         let mut buf = vec![0u8; 64 * 1024];
         let mut connected = true;
@@ -52,7 +67,7 @@ impl Server {
                 Ok(0) if self.spec.is_serial() => {
                     if connected {
                         // The host closed its end: whatever it was doing is abandoned.
-                        self.streams.cancel_all();
+                        self.abandon_streams();
                         dec = Decoder::new();
                         connected = false;
                     }
@@ -114,6 +129,13 @@ impl Server {
         }
     }
 
+    /// The host went away: its streams are abandoned (see [`Entry::abandon`]), their ids free,
+    /// their frames still queued dropped and their senders waiting for room released.
+    fn abandon_streams(&self) {
+        self.streams.abandon_all();
+        self.out.purge();
+    }
+
     fn send_ready(&self, stream: u32) {
         let ready = Ready {
             version: crate::VERSION.to_owned(),
@@ -156,20 +178,24 @@ impl Server {
             (None, None)
         };
         let allowance = Arc::new(AtomicU64::new(INITIAL_WINDOW.into()));
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let out = self.out.for_stream(abandoned.clone());
         let entry = Entry {
             credit: Arc::new(Credit::new(INITIAL_WINDOW)),
             inbox,
             allowance: allowance.clone(),
             pgid: Arc::new(AtomicI32::new(0)),
             cancelled: Arc::new(AtomicBool::new(false)),
+            abandoned: abandoned.clone(),
         };
         let ctx = StreamCtx {
             id,
-            out: self.out.clone(),
+            out: out.clone(),
             credit: entry.credit.clone(),
             pgid: entry.pgid.clone(),
             cancelled: entry.cancelled.clone(),
-            upload: upload_rx.map(|rx| Upload::new(rx, self.out.clone(), id, allowance)),
+            abandoned,
+            upload: upload_rx.map(|rx| Upload::new(rx, out, id, allowance)),
             streams: self.streams.clone(),
         };
         streams.insert(id, entry);
@@ -310,4 +336,353 @@ fn shutdown(out: &Outbox, stream: u32) {
         unsafe { libc::reboot(libc::RB_AUTOBOOT) };
     }
     std::process::exit(0);
+}
+
+#[cfg(test)]
+mod tests {
+    //! The server over real channels (a socket pair as vsock, a FIFO as a serial port) running
+    //! real processes: what a command does when its host goes away, and what a later host sees.
+
+    use super::*;
+    use std::ffi::CString;
+    use std::fs::{File, OpenOptions};
+    use std::net::Shutdown;
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::net::UnixStream;
+    use std::path::Path;
+    use std::sync::OnceLock;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc::{Receiver, RecvTimeoutError};
+    use std::thread::JoinHandle;
+    use std::time::Instant;
+
+    use sandbox_protocol::message::{ExecRequest, ExitStatus};
+
+    /// How long anything awaited in these tests may take.
+    const PATIENCE: Duration = Duration::from_secs(2);
+
+    /// The test binary's one reaper: it reaps every child of the process.
+    fn reaper() -> &'static Reaper {
+        static REAPER: OnceLock<Reaper> = OnceLock::new();
+        REAPER.get_or_init(Reaper::start)
+    }
+
+    fn frame(kind: Kind, stream: u32, payload: impl Into<Vec<u8>>) -> Vec<u8> {
+        Frame::new(kind, stream, payload.into()).encode()
+    }
+
+    /// An `Exec` of the shell line `command` in `cwd`, with `FILE` naming `file`.
+    fn exec(stream: u32, command: &str, cwd: &Path, file: &Path, stdin: bool) -> Vec<u8> {
+        let req = ExecRequest {
+            command: Some(command.into()),
+            env: [("FILE".to_owned(), file.display().to_string())].into(),
+            cwd: Some(cwd.display().to_string()),
+            stdin,
+            ..Default::default()
+        };
+        frame(Kind::Exec, stream, serde_json::to_vec(&req).unwrap())
+    }
+
+    fn is(f: &Frame, kind: Kind, stream: u32) -> bool {
+        Kind::from_u8(f.kind) == Some(kind) && f.stream == stream
+    }
+
+    fn exit_status(f: &Frame) -> ExitStatus {
+        serde_json::from_slice(&f.payload).unwrap()
+    }
+
+    /// Waits for `path` to exist.
+    fn wait_for(path: &Path) {
+        let until = Instant::now() + PATIENCE;
+        while !path.exists() {
+            assert!(Instant::now() < until, "{} never appeared", path.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The frames the agent sends, as the host reads them.
+    struct Frames {
+        rx: Receiver<Frame>,
+        /// Every frame taken so far.
+        seen: Vec<Frame>,
+    }
+
+    impl Frames {
+        /// Reads the agent's frames from `r` on a thread of its own, to the agent's EOF.
+        fn read(mut r: impl Read + Send + 'static) -> Frames {
+            let (tx, rx) = channel();
+            std::thread::spawn(move || {
+                let mut dec = Decoder::new();
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n @ 1..) = r.read(&mut buf) {
+                    dec.push(&buf[..n]);
+                    while let Some(f) = dec.next_frame() {
+                        if tx.send(f.expect("the agent's frames decode")).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+            Frames {
+                rx,
+                seen: Vec::new(),
+            }
+        }
+
+        /// The next frame `want` accepts, the frames before it kept in `seen`.
+        fn until(&mut self, what: &str, want: impl Fn(&Frame) -> bool) -> Frame {
+            let until = Instant::now() + PATIENCE;
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                let f = self.rx.recv_timeout(left).unwrap_or_else(|e| {
+                    panic!("no {what} from the agent ({e}); saw {}", self.summary(0))
+                });
+                self.seen.push(f.clone());
+                if want(&f) {
+                    return f;
+                }
+            }
+        }
+
+        /// Every frame to the agent's EOF, which must come within [`PATIENCE`].
+        fn rest(&mut self) {
+            let until = Instant::now() + PATIENCE;
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                match self.rx.recv_timeout(left) {
+                    Ok(f) => self.seen.push(f),
+                    Err(RecvTimeoutError::Disconnected) => return,
+                    Err(RecvTimeoutError::Timeout) => panic!("the agent kept the channel open"),
+                }
+            }
+        }
+
+        /// Kinds and streams of the frames seen from `from` on, for messages.
+        fn summary(&self, from: usize) -> String {
+            let shown: Vec<String> = self.seen[from..]
+                .iter()
+                .map(|f| format!("{:?}@{}", Kind::from_u8(f.kind), f.stream))
+                .collect();
+            shown.join(" ")
+        }
+    }
+
+    /// A host connected over a socket pair, as over vsock: `serve` returns once the host shuts
+    /// its side down. The host's end is returned unread.
+    fn vsock() -> (UnixStream, JoinHandle<()>) {
+        let (host, agent) = UnixStream::pair().unwrap();
+        let writer = File::from(OwnedFd::from(agent.try_clone().unwrap()));
+        let conn = Conn {
+            reader: File::from(OwnedFd::from(agent)),
+            writer,
+        };
+        let server = std::thread::spawn(move || serve(conn, &ChannelSpec::Vsock(1024), reaper()));
+        (host, server)
+    }
+
+    #[test]
+    fn an_abandoned_exec_runs_on_unreported() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("x");
+        let (mut host, server) = vsock();
+        let mut frames = Frames::read(host.try_clone().unwrap());
+        let cmd = r#"echo started; sleep 0.5; echo x > "$FILE"; echo late"#;
+        host.write_all(&exec(1, cmd, dir.path(), &file, false))
+            .unwrap();
+        frames.until("output", |f| is(f, Kind::Stdout, 1));
+        let abandoned_at = frames.seen.len();
+
+        host.shutdown(Shutdown::Write).unwrap();
+        server.join().unwrap();
+        frames.rest();
+        assert!(
+            !file.exists(),
+            "the agent closes the channel while the exec still runs"
+        );
+        assert!(
+            frames.seen[abandoned_at..].iter().all(|f| f.stream != 1),
+            "frames of the abandoned exec: {}",
+            frames.summary(abandoned_at)
+        );
+        wait_for(&file);
+    }
+
+    #[test]
+    fn an_abandoned_exec_output_is_drained() {
+        let dir = tempfile::tempdir().unwrap();
+        let (one, two) = (dir.path().join("1"), dir.path().join("2"));
+        let (mut host, server) = vsock();
+        // Stream 1 outgrows its window (none granted beyond the first); stream 2 has all the
+        // window it wants but the host reads nothing, so the outbox fills and its sends wait.
+        // The file is written only if all the output was written (no EPIPE, no SIGPIPE).
+        let big =
+            r#"head -c 3000000 /dev/zero && head -c 300000 /dev/zero >&2 && echo x > "$FILE""#;
+        host.write_all(&exec(1, big, dir.path(), &one, false))
+            .unwrap();
+        host.write_all(&exec(
+            2,
+            &big.replace("3000000", "9000000"),
+            dir.path(),
+            &two,
+            false,
+        ))
+        .unwrap();
+        host.write_all(&frame(Kind::Window, 2, message::window_payload(u32::MAX)))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !one.exists() && !two.exists(),
+            "both execs wait for their output to be taken"
+        );
+
+        host.shutdown(Shutdown::Write).unwrap();
+        server.join().unwrap();
+        wait_for(&one);
+        wait_for(&two);
+        // Only now does the host read: what it gets is no concern of the abandoned execs.
+        Frames::read(host).rest();
+    }
+
+    /// The agent's end of a FIFO, standing for a serial port: EOF while no host has it open,
+    /// data again once one does. Counts the EOFs it returned; fails once told to stop, which
+    /// ends `serve`.
+    struct Port {
+        fifo: File,
+        eofs: Arc<AtomicUsize>,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl Read for Port {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(io::Error::other("the test is over"));
+            }
+            let n = self.fifo.read(buf)?;
+            if n == 0 {
+                self.eofs.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_later_stream_on_an_abandoned_id_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("port");
+        let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // Opening for reading would wait for a writer unless non-blocking; reads block again
+        // once it is open, as on the serial port.
+        let fifo = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .unwrap();
+        // SAFETY: fcntl on a descriptor we own.
+        let rc = unsafe { libc::fcntl(fifo.as_raw_fd(), libc::F_SETFL, 0) };
+        assert_eq!(rc, 0);
+        let eofs = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let port = Port {
+            fifo,
+            eofs: eofs.clone(),
+            stop: stop.clone(),
+        };
+        let (host_reads, agent_writes) = UnixStream::pair().unwrap();
+        let mut frames = Frames::read(host_reads);
+        let spec = ChannelSpec::Serial("test".into());
+        let server = std::thread::spawn(move || serve_io(port, agent_writes, &spec, reaper()));
+        let connect = || OpenOptions::new().write(true).open(&path).unwrap();
+
+        // The first host starts an exec that will outlive it, then goes away.
+        let old = dir.path().join("old");
+        let mut host = connect();
+        let cmd = r#"echo started; sleep 0.3; echo late; echo late >&2; echo x > "$FILE"; exit 7"#;
+        host.write_all(&exec(1, cmd, dir.path(), &old, false))
+            .unwrap();
+        frames.until("output", |f| is(f, Kind::Stdout, 1));
+        let eofs_before = eofs.load(Ordering::SeqCst);
+        drop(host);
+        let until = Instant::now() + PATIENCE;
+        while eofs.load(Ordering::SeqCst) == eofs_before {
+            assert!(Instant::now() < until, "the agent never saw the host go");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let abandoned_at = frames.seen.len();
+
+        // The next host numbers its streams from 1 again; its stream 1 waits for stdin until
+        // the old stream 1 has ended, then must still be served.
+        let mut host = connect();
+        host.write_all(&frame(Kind::Ping, 0, [])).unwrap();
+        frames.until("ready", |f| is(f, Kind::Ready, 0));
+        let new = r#"read line; echo "got $line""#;
+        host.write_all(&exec(1, new, dir.path(), &dir.path().join("unused"), true))
+            .unwrap();
+        wait_for(&old);
+        // The old exec's end (its exit, its context dropped) follows its last write at once.
+        std::thread::sleep(Duration::from_millis(200));
+        host.write_all(&frame(Kind::Stdin, 1, *b"hello\n")).unwrap();
+        host.write_all(&frame(Kind::Stdin, 1, [])).unwrap();
+        let exit = frames.until("exit", |f| is(f, Kind::Exit, 1));
+        assert_eq!(exit_status(&exit).exit_code, Some(0));
+
+        let after = &frames.seen[abandoned_at..];
+        let stdout: Vec<u8> = after
+            .iter()
+            .filter(|f| is(f, Kind::Stdout, 1))
+            .flat_map(|f| f.payload.clone())
+            .collect();
+        assert_eq!(String::from_utf8_lossy(&stdout), "got hello\n");
+        assert!(
+            after
+                .iter()
+                .all(|f| !is(f, Kind::Stderr, 1) && !is(f, Kind::Error, 1)),
+            "frames after the abandonment: {}",
+            frames.summary(abandoned_at)
+        );
+        assert_eq!(after.iter().filter(|f| is(f, Kind::Exit, 1)).count(), 1);
+
+        stop.store(true, Ordering::SeqCst);
+        drop(host);
+        server.join().unwrap();
+        frames.rest();
+    }
+
+    #[test]
+    fn cancel_kills_the_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut host, server) = vsock();
+        let mut frames = Frames::read(host.try_clone().unwrap());
+        let cmd = "sleep 30 & echo $!; wait";
+        host.write_all(&exec(1, cmd, dir.path(), dir.path(), false))
+            .unwrap();
+        let out = frames.until("the pid", |f| is(f, Kind::Stdout, 1));
+        let pid: i32 = String::from_utf8_lossy(&out.payload)
+            .trim()
+            .parse()
+            .unwrap();
+
+        host.write_all(&frame(Kind::Cancel, 1, [])).unwrap();
+        let exit = frames.until("exit", |f| is(f, Kind::Exit, 1));
+        assert_eq!(exit_status(&exit).signal, Some(libc::SIGKILL));
+        // The background sleep of the group is killed too (gone, or a zombie left to its reaper).
+        let until = Instant::now() + PATIENCE;
+        while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        }) {
+            assert!(
+                Instant::now() < until,
+                "the group's sleep {pid} survived the cancel"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+
+        host.shutdown(Shutdown::Write).unwrap();
+        server.join().unwrap();
+        frames.rest();
+    }
 }

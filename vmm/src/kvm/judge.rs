@@ -137,7 +137,11 @@ mod tests {
             (_, Some(s)) => s,
             _ => 0,
         };
-        sandbox_jail::Exit { status, oom_kills }
+        sandbox_jail::Exit {
+            status,
+            oom_kills,
+            known: true,
+        }
     }
 
     fn lie() -> Option<VmExit> {

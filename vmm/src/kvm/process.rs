@@ -17,7 +17,7 @@ use crate::backend::{
     MissingProgram, SpecError, StartedVm, Vm, VmError, VmExit, VmSnapshotError, VmSpec,
     VmStartError,
 };
-use crate::supervised::{Spawn, Supervised, pipe};
+use crate::supervised::{Kind, Spawn, Supervised, pipe};
 use sandbox_control::link::NetLink;
 use sandbox_control::vm::{self as control, DiskFd, NetFd, Request, SnapshotFds, VmConfig};
 
@@ -90,12 +90,14 @@ async fn start_program(
     let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
     let process = Supervised::spawn(
         Spawn {
-            name: "the VM process",
+            kind: Kind {
+                name: "the VM process",
+                state_dir: Some(spec.state_dir.clone()),
+                reap_within: STOP_TIMEOUT,
+                line: told,
+            },
             cmd,
             outputs: vec![(d.console, ""), (d.log, "sandbox-vm: ")],
-            state_dir: Some(spec.state_dir.clone()),
-            reap_within: STOP_TIMEOUT,
-            line: told,
         },
         Box::new(ProcessEnd {
             control: control.clone(),
@@ -326,6 +328,7 @@ fn jail_command(
         keep_groups: vec![],
         seccomp: true,
         host_network: false,
+        outlive: false,
     })
 }
 
@@ -732,6 +735,7 @@ mod tests {
             start_timeout: Some(Duration::from_secs(20)),
             snapshot_to: Some(files),
             restore_from: None,
+            outlive: false,
         }
     }
 

@@ -66,6 +66,9 @@ pub struct Wiring {
     pub initrd: Option<PathBuf>,
     /// A connected stream socket: the agent channel.
     pub agent_fd: i32,
+    /// Whether `agent_fd` is a listening socket (a VM that may outlive the service: the next
+    /// run of the service connects to it again) rather than a connected one.
+    pub agent_listens: bool,
     /// A connected stream socket for the boot marker.
     pub marker_fd: Option<i32>,
     /// A connected stream socket for the guest's frames.
@@ -196,7 +199,12 @@ fn channel_args(arch: Arch, wiring: &Wiring) -> Vec<OsString> {
     // The agent channel: a socket QEMU inherits, connected to the host before QEMU starts.
     a.extend([
         "-chardev".into(),
-        format!("socket,id=agent,fd={}", wiring.agent_fd).into(),
+        if wiring.agent_listens {
+            format!("socket,id=agent,fd={},server=on,wait=off", wiring.agent_fd)
+        } else {
+            format!("socket,id=agent,fd={}", wiring.agent_fd)
+        }
+        .into(),
     ]);
     for s in ["-device", "virtio-serial-device", "-device"] {
         a.push(s.into());
@@ -324,6 +332,7 @@ mod tests {
             start_timeout: None,
             snapshot_to: None,
             restore_from: None,
+            outlive: false,
         }
     }
 
@@ -332,6 +341,7 @@ mod tests {
             kernel: "/vm/kernel".into(),
             initrd: Some("/vm/initrd".into()),
             agent_fd: 3,
+            agent_listens: false,
             marker_fd: Some(4),
             net_fd: Some(5),
             disk_fds: vec![vec![6]],

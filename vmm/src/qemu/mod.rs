@@ -4,7 +4,7 @@
 
 mod accel;
 pub mod args;
-mod process;
+pub(crate) mod process;
 mod snapshot;
 
 use std::path::PathBuf;
@@ -112,6 +112,10 @@ pub fn which(name: &str) -> Option<PathBuf> {
 
 #[async_trait]
 impl Backend for QemuBackend {
+    fn can_outlive(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "qemu"
     }

@@ -15,7 +15,7 @@ use sandbox_control::link::{FrameLink, NetLink};
 use crate::backend::{
     SpecError, StartedVm, Unsupported, Vm, VmError, VmExit, VmSnapshotError, VmSpec,
 };
-use crate::supervised::{Classify, Ending, Spawn, Supervised, pipe};
+use crate::supervised::{Classify, Ending, Kind, Spawn, Supervised, pipe};
 
 /// The longest a stop waits for QEMU to be reaped after SIGKILL.
 const REAP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -29,7 +29,15 @@ pub struct QemuVm {
     /// A VM that may be snapshotted: its monitor (taken by the one snapshot it may have), what
     /// its snapshot is of, and where its state file goes.
     snapshot: Option<SnapshotTarget>,
+    /// Where its agent's socket listens, for a VM that may outlive the service.
+    agent_path: Option<PathBuf>,
+    /// Its cgroup's memory limit, for the record.
+    memory_mib: u64,
 }
+
+/// The name of the socket a VM that may outlive the service listens on for its agent's
+/// channel, in its state directory: the next run of the service connects to it.
+pub const AGENT_SOCKET: &str = "agent.sock";
 
 /// What [`Vm::snapshot`] of a QEMU VM needs.
 struct SnapshotTarget {
@@ -54,6 +62,21 @@ fn socket_pair(
     host.set_nonblocking(true)
         .map_err(|e| VmError::io(format!("making the {what} socket"), e))?;
     Ok((host, vm.into()))
+}
+
+/// A socket QEMU listens on at `path` (its chardev's `server=on`), and the host's end,
+/// connected before QEMU runs (QEMU accepts it from the backlog): the next run of the service
+/// connects to the same path. The state directory is the service's alone (mode 0700), so no
+/// other user can.
+fn listening_socket(
+    path: &Path,
+    what: &str,
+) -> Result<(std::os::unix::net::UnixStream, OwnedFd), VmError> {
+    let err = |e| VmError::io(format!("making the {what} socket {}", path.display()), e);
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(err)?;
+    let host = std::os::unix::net::UnixStream::connect(path).map_err(err)?;
+    host.set_nonblocking(true).map_err(err)?;
+    Ok((host, listener.into()))
 }
 
 /// What QEMU inherits, in order (0, 1, 2, the agent's socket, then the rest as they are
@@ -111,6 +134,7 @@ pub async fn spawn(
         kernel,
         initrd,
         agent_fd: 3,
+        agent_listens: spec.outlive,
         marker_fd: d.marker_fd,
         net_fd: d.net_fd,
         disk_fds: d.disk_fds,
@@ -121,14 +145,18 @@ pub async fn spawn(
     let args = super::args::qemu_args(arch, accel, spec, &wiring);
     let cmd = jail_command(program, arch, accel, spec, args, d.fds, d.fsize)?;
     let started = std::time::Instant::now();
+    let agent_path = spec.outlive.then(|| spec.state_dir.join(AGENT_SOCKET));
+    let memory_mib = cmd.limits.memory_bytes >> 20;
     let process = Supervised::spawn(
         Spawn {
-            name: "QEMU",
+            kind: Kind {
+                name: "QEMU",
+                state_dir: Some(spec.state_dir.clone()),
+                reap_within: REAP_TIMEOUT,
+                line: std::convert::identity,
+            },
             cmd,
             outputs: vec![(ends.out, ""), (ends.err, "qemu: ")],
-            state_dir: Some(spec.state_dir.clone()),
-            reap_within: REAP_TIMEOUT,
-            line: std::convert::identity,
         },
         Box::new(QemuEnd),
     )
@@ -164,6 +192,8 @@ pub async fn spawn(
         snapshot,
         process,
         marker: marker_time,
+        agent_path,
+        memory_mib,
     };
     let stream = tokio::net::UnixStream::from_std(ends.agent)
         .map_err(|e| VmError::io("connecting the agent socket", e))?;
@@ -174,7 +204,11 @@ pub async fn spawn(
 /// pipes, its agent's and boot marker's sockets, its network, its monitor and snapshot file
 /// where it may be snapshotted or is restored, KVM's device, and its disks.
 fn descriptors(spec: &VmSpec, accel: super::Accel) -> Result<(Descriptors, HostEnds), VmError> {
-    let (agent, agent_vm) = socket_pair("agent")?;
+    let (agent, agent_vm) = if spec.outlive {
+        listening_socket(&spec.state_dir.join(AGENT_SOCKET), "agent")?
+    } else {
+        socket_pair("agent")?
+    };
     let (out, out_w) = pipe("QEMU output")?;
     let (err, err_w) = pipe("QEMU error")?;
     let null = std::fs::File::open("/dev/null").map_err(|e| VmError::io("opening /dev/null", e))?;
@@ -340,6 +374,7 @@ fn jail_command(
         keep_groups,
         seccomp: true,
         host_network: false,
+        outlive: spec.outlive,
     })
 }
 
@@ -385,6 +420,42 @@ async fn time_marker(
     }
 }
 
+/// The QEMU process of a VM a previous run of the service started with `outlive` (`record`
+/// says which), taken on again: watched, stopped and cleaned up as one this run started. It
+/// has no boot marker to report, no console, and no snapshot (QEMU VMs are snapshotted only
+/// for templates, which never outlive their service).
+pub(crate) async fn adopt(
+    id: &str,
+    record: &crate::adopt::VmRecord,
+) -> Result<Box<dyn Vm>, sandbox_jail::AdoptError> {
+    let identity = sandbox_jail::Identity {
+        pid: record.pid,
+        start_time: record.start_time,
+        uid: record.uid,
+        cgroup: record.cgroup.clone(),
+    };
+    let process = Supervised::adopt(
+        Kind {
+            name: "QEMU",
+            state_dir: Some(record.state_dir.clone()),
+            reap_within: REAP_TIMEOUT,
+            line: std::convert::identity,
+        },
+        identity,
+        id.to_string(),
+        record.memory_mib,
+        Box::new(QemuEnd),
+    )
+    .await?;
+    Ok(Box::new(QemuVm {
+        process,
+        marker: Arc::default(),
+        snapshot: None,
+        agent_path: Some(record.state_dir.join(AGENT_SOCKET)),
+        memory_mib: record.memory_mib,
+    }))
+}
+
 /// How QEMU ended: the service's own kill, the OOM killer, then its status and console.
 struct QemuEnd;
 
@@ -402,7 +473,9 @@ impl Classify for QemuEnd {
             }
             use std::os::unix::process::ExitStatusExt;
             classify(
-                Some(std::process::ExitStatus::from_raw(e.status.status)),
+                e.status
+                    .known
+                    .then(|| std::process::ExitStatus::from_raw(e.status.status)),
                 requested,
                 &e.console,
             )
@@ -469,6 +542,20 @@ impl Vm for QemuVm {
 
     fn pid(&self) -> Option<u32> {
         Some(self.process.pid())
+    }
+
+    fn record(&self) -> Option<crate::adopt::VmRecord> {
+        let path = self.agent_path.as_ref()?;
+        let identity = self.process.identity()?;
+        Some(crate::adopt::VmRecord {
+            backend: "qemu".into(),
+            pid: identity.pid,
+            start_time: identity.start_time,
+            uid: identity.uid,
+            cgroup: identity.cgroup,
+            memory_mib: self.memory_mib,
+            state_dir: path.parent()?.to_path_buf(),
+        })
     }
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {

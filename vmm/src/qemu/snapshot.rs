@@ -170,6 +170,7 @@ mod tests {
             start_timeout: None,
             snapshot_to: None,
             restore_from: None,
+            outlive: false,
         };
         let ours = Header::of(Arch::X86_64, Accel::Tcg, &spec);
         let p = dir.path().join("state");

@@ -1,0 +1,563 @@
+//! A service that restarts without losing runs (issue 32). A sandbox whose processes may outlive
+//! the service (its backend can take them on again: QEMU) has a record in the state directory,
+//! `<id>.json`: its run, its activity counters, its share of the budgets, and which VM and
+//! network processes are its own. The record is written atomically (a new file renamed over
+//! the old) when the sandbox is registered, on each sweep whose counters moved, and at a
+//! hand-over; it is removed with the sandbox.
+//!
+//! At start-up the service reads every record (the state directory is its alone, but a record is
+//! read as hostile: bounded, strict, every path and id checked), and takes each sandbox on
+//! again whose processes are alive and prove to be its own (pid and start time through a pidfd,
+//! uid, cgroup, the network process's token, the agent answering). What cannot be taken on again
+//! is disposed of, with a log line that names it and says why.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use sandbox_vmm::adopt::VmRecord;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::egress::{EgressSpec, InterceptMode, SecretSpec};
+use crate::netproc::NetRecord;
+use crate::registry::{self, SandboxEntry};
+use crate::state::AppState;
+
+/// The records' format; a record of another is not taken on.
+const VERSION: u32 = 1;
+/// The largest record read: a run's variables and egress settings come from a create request,
+/// which the API's body limit bounds well below this.
+const MAX_RECORD: u64 = 8 << 20;
+
+/// Why a record cannot be written or a sandbox taken on again; each says what is wrong.
+#[derive(Debug, Error)]
+pub enum AdoptError {
+    /// The record could not be read or written.
+    #[error("its record {}: {source}", .path.display())]
+    Io {
+        /// The record's file.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The record is not one this service wrote.
+    #[error("its record {} is unusable: {why}", .path.display())]
+    Record {
+        /// The record's file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
+    /// Its VM could not be taken on again.
+    #[error("its VM: {0}")]
+    Vm(#[from] sandbox_vmm::adopt::AdoptVmError),
+    /// Its network process could not be taken on again.
+    #[error("its network process: {0}")]
+    Net(String),
+    /// The run's time limit passed while the service was away.
+    #[error("its time limit passed while the sandbox host was down")]
+    Expired,
+    /// The record was written before the host last booted: its processes are gone.
+    #[error("it was recorded before the host restarted")]
+    Rebooted,
+}
+
+/// A sandbox as its record holds it.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SandboxRecord {
+    version: u32,
+    id: String,
+    run_id: String,
+    image: String,
+    stock_image: bool,
+    harness_version_match: Option<bool>,
+    disk_limit_mib: u64,
+    memory_mib: u32,
+    vcpus: u8,
+    /// Every variable of its commands: the run's and the network's (placeholders, the CA).
+    env: BTreeMap<String, String>,
+    egress: EgressRecord,
+    /// Milliseconds since the epoch.
+    created_at_ms: u64,
+    expires_at_ms: u64,
+    counters: [u64; 3],
+    /// Its share of the budgets: guest memory, egress memory, disk (MiB).
+    reservation: [u64; 3],
+    /// The host's boot (`/proc/sys/kernel/random/boot_id`) the processes run in.
+    boot_id: String,
+    vm: VmRecord,
+    net: NetRecord,
+}
+
+/// A run's egress settings without the secrets' values, which only its network process holds.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EgressRecord {
+    allow: Vec<String>,
+    meter: Vec<String>,
+    intercept_all: bool,
+    meter_strict: bool,
+    secrets: Vec<SecretRecord>,
+}
+
+/// A secret without its value.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SecretRecord {
+    env: String,
+    hosts: Vec<String>,
+    headers: Option<Vec<String>>,
+    paths: Option<Vec<String>>,
+    wildcard: bool,
+}
+
+impl From<&EgressSpec> for EgressRecord {
+    fn from(e: &EgressSpec) -> Self {
+        EgressRecord {
+            allow: e.allow.clone(),
+            meter: e.meter.clone(),
+            intercept_all: e.intercept == Some(InterceptMode::All),
+            meter_strict: e.meter_strict,
+            secrets: e
+                .secrets
+                .iter()
+                .map(|s| SecretRecord {
+                    env: s.env.clone(),
+                    hosts: s.hosts.clone(),
+                    headers: s.headers.clone(),
+                    paths: s.paths.clone(),
+                    wildcard: s.wildcard,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<EgressRecord> for EgressSpec {
+    fn from(e: EgressRecord) -> Self {
+        EgressSpec {
+            allow: e.allow,
+            meter: e.meter,
+            intercept: e.intercept_all.then_some(InterceptMode::All),
+            meter_strict: e.meter_strict,
+            secrets: e
+                .secrets
+                .into_iter()
+                .map(|s| SecretSpec {
+                    env: s.env,
+                    value: String::new(),
+                    hosts: s.hosts,
+                    headers: s.headers,
+                    paths: s.paths,
+                    wildcard: s.wildcard,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The record of sandbox `id`.
+fn record_path(state_dir: &Path, id: &str) -> PathBuf {
+    state_dir.join(format!("{id}.json"))
+}
+
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// This boot of the host, which a record names: processes of an earlier boot are gone.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|b| b.trim().chars().take(64).collect())
+        .unwrap_or_default()
+}
+
+/// Writes `entry`'s record, if its processes may outlive the service (else there is nothing to
+/// take on again, and no record), unless it was disposed of. Saves of one entry take turns, and
+/// a disposal removes the record under the same turn: a record is never written back after its
+/// sandbox went. The new record is written beside the old (a file made anew, never one a link
+/// leads from) and renamed over it, so a crash at any point leaves one whole record.
+pub fn save(state_dir: &Path, entry: &SandboxEntry) -> Result<(), AdoptError> {
+    let mut turn = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+    if turn.disposed {
+        return Ok(());
+    }
+    let counters = entry.counters.values();
+    write(state_dir, entry, counters)?;
+    turn.saved = counters;
+    Ok(())
+}
+
+fn write(state_dir: &Path, entry: &SandboxEntry, counters: [u64; 3]) -> Result<(), AdoptError> {
+    let (Some(vm), Some(net)) = (
+        entry.sandbox().vm.record(),
+        entry.net.as_ref().and_then(|n| n.record()),
+    ) else {
+        return Ok(());
+    };
+    let reservation = entry
+        .reservation
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .shares();
+    let record = SandboxRecord {
+        version: VERSION,
+        id: entry.id.clone(),
+        run_id: entry.run_id.clone(),
+        image: entry.image.clone(),
+        stock_image: entry.stock_image,
+        harness_version_match: entry.harness_version_match,
+        disk_limit_mib: entry.disk_limit_mib,
+        memory_mib: entry.memory_mib,
+        vcpus: entry.vcpus,
+        env: entry.env.clone(),
+        egress: EgressRecord::from(&entry.egress),
+        created_at_ms: millis(entry.created_at),
+        expires_at_ms: millis(entry.expires_at),
+        counters,
+        reservation,
+        boot_id: boot_id(),
+        vm,
+        net,
+    };
+    let path = record_path(state_dir, &entry.id);
+    let io = |source| AdoptError::Io {
+        path: path.clone(),
+        source,
+    };
+    let text = serde_json::to_vec(&record).map_err(|e| io(std::io::Error::other(e)))?;
+    let tmp = state_dir.join(format!(".{}.json.new", entry.id));
+    let _ = std::fs::remove_file(&tmp); // a crash's half-written one
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        f.write_all(&text)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, &path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io)
+}
+
+/// Saves the record of `entry`, logging a failure: the sandbox runs on, but a crash of the
+/// service before the next save would dispose of it.
+pub fn save_or_log(state_dir: &Path, entry: &SandboxEntry) {
+    if let Err(e) = save(state_dir, entry) {
+        tracing::warn!(id = %entry.id, "a sandbox's record was not written, so a restart of the sandbox host would dispose of it: {e}");
+    }
+}
+
+/// Saves `entry`'s record when its counters moved since it was last saved (every second).
+pub fn save_if_moved(state_dir: &Path, entry: &SandboxEntry) {
+    let moved = {
+        let turn = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+        !turn.disposed && turn.saved != entry.counters.values()
+    };
+    if moved {
+        save_or_log(state_dir, entry);
+    }
+}
+
+/// Removes the record of `entry` as it is disposed of: no save after this writes it again.
+pub fn forget(state_dir: &Path, entry: &SandboxEntry) {
+    let mut turn = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+    turn.disposed = true;
+    remove(state_dir, &entry.id);
+}
+
+/// Removes the record of sandbox `id`.
+fn remove(state_dir: &Path, id: &str) {
+    let _ = std::fs::remove_file(record_path(state_dir, id));
+}
+
+/// What the start-up's adoption kept: the state directory's entries and the cgroups that now
+/// belong to adopted sandboxes, which the clean-up of what a crash left must spare.
+#[derive(Debug, Default)]
+pub struct Kept {
+    /// Names in the state directory.
+    pub files: Vec<String>,
+    /// cgroup directories.
+    pub cgroups: Vec<PathBuf>,
+}
+
+/// How many sandboxes are taken on again at once: each may wait for its processes' answers
+/// (a few seconds at most), and a host with many sandboxes must not wait for them in turn.
+const AT_ONCE: usize = 8;
+
+/// Takes on again every sandbox the state directory has a record of, registering each; disposes
+/// of the rest. Runs once at start-up, before the API serves.
+pub async fn adopt_all(state: &AppState) -> Kept {
+    let dir = state.config().state_dir.clone();
+    let mut kept = Kept::default();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return kept;
+    };
+    let mut ids: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .filter(|n| !n.starts_with('.'))
+                .map(str::to_string)
+        })
+        .collect();
+    ids.sort();
+    let slots = Arc::new(tokio::sync::Semaphore::new(AT_ONCE));
+    let tasks: Vec<_> = ids
+        .into_iter()
+        .map(|id| {
+            let (state, dir, slots) = (state.clone(), dir.clone(), slots.clone());
+            tokio::spawn(async move {
+                let _slot = slots.acquire_owned().await;
+                let r = adopt_one(&state, &dir, &id).await;
+                (id, r)
+            })
+        })
+        .collect();
+    let (mut adopted, mut disposed) = (0, 0);
+    for t in tasks {
+        let Ok((id, r)) = t.await else { continue };
+        match r {
+            Ok((entry, cgroups)) => {
+                adopted += 1;
+                kept.files
+                    .extend([format!("{id}.json"), id.clone(), format!("net-{id}")]);
+                kept.cgroups.extend(cgroups);
+                tracing::info!(
+                    id = %entry.id,
+                    run_id = %entry.run_id,
+                    "Took on again a sandbox an earlier sandbox host left running"
+                );
+            }
+            Err(e) => {
+                disposed += 1;
+                let shown: String = id.chars().take(80).collect();
+                tracing::warn!(
+                    id = %shown,
+                    "Disposed of a sandbox an earlier sandbox host left, because it could not be taken on again: {e}"
+                );
+                remove(&dir, &id);
+            }
+        }
+    }
+    if adopted + disposed > 0 {
+        tracing::info!(
+            adopted,
+            disposed,
+            "Sandboxes an earlier sandbox host left: taken on again, or disposed of"
+        );
+    }
+    kept
+}
+
+/// Whether `id` is one this service makes (`registry::new_id`): a record's name is checked
+/// before anything is built from it.
+fn plain_id(id: &str) -> bool {
+    id.strip_prefix("sbx-")
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// The record of `id`, read within [`MAX_RECORD`] and checked.
+fn read(dir: &Path, id: &str) -> Result<SandboxRecord, AdoptError> {
+    let path = record_path(dir, id);
+    let bad = |why: String| AdoptError::Record {
+        path: path.clone(),
+        why,
+    };
+    if !plain_id(id) {
+        return Err(bad("not the name of a sandbox's record".into()));
+    }
+    // Never through a link, never waiting on a FIFO: only a regular file is read.
+    let mut text = Vec::new();
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path)
+        .and_then(|f| {
+            if !f.metadata()?.is_file() {
+                return Err(std::io::Error::other("not a regular file"));
+            }
+            f.take(MAX_RECORD + 1).read_to_end(&mut text)
+        })
+        .map_err(|source| AdoptError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    if text.len() as u64 > MAX_RECORD {
+        return Err(bad(format!("larger than {MAX_RECORD} bytes")));
+    }
+    let r: SandboxRecord = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    if r.version != VERSION {
+        return Err(bad(format!(
+            "format {} (this host reads {VERSION})",
+            r.version
+        )));
+    }
+    if r.id != id {
+        return Err(bad(format!("it names another sandbox ({:.80})", r.id)));
+    }
+    if r.vm.state_dir != dir.join(id) {
+        return Err(bad("its VM's directory is not the sandbox's".into()));
+    }
+    Ok(r)
+}
+
+/// Takes sandbox `id` on again, or says why not (having disposed of what was adopted). With the
+/// entry, the cgroups its processes were found in.
+async fn adopt_one(
+    state: &AppState,
+    dir: &Path,
+    id: &str,
+) -> Result<(Arc<SandboxEntry>, Vec<PathBuf>), AdoptError> {
+    let r = match read(dir, id) {
+        Ok(r) => r,
+        Err(e) => {
+            // Nothing in a record that is not this service's is trusted: its processes, if any,
+            // are in this service's cgroups, which the clean-up after this empties.
+            if plain_id(id) {
+                let _ = std::fs::remove_dir_all(dir.join(id));
+                let net = crate::netproc::socket_path(dir, id);
+                if let Some(d) = net.parent() {
+                    let _ = std::fs::remove_dir_all(d);
+                }
+            }
+            return Err(e);
+        }
+    };
+    if r.boot_id != boot_id() {
+        let _ = std::fs::remove_dir_all(dir.join(id));
+        let _ = std::fs::remove_dir_all(dir.join(format!("net-{id}")));
+        return Err(AdoptError::Rebooted);
+    }
+    let created_at = SystemTime::UNIX_EPOCH + Duration::from_millis(r.created_at_ms);
+    let expires_at = SystemTime::UNIX_EPOCH + Duration::from_millis(r.expires_at_ms);
+    let egress: EgressSpec = r.egress.into();
+    // The dial rules need the settings, not the secrets' values.
+    let cfg = crate::egress::net_config(id, &egress, state.config(), [0; 6]);
+    let (net, vm) = tokio::join!(
+        crate::netproc::NetProcess::adopt(id, &r.net, &cfg, dir),
+        sandbox_vmm::adopt::adopt(id, &r.vm, state.config().liveness()),
+    );
+    let (net, sandbox) = match (net, vm) {
+        (Ok(net), Ok(sandbox)) => (net, sandbox),
+        (net, vm) => {
+            // What was taken on is disposed of; what was not is left to the cgroups' clean-up.
+            if let Ok(n) = &net {
+                n.end();
+            }
+            if let Ok(s) = &vm {
+                s.stop().await;
+            }
+            let _ = std::fs::remove_dir_all(dir.join(id));
+            return Err(match (net, vm) {
+                (Err(e), _) => AdoptError::Net(e),
+                (_, Err(e)) => AdoptError::Vm(e),
+                _ => unreachable!("one of the two failed"),
+            });
+        }
+    };
+    let dispose = |e: AdoptError| async {
+        net.end();
+        sandbox.stop().await;
+        e
+    };
+    if SystemTime::now() > expires_at + state.config().grace {
+        return Err(dispose(AdoptError::Expired).await);
+    }
+    let [memory, egress_mib, disk] = r.reservation;
+    let reservation = state.capacity().hold(memory, egress_mib, disk);
+    let cgroups: Vec<PathBuf> = r.vm.cgroup.iter().chain(&r.net.cgroup).cloned().collect();
+    let run = registry::Run {
+        id: id.to_string(),
+        run_id: r.run_id,
+        image: r.image,
+        stock_image: r.stock_image,
+        harness_version_match: r.harness_version_match,
+        disk_limit_mib: r.disk_limit_mib,
+        memory_mib: r.memory_mib,
+        vcpus: r.vcpus,
+        env: r.env,
+        egress,
+        time_limit: expires_at.duration_since(created_at).unwrap_or_default(),
+    };
+    let running = registry::Running {
+        env: vec![],
+        net: Some(net),
+        sandbox,
+        reservation,
+        pausable: None,
+    };
+    let entry = Arc::new(SandboxEntry::restored(run, running, created_at, r.counters));
+    state.registry().insert(entry.clone());
+    registry::watch(entry.clone());
+    let (d, e) = (dir.to_path_buf(), entry.clone());
+    let _ = tokio::task::spawn_blocking(move || save_or_log(&d, &e)).await;
+    Ok((entry, cgroups))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ids_this_service_makes_are_read() {
+        assert!(plain_id(&registry::new_id()));
+        for bad in [
+            "sbx-0123",
+            "sbx-0123456789abcdeg",
+            "../sbx-0123456789abcdef",
+            "sbx-0123456789abcdef/..",
+            "run-1-2",
+            "",
+        ] {
+            assert!(!plain_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_record_that_is_not_this_services_is_refused_with_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = "sbx-0123456789abcdef";
+        let path = record_path(dir.path(), id);
+        let cases: [(&[u8], &str); 4] = [
+            (b"{", "EOF"),
+            (br#"{"version":1,"surprise":true}"#, "unknown field"),
+            (&[b'x'; (MAX_RECORD + 1) as usize], "larger than"),
+            (b"[]", "expected struct SandboxRecord"),
+        ];
+        for (text, why) in cases {
+            std::fs::write(&path, text).unwrap();
+            let e = read(dir.path(), id).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        // Never through a link, never a FIFO (which would hold the start-up).
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(dir.path().join("elsewhere"), b"{}").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &path).unwrap();
+        assert!(matches!(read(dir.path(), id), Err(AdoptError::Io { .. })));
+        std::fs::remove_file(&path).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = read(dir.path(), id).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(matches!(
+            read(dir.path(), "sbx-../../etc/passwd"),
+            Err(AdoptError::Record { .. })
+        ));
+    }
+}

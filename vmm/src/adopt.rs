@@ -1,0 +1,201 @@
+//! Taking on again a VM that a previous run of the service left running (issue 32): a crash,
+//! `kill -9`, or a hand-over for an upgrade ends the service but not its VMs. What the next run
+//! needs of one is its [`VmRecord`] (which process, where its agent listens); the process must
+//! prove to be that one (`sandbox_jail::Jailer::adopt`), and its agent must answer, before it is
+//! a [`Sandbox`] again.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use sandbox_protocol::client::Client;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::sandbox::{Liveness, Sandbox};
+
+/// How long the agent of an adopted VM has to answer.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a channel may hold before the agent's `Ready` (what the old host left unread).
+const MAX_SKIPPED: usize = 8 << 20;
+
+/// What the service keeps of a running VM to take it on again after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmRecord {
+    /// The backend that started it (`qemu`).
+    pub backend: String,
+    /// Its process's pid.
+    pub pid: u32,
+    /// Its process's start time (clock ticks since boot): with the pid, which process it is.
+    pub start_time: u64,
+    /// Its process's uid, when it has one of its own.
+    pub uid: Option<u32>,
+    /// Its cgroup's directories.
+    pub cgroup: Vec<PathBuf>,
+    /// Its cgroup's memory limit in MiB, for the message if it runs out.
+    pub memory_mib: u64,
+    /// Its state directory: its disk, and the socket its agent listens on.
+    pub state_dir: PathBuf,
+}
+
+/// Why a recorded VM cannot be taken on again.
+#[derive(Debug, Error)]
+pub enum AdoptVmError {
+    /// Its backend's VMs cannot be taken on again.
+    #[error("it was started by the {0} backend, whose VMs cannot be taken on again yet")]
+    Backend(String),
+    /// Its process is gone, or is not the one recorded.
+    #[error(transparent)]
+    Process(#[from] sandbox_jail::AdoptError),
+    /// Its agent's socket does not connect.
+    #[error("its agent's socket {}: {source}", .path.display())]
+    Connect {
+        /// The socket.
+        path: PathBuf,
+        /// What the system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its agent did not say it is ready.
+    #[error("its agent did not answer within {AGENT_TIMEOUT:?}: {0}")]
+    Agent(String),
+}
+
+/// The sandbox `record` describes, taken on again: its process adopted, its agent's channel
+/// connected anew and answering, watched as one this run booted. The agent does not know the
+/// host is new: a ping makes it announce itself (`Ready`), as a restored agent does. On
+/// failure a process that was adopted is killed and its directory removed; one that was not
+/// (gone, or not the recorded one) is left to the caller.
+pub async fn adopt(
+    id: &str,
+    record: &VmRecord,
+    liveness: Liveness,
+) -> Result<Sandbox, AdoptVmError> {
+    let t0 = Instant::now();
+    let vm: std::sync::Arc<dyn crate::Vm> = match record.backend.as_str() {
+        "qemu" => crate::qemu::process::adopt(id, record).await?.into(),
+        other => return Err(AdoptVmError::Backend(other.chars().take(16).collect())),
+    };
+    let path = record.state_dir.join(crate::qemu::process::AGENT_SOCKET);
+    let stream = tokio::net::UnixStream::connect(&path)
+        .await
+        .map_err(|source| AdoptVmError::Connect {
+            path: path.clone(),
+            source,
+        })?;
+    let (mut read, mut write) = stream.into_split();
+    let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new()).encode();
+    tokio::io::AsyncWriteExt::write_all(&mut write, &ping)
+        .await
+        .map_err(|source| AdoptVmError::Connect {
+            path: path.clone(),
+            source,
+        })?;
+    tokio::time::timeout(AGENT_TIMEOUT, skip_to_ready(&mut read))
+        .await
+        .map_err(|_| AdoptVmError::Agent("no Ready came".into()))??;
+    // The channel is at a frame's boundary now: a second ping's `Ready` is the client's.
+    tokio::io::AsyncWriteExt::write_all(&mut write, &ping)
+        .await
+        .map_err(|source| AdoptVmError::Connect { path, source })?;
+    let client = Client::new(Box::new(read), Box::new(write));
+    let ready = client
+        .wait_ready(AGENT_TIMEOUT)
+        .await
+        .map_err(|e| AdoptVmError::Agent(e.to_string()))?;
+    Ok(Sandbox::watched(
+        id.to_string(),
+        vm,
+        client,
+        ready,
+        t0.elapsed(),
+        liveness,
+    ))
+}
+
+/// Reads the channel up to and including the agent's `Ready` on stream 0, dropping what came
+/// before it: a VM's channel may hold what its guest wrote while no host was there (QEMU keeps
+/// a port's unsent bytes for the next connection), the tail of a frame among it. At most
+/// [`MAX_SKIPPED`] bytes; the caller bounds the time.
+async fn skip_to_ready(read: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<(), AdoptVmError> {
+    use tokio::io::AsyncReadExt;
+    let mut dec = sandbox_protocol::Decoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut skipped = 0usize;
+    loop {
+        let n = read
+            .read(&mut buf)
+            .await
+            .map_err(|e| AdoptVmError::Agent(format!("reading its channel: {e}")))?;
+        if n == 0 {
+            return Err(AdoptVmError::Agent("its channel closed".into()));
+        }
+        skipped += n;
+        if skipped > MAX_SKIPPED {
+            return Err(AdoptVmError::Agent(format!(
+                "more than {MAX_SKIPPED} bytes came before its Ready"
+            )));
+        }
+        dec.push(&buf[..n]);
+        while let Some(frame) = dec.next_frame() {
+            if let Ok(f) = frame
+                && f.kind == sandbox_protocol::Kind::Ready as u8
+                && f.stream == 0
+            {
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandbox_protocol::{Frame, Kind};
+
+    #[tokio::test]
+    async fn what_the_old_host_left_is_skipped_up_to_the_ready() {
+        let mut bytes = Frame::new(Kind::Stdout, 3, b"late output".to_vec()).encode();
+        // The tail of a frame, cut anywhere, and a magic that leads nowhere.
+        let cut = Frame::new(Kind::Stdout, 4, vec![b'x'; 300]).encode();
+        bytes.extend_from_slice(&cut[7..]);
+        bytes.extend_from_slice(b"SBX1garbage");
+        bytes.extend_from_slice(&Frame::new(Kind::Ready, 0, b"{}".to_vec()).encode());
+        let (mut host, mut guest) = tokio::io::duplex(1 << 20);
+        tokio::io::AsyncWriteExt::write_all(&mut guest, &bytes)
+            .await
+            .unwrap();
+        skip_to_ready(&mut host).await.unwrap();
+        // The agent's answer to the next ping comes whole to the client.
+        let after = Frame::new(Kind::Ready, 0, b"{\"second\":1}".to_vec()).encode();
+        tokio::io::AsyncWriteExt::write_all(&mut guest, &after)
+            .await
+            .unwrap();
+        drop(guest);
+        let mut rest = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut host, &mut rest)
+            .await
+            .unwrap();
+        assert_eq!(rest, after);
+    }
+
+    #[tokio::test]
+    async fn a_channel_that_closes_or_floods_before_its_ready_is_refused() {
+        let (mut host, guest) = tokio::io::duplex(1024);
+        drop(guest);
+        assert!(matches!(
+            skip_to_ready(&mut host).await,
+            Err(AdoptVmError::Agent(_))
+        ));
+        let (mut host, mut guest) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let junk = vec![b'j'; 1 << 16];
+            while tokio::io::AsyncWriteExt::write_all(&mut guest, &junk)
+                .await
+                .is_ok()
+            {}
+        });
+        let e = skip_to_ready(&mut host).await.unwrap_err().to_string();
+        assert!(e.contains("more than"), "{e}");
+    }
+}
