@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use sandbox_e2e::{boot_stock, sh};
 
 /// The e2e test binaries run through the nested host (cargo's names, without the hash).
-const SUITE: [&str; 8] = [
+const SUITE: [&str; 9] = [
     "qemu_exec",
     "qemu_egress",
     "qemu_archive",
@@ -19,6 +19,7 @@ const SUITE: [&str; 8] = [
     "qemu_protocol_abuse",
     "kvm_snapshot",
     "kvm_backend",
+    "vm_outlive",
 ];
 
 /// The names of this process's threads, but the runtime's pool threads.

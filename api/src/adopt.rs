@@ -329,10 +329,10 @@ pub async fn adopt_all(state: &AppState) -> Kept {
     for t in tasks {
         let Ok((id, r)) = t.await else { continue };
         match r {
-            Ok((entry, cgroups)) => {
+            Ok((entry, cgroups, vm_dir)) => {
                 adopted += 1;
                 kept.files
-                    .extend([format!("{id}.json"), id.clone(), format!("net-{id}")]);
+                    .extend([format!("{id}.json"), vm_dir, format!("net-{id}")]);
                 kept.cgroups.extend(cgroups);
                 tracing::info!(
                     id = %entry.id,
@@ -408,10 +408,27 @@ fn read(dir: &Path, id: &str) -> Result<SandboxRecord, AdoptError> {
     if r.id != id {
         return Err(bad(format!("it names another sandbox ({:.80})", r.id)));
     }
-    if r.vm.state_dir != dir.join(id) {
+    if vm_dir_name(dir, id, &r.vm.state_dir).is_none() {
         return Err(bad("its VM's directory is not the sandbox's".into()));
     }
     Ok(r)
+}
+
+/// The name of a VM's directory of sandbox `id` under `dir`: `<id>`, or `<id>-r<n>` for the VM of
+/// a resume (`registry::Pausable::next_vm_dir`); `None` for any other path.
+fn vm_dir_name(dir: &Path, id: &str, vm_dir: &Path) -> Option<String> {
+    if vm_dir.parent() != Some(dir) {
+        return None;
+    }
+    let name = vm_dir.file_name()?.to_str()?;
+    let plain = name == id
+        || name
+            .strip_prefix(id)
+            .and_then(|r| r.strip_prefix("-r"))
+            .is_some_and(|n| {
+                !n.is_empty() && n.len() <= 19 && n.bytes().all(|b| b.is_ascii_digit())
+            });
+    plain.then(|| name.to_string())
 }
 
 /// Takes sandbox `id` on again, or says why not (having disposed of what was adopted). With the
@@ -420,7 +437,7 @@ async fn adopt_one(
     state: &AppState,
     dir: &Path,
     id: &str,
-) -> Result<(Arc<SandboxEntry>, Vec<PathBuf>), AdoptError> {
+) -> Result<(Arc<SandboxEntry>, Vec<PathBuf>, String), AdoptError> {
     let r = match read(dir, id) {
         Ok(r) => r,
         Err(e) => {
@@ -428,6 +445,7 @@ async fn adopt_one(
             // are in this service's cgroups, which the clean-up after this empties.
             if plain_id(id) {
                 let _ = std::fs::remove_dir_all(dir.join(id));
+                let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
                 let net = crate::netproc::socket_path(dir, id);
                 if let Some(d) = net.parent() {
                     let _ = std::fs::remove_dir_all(d);
@@ -437,7 +455,8 @@ async fn adopt_one(
         }
     };
     if r.boot_id != boot_id() {
-        let _ = std::fs::remove_dir_all(dir.join(id));
+        let _ = std::fs::remove_dir_all(&r.vm.state_dir);
+        let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
         let _ = std::fs::remove_dir_all(dir.join(format!("net-{id}")));
         return Err(AdoptError::Rebooted);
     }
@@ -460,7 +479,8 @@ async fn adopt_one(
             if let Ok(s) = &vm {
                 s.stop().await;
             }
-            let _ = std::fs::remove_dir_all(dir.join(id));
+            let _ = std::fs::remove_dir_all(&r.vm.state_dir);
+            let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
             return Err(match (net, vm) {
                 (Err(e), _) => AdoptError::Net(e),
                 (_, Err(e)) => AdoptError::Vm(e),
@@ -479,6 +499,7 @@ async fn adopt_one(
     let [memory, egress_mib, disk] = r.reservation;
     let reservation = state.capacity().hold(memory, egress_mib, disk);
     let cgroups: Vec<PathBuf> = r.vm.cgroup.iter().chain(&r.net.cgroup).cloned().collect();
+    let vm_dir = vm_dir_name(dir, id, &r.vm.state_dir).unwrap_or_else(|| id.to_string());
     let run = registry::Run {
         id: id.to_string(),
         run_id: r.run_id,
@@ -504,7 +525,7 @@ async fn adopt_one(
     registry::watch(entry.clone());
     let (d, e) = (dir.to_path_buf(), entry.clone());
     let _ = tokio::task::spawn_blocking(move || save_or_log(&d, &e)).await;
-    Ok((entry, cgroups))
+    Ok((entry, cgroups, vm_dir))
 }
 
 #[cfg(test)]

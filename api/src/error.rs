@@ -62,6 +62,9 @@ pub enum ApiError {
     /// The host cannot start microVMs.
     #[error("the sandbox host cannot start a microVM: {0}")]
     Unavailable(String),
+    /// The service is stopping or handing over to its next run.
+    #[error("{0}")]
+    Restarting(String),
     /// The guest's disk or memory is full.
     #[error("{0}")]
     NoSpace(String),
@@ -86,6 +89,7 @@ impl ApiError {
             ApiError::Paused(_) => (StatusCode::CONFLICT, "paused"),
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::Restarting(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_restarting"),
             ApiError::NoCapacity(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),

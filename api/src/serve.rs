@@ -139,6 +139,7 @@ async fn dispose_on_signal(state: AppState, signals: Signals) {
     if sig == "SIGUSR2" {
         hand_over(&state).await;
     }
+    state.begin_ending(crate::state::Ending::Disposing);
     tracing::info!(signal = sig, "Stopping: disposing of every sandbox");
     match tokio::time::timeout(SHUTDOWN_TIMEOUT, lifecycle::dispose_all(&state)).await {
         Ok(n) => tracing::info!(disposed = n, "Disposed of every sandbox"),
@@ -245,9 +246,12 @@ pub const HANDOVER_EXIT: i32 = 75;
 /// The upgrade path (SIGUSR2): every sandbox whose processes can outlive the service has its
 /// record written and is left running for the next run to take on again; the others (a backend
 /// that cannot hand over) are disposed of. Then the process exits at once with
-/// [`HANDOVER_EXIT`]: open requests end with their connections (an exec's client sees its
-/// stream cut before any exit line), and nothing of the sandboxes is dropped or stopped.
+/// [`HANDOVER_EXIT`]: open requests end with their connections (an exec's stream with a
+/// `host_restarting` line, its command running on), creates are refused meanwhile, and nothing
+/// of the sandboxes is dropped or stopped.
 async fn hand_over(state: &AppState) -> ! {
+    // Creates are refused from now on, and the open exec streams say that the host is going.
+    state.begin_ending(crate::state::Ending::HandingOver);
     let dir = state.config().state_dir.clone();
     let (mut kept, mut disposals) = (0, vec![]);
     for e in state.registry().all() {
@@ -280,6 +284,8 @@ async fn hand_over(state: &AppState) -> ! {
         disposed,
         "Handed over: the sandboxes are left running for the next sandbox host on this state directory, which takes them on again"
     );
+    // A moment for the exec streams' last lines to reach their clients.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     std::process::exit(HANDOVER_EXIT);
 }
 

@@ -28,6 +28,17 @@ pub struct Availability {
     pub warning: Option<String>,
 }
 
+/// Whether the service serves, or how it is ending (a signal came).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// It serves.
+    Serving,
+    /// SIGINT or SIGTERM: it disposes of every sandbox, then exits.
+    Disposing,
+    /// SIGUSR2: it hands its sandboxes over to its next run, then exits.
+    HandingOver,
+}
+
 /// State shared by every handler.
 #[derive(Clone)]
 pub struct AppState {
@@ -45,6 +56,7 @@ struct Inner {
     capacity: Arc<crate::capacity::Capacity>,
     templates: Option<crate::templates::Templates>,
     started: Instant,
+    ending: tokio::sync::watch::Sender<Ending>,
 }
 
 impl AppState {
@@ -72,6 +84,7 @@ impl AppState {
                 capacity,
                 templates,
                 started: Instant::now(),
+                ending: tokio::sync::watch::Sender::new(Ending::Serving),
             }),
         }
     }
@@ -124,5 +137,21 @@ impl AppState {
     /// When the service started.
     pub fn started(&self) -> Instant {
         self.inner.started
+    }
+
+    /// Records that the service is ending, and how: creates are refused from now on, and at a
+    /// hand-over the open exec streams say so.
+    pub fn begin_ending(&self, how: Ending) {
+        self.inner.ending.send_replace(how);
+    }
+
+    /// Whether the service serves, or how it is ending.
+    pub fn ending(&self) -> Ending {
+        *self.inner.ending.borrow()
+    }
+
+    /// A receiver of how the service ends, for the streams that answer it.
+    pub fn ending_watch(&self) -> tokio::sync::watch::Receiver<Ending> {
+        self.inner.ending.subscribe()
     }
 }

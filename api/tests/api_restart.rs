@@ -305,8 +305,14 @@ async fn a_hand_over_keeps_every_run() {
         (Some(1), Some(0)),
         "{line}"
     );
+    // The open exec's client was told, in a line of its own, that the host is handing over.
     let cut = whole_lines(&open.await.unwrap());
     assert!(cut.iter().all(|l| l.get("exit_code").is_none()), "{cut:?}");
+    assert_eq!(
+        cut.last().map(|l| l["code"].clone()),
+        Some(json!("host_restarting")),
+        "{cut:?}"
+    );
     let h2 = start_in(&state, &env);
     h2.wait_log("taken on again, or disposed of", Duration::from_secs(30));
     check_the_run_is_kept(&h2, &id, port, &before, refused).await;

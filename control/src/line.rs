@@ -110,6 +110,32 @@ impl Reader {
         self
     }
 
+    /// Takes the bound on each line's time off again, the socket's receive timeout with it: a
+    /// reader that waited a bounded time for an answer goes on to wait for whatever comes,
+    /// whenever (a VM process's events after its adoption).
+    pub fn unbounded(mut self) -> io::Result<Reader> {
+        self.within = None;
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        };
+        // SAFETY: setsockopt with a timeval that lives across the call; zero is no timeout.
+        let r = unsafe {
+            libc::setsockopt(
+                self.sock,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const tv).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            Ok(self)
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
     /// The next line, parsed; `None` at end of file. A line longer than the limit or one that
     /// does not parse is an error. Each byte is searched for the line's end once.
     pub fn read<T: for<'de> Deserialize<'de>>(&mut self) -> io::Result<Option<T>> {

@@ -2,6 +2,13 @@
 //! pause and snapshot, and connects through it to the guest's agent; the process reports. The
 //! protocol is versioned ([`VERSION`]): a VM process of another version is refused at its first
 //! message.
+//!
+//! A VM process that may outlive the service (issue 32) also gets a socket it listens on
+//! ([`VmConfig::adopt_fd`]). When its control socket ends without a stop (the service crashed or
+//! handed over) its machine runs on, and it waits there for the service's next run: a new
+//! connection's first line is [`Request::Adopt`], answered [`Event::Adopted`] with the version and
+//! the [`VmConfig::token`] it was started with; that connection is its control socket from then
+//! on. Anything else first closes that connection.
 
 use std::os::fd::RawFd;
 
@@ -10,7 +17,10 @@ use serde::{Deserialize, Serialize};
 pub use crate::line::{MAX_LINE, Reader, send, send_fds};
 
 /// The control protocol's version: a `sandbox-vm` built from another tree is not spoken to.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+
+/// The longest token of adoption ([`VmConfig::token`]).
+pub const MAX_TOKEN: usize = 64;
 
 /// Exit code of a VM process that made a system call outside its seccomp filter (its `SIGSYS`
 /// handler's `_exit`): the service reads it as the kernel's word on why the VM ended.
@@ -60,6 +70,13 @@ pub struct VmConfig {
     /// comes only with each [`Request::Snapshot`]: until then the process holds no file it
     /// could write one to.)
     pub restore: Option<SnapshotFds>,
+    /// A socket it listens on for the service's next run, for a VM that may outlive the service
+    /// (see the module's doc); `None`: the end of its control socket stops the machine.
+    #[serde(default)]
+    pub adopt_fd: Option<RawFd>,
+    /// The token it answers an adoption with (at most [`MAX_TOKEN`] bytes).
+    #[serde(default)]
+    pub token: String,
 }
 
 /// A snapshot's two files, to restore from (the state read, the memory mapped privately).
@@ -124,6 +141,9 @@ pub enum Request {
         /// Let the guest run again once written.
         resume: bool,
     },
+    /// The first line of the service's next run on the socket of [`VmConfig::adopt_fd`]; the
+    /// answer is [`Event::Adopted`].
+    Adopt,
 }
 
 /// From the VM process to the service.
@@ -148,6 +168,13 @@ pub enum Event {
         id: u64,
         /// What it cost, or why not.
         result: Result<SnapshotDone, String>,
+    },
+    /// The answer to [`Request::Adopt`]: this connection is the control socket now.
+    Adopted {
+        /// The protocol's version the process speaks.
+        version: u32,
+        /// The [`VmConfig::token`] it was started with.
+        token: String,
     },
     /// The machine ended.
     Exit {

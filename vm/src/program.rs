@@ -24,8 +24,16 @@ type Writer = Arc<Mutex<UnixStream>>;
 
 fn say(w: &Writer, e: &Event, fd: Option<RawFd>) {
     let sock = w.lock().unwrap_or_else(|e| e.into_inner());
-    // The service gone: nothing to tell; the parent-death signal ends us.
+    // The service gone: nothing to tell. The parent-death signal ends us, or, for a VM that
+    // outlives the service, the service's next run takes the socket's place (`serve_requests`).
     let _ = control::send(&sock, e, fd);
+}
+
+/// What a VM that outlives the service waits for its next run with: the socket it listens on
+/// and the token it answers with.
+struct Adoption {
+    listener: std::os::unix::net::UnixListener,
+    token: String,
 }
 
 /// Takes an inherited descriptor as a file (each number once).
@@ -42,8 +50,21 @@ fn file(fd: RawFd, taken: &mut Vec<RawFd>) -> Result<std::fs::File, String> {
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
-fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
+fn machine_config(cfg: VmConfig) -> Result<(MachineConfig, Option<Adoption>), String> {
     let mut taken = vec![];
+    let adoption = match cfg.adopt_fd {
+        Some(fd) => {
+            if cfg.token.is_empty() || cfg.token.len() > control::MAX_TOKEN {
+                return Err("the token of adoption is empty or too long".into());
+            }
+            let f = file(fd, &mut taken)?;
+            Some(Adoption {
+                listener: std::os::unix::net::UnixListener::from(std::os::fd::OwnedFd::from(f)),
+                token: cfg.token.clone(),
+            })
+        }
+        None => None,
+    };
     let kvm = file(cfg.kvm_fd, &mut taken)?;
     let restore = match cfg.restore {
         Some(s) => {
@@ -104,7 +125,7 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
         // SAFETY: a write to our stdout from a valid slice.
         unsafe { libc::write(1, bytes.as_ptr().cast(), bytes.len()) };
     }));
-    Ok(MachineConfig {
+    let mcfg = MachineConfig {
         restore,
         kvm: Some(Arc::new(kvm)),
         kernel,
@@ -116,7 +137,8 @@ fn machine_config(cfg: VmConfig) -> Result<MachineConfig, String> {
         disks,
         vsock_cid: cfg.vsock_cid,
         net,
-    })
+    };
+    Ok((mcfg, adoption))
 }
 
 /// Pauses the machine and writes its snapshot with the two descriptors that came with the
@@ -214,7 +236,7 @@ pub fn main() -> i32 {
             return 2;
         }
     };
-    let (machine, exit_rx) = match build(cfg) {
+    let (machine, exit_rx, adoption) = match build(cfg) {
         Ok(built) => built,
         Err(e) => {
             say(&writer, &Event::Error(e), None);
@@ -235,7 +257,7 @@ pub fn main() -> i32 {
     });
     spawn_main_kind("vm-control", {
         let (m, w) = (machine.clone(), writer.clone());
-        move || serve_requests(&mut reader, &m, &w)
+        move || serve_requests(reader, &m, &w, adoption)
     });
     let exit = exit_rx
         .recv()
@@ -248,7 +270,10 @@ pub fn main() -> i32 {
 /// Builds the machine `cfg` describes, held before its first instruction, with every thread
 /// of this process sealed; the machine and where its exit is told. The error is said to the
 /// service as it is.
-fn build(cfg: VmConfig) -> Result<(Arc<Machine>, mpsc::Receiver<MachineExit>), String> {
+#[allow(clippy::type_complexity)]
+fn build(
+    cfg: VmConfig,
+) -> Result<(Arc<Machine>, mpsc::Receiver<MachineExit>, Option<Adoption>), String> {
     if cfg.version != control::VERSION {
         return Err(format!(
             "this sandbox-vm speaks control protocol {} and the service {}: install the \
@@ -260,7 +285,7 @@ fn build(cfg: VmConfig) -> Result<(Arc<Machine>, mpsc::Receiver<MachineExit>), S
     // From here on each thread the machine starts applies its kind's filter before it runs
     // (seal.rs): the network link's threads, started by `machine_config`, are the first.
     seal::install().map_err(|e| e.to_string())?;
-    let mcfg = machine_config(cfg)?;
+    let (mcfg, adoption) = machine_config(cfg)?;
     let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
     let machine = Machine::start_held(
         &mcfg,
@@ -277,7 +302,7 @@ fn build(cfg: VmConfig) -> Result<(Arc<Machine>, mpsc::Receiver<MachineExit>), S
         machine.fail(e.to_string());
         return Err(e.to_string());
     }
-    Ok((machine, exit_rx))
+    Ok((machine, exit_rx, adoption))
 }
 
 /// A thread of the main kind (it inherits this thread's seal).
@@ -290,8 +315,15 @@ fn spawn_main_kind(name: &str, f: impl FnOnce() + Send + 'static) {
         });
 }
 
-/// The service's requests, until it closes the socket (it is gone: the VM stops).
-fn serve_requests(reader: &mut control::Reader, m: &Machine, w: &Writer) {
+/// The service's requests, until it closes the socket: it is gone, and the VM stops; or, for a
+/// VM that outlives the service, the machine runs on and the service's next run takes the
+/// socket's place ([`adopted`]).
+fn serve_requests(
+    mut reader: control::Reader,
+    m: &Machine,
+    w: &Writer,
+    adoption: Option<Adoption>,
+) {
     loop {
         match reader.read::<Request>() {
             Ok(Some(Request::Connect { port, timeout_ms })) => {
@@ -305,13 +337,54 @@ fn serve_requests(reader: &mut control::Reader, m: &Machine, w: &Writer) {
             }
             Ok(Some(Request::Diagnostics)) => say(w, &Event::Diagnostics(m.vcpu_report()), None),
             Ok(Some(Request::Snapshot { id, resume })) => {
-                let result = snapshot(m, reader, resume);
+                let result = snapshot(m, &mut reader, resume);
                 say(w, &Event::Snapshot { id, result }, None)
             }
-            Ok(Some(Request::Start(_))) | Err(_) | Ok(None) => {
+            Ok(None) | Err(_) if adoption.is_some() && m.exit().is_none() => {
+                let Some(a) = &adoption else { return };
+                match adopted(a, w) {
+                    Some(next) => reader = next,
+                    None => {
+                        m.stop();
+                        return;
+                    }
+                }
+            }
+            Ok(Some(Request::Start(_) | Request::Adopt)) | Err(_) | Ok(None) => {
                 m.stop();
                 return;
             }
         }
+    }
+}
+
+/// Waits for the service's next run on the adoption socket: the first connection whose first
+/// line is [`Request::Adopt`] is answered with the version and the token, and becomes the
+/// control socket (the writer's too). Anything else first is closed. Only the service's user
+/// can connect (the socket is in its own directory; this process's root is empty). The
+/// reader reads the socket the writer holds from then on (one socket both ways: this process's
+/// filter allows no `dup`); `None` if the listening socket itself fails.
+fn adopted(a: &Adoption, w: &Writer) -> Option<control::Reader> {
+    loop {
+        let conn = match a.listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return None,
+        };
+        let mut reader = control::Reader::new(&conn);
+        if !matches!(reader.read::<Request>(), Ok(Some(Request::Adopt))) {
+            continue;
+        }
+        let answer = Event::Adopted {
+            version: control::VERSION,
+            token: a.token.clone(),
+        };
+        if control::send(&conn, &answer, None).is_err() {
+            continue;
+        }
+        // The old socket goes with its replacement; the reader's descriptor is `conn`'s, which
+        // lives in the writer until the next adoption replaces both.
+        *w.lock().unwrap_or_else(|e| e.into_inner()) = conn;
+        return Some(reader);
     }
 }

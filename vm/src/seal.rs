@@ -442,6 +442,9 @@ fn rules(
                     libc::SYS_sendmsg,
                     libc::SYS_shutdown,
                     libc::SYS_ppoll,
+                    // The service's next run, on the socket a VM that outlives the service was
+                    // handed listening (the process has no other, and can make none).
+                    libc::SYS_accept4,
                     // Threads: the jail's floor answers `clone3` with ENOSYS (a filter cannot
                     // read its flags), and this list lets it through to it (the strictest
                     // answer of all filters wins, and a trap here would beat its ENOSYS).

@@ -43,6 +43,8 @@ fn start_speaking(version: u32) -> (Option<Event>, Option<i32>) {
         vsock_cid: 3,
         net: None,
         restore: None,
+        adopt_fd: None,
+        token: String::new(),
     };
     control::send(&ours, &Request::Start(cfg), None).unwrap();
     let answer = control::Reader::new(&ours).read::<Event>().unwrap_or(None);

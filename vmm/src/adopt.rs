@@ -34,8 +34,12 @@ pub struct VmRecord {
     pub cgroup: Vec<PathBuf>,
     /// Its cgroup's memory limit in MiB, for the message if it runs out.
     pub memory_mib: u64,
-    /// Its state directory: its disk, and the socket its agent listens on.
+    /// Its state directory: its disk, and the socket it (QEMU's agent chardev, or
+    /// `sandbox-vm`'s control) listens on.
     pub state_dir: PathBuf,
+    /// The token `sandbox-vm` answers an adoption with (none for QEMU, which cannot).
+    #[serde(default)]
+    pub token: Option<String>,
 }
 
 /// Why a recorded VM cannot be taken on again.
@@ -59,6 +63,9 @@ pub enum AdoptVmError {
     /// Its agent did not say it is ready.
     #[error("its agent did not answer within {AGENT_TIMEOUT:?}: {0}")]
     Agent(String),
+    /// Its VM process did not answer its adoption as the one started for it.
+    #[error("its VM process: {0}")]
+    Control(String),
 }
 
 /// The sandbox `record` describes, taken on again: its process adopted, its agent's channel
@@ -72,17 +79,25 @@ pub async fn adopt(
     liveness: Liveness,
 ) -> Result<Sandbox, AdoptVmError> {
     let t0 = Instant::now();
-    let vm: std::sync::Arc<dyn crate::Vm> = match record.backend.as_str() {
-        "qemu" => crate::qemu::process::adopt(id, record).await?.into(),
+    let path = record.state_dir.join(crate::qemu::process::AGENT_SOCKET);
+    let (vm, stream): (std::sync::Arc<dyn crate::Vm>, _) = match record.backend.as_str() {
+        "qemu" => {
+            let vm = crate::qemu::process::adopt(id, record).await?;
+            let stream = tokio::net::UnixStream::connect(&path)
+                .await
+                .map_err(|source| AdoptVmError::Connect {
+                    path: path.clone(),
+                    source,
+                })?;
+            (vm.into(), stream)
+        }
+        #[cfg(target_os = "linux")]
+        "kvm" => {
+            let (vm, stream) = crate::kvm::process::adopt(id, record).await?;
+            (vm.into(), stream)
+        }
         other => return Err(AdoptVmError::Backend(other.chars().take(16).collect())),
     };
-    let path = record.state_dir.join(crate::qemu::process::AGENT_SOCKET);
-    let stream = tokio::net::UnixStream::connect(&path)
-        .await
-        .map_err(|source| AdoptVmError::Connect {
-            path: path.clone(),
-            source,
-        })?;
     let (mut read, mut write) = stream.into_split();
     let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new()).encode();
     tokio::io::AsyncWriteExt::write_all(&mut write, &ping)

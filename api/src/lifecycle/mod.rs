@@ -168,6 +168,23 @@ pub async fn create(
     backend: Arc<dyn Backend>,
     plan: Plan,
 ) -> Result<Created, ApiError> {
+    match state.ending() {
+        crate::state::Ending::Serving => {}
+        crate::state::Ending::Disposing => {
+            return Err(ApiError::Restarting(
+                "the sandbox host is stopping: it disposes of every sandbox; create the sandbox \
+                 on another host, or here once it has started again"
+                    .into(),
+            ));
+        }
+        crate::state::Ending::HandingOver => {
+            return Err(ApiError::Restarting(
+                "the sandbox host is handing over to its next run (an upgrade): retry in a few \
+                 seconds"
+                    .into(),
+            ));
+        }
+    }
     let mut spec = plan.vm_spec(state);
     // A sandbox outlives a crash or a hand-over of the service where its backend lets the next
     // run take it on again (`adopt.rs`), and where the jail makes cgroups: what the next run does

@@ -33,16 +33,20 @@ pub enum ResumeOutcome {
     },
 }
 
+/// Why a sandbox without what pausing needs cannot be paused or resumed.
+fn not_pausable() -> String {
+    "this sandbox cannot be paused or resumed: pausing needs the KVM backend (QEMU cannot \
+     restore a sandbox), and a sandbox the sandbox host took on again after a restart cannot be \
+     paused yet"
+        .into()
+}
+
 /// Pauses `entry`'s sandbox: its guest stopped where it is and written to its snapshot files,
 /// its VM process ended (its memory goes back to the host), its disk, network process and
 /// counters kept. Refused while a request runs in it (pausing would end it).
 pub async fn pause(entry: &Arc<SandboxEntry>) -> Result<PauseOutcome, ApiError> {
     let Some(p) = &entry.pausable else {
-        return Err(ApiError::Conflict(
-            "pausing needs the KVM backend; this sandbox host runs QEMU, which cannot restore a \
-             sandbox"
-                .into(),
-        ));
+        return Err(ApiError::Conflict(not_pausable()));
     };
     let mut paused = entry.paused.lock().await;
     if *paused {
@@ -153,9 +157,7 @@ pub async fn resume(
     entry: &Arc<SandboxEntry>,
 ) -> Result<ResumeOutcome, ApiError> {
     let Some(p) = &entry.pausable else {
-        return Err(ApiError::Conflict(
-            "this sandbox host runs QEMU, which cannot pause or resume a sandbox".into(),
-        ));
+        return Err(ApiError::Conflict(not_pausable()));
     };
     let Some(backend) = state.backend().cloned() else {
         return Err(ApiError::Unavailable(
@@ -221,6 +223,9 @@ pub async fn resume(
             entry.set_paused(false);
             entry.touch();
             registry::watch(entry.clone());
+            // Its record names the new VM's process from now on.
+            let (dir, e) = (state.config().state_dir.clone(), entry.clone());
+            let _ = tokio::task::spawn_blocking(move || crate::adopt::save_or_log(&dir, &e)).await;
             tracing::info!(id = %entry.id, run_id = %entry.run_id, resume_ms = t0.elapsed().as_millis() as u64, "Resumed sandbox");
             Ok(ResumeOutcome::Resumed {
                 resume_ms: t0.elapsed().as_millis() as u64,

@@ -19,7 +19,7 @@ use super::{ApiJson, SandboxId, channel_body};
 use crate::error::ApiError;
 use crate::json::{integral_present, present};
 use crate::registry::{SandboxEntry, count};
-use crate::state::AppState;
+use crate::state::{AppState, Ending};
 
 pub fn router() -> Router<AppState> {
     Router::new().route("/v1/sandboxes/{id}/exec", post(exec))
@@ -152,13 +152,33 @@ async fn exec(
         });
     }
     let mut output = exec.output;
+    let mut ending = state.ending_watch();
     tokio::spawn(async move {
         let _busy = busy;
-        while let Some(ev) = output.next().await {
-            let l = event_line(ev, &entry, &state).await;
-            // A client that went away drops the receiver; dropping `output` then kills the process.
-            if tx.send(Ok(l)).await.is_err() {
-                return;
+        loop {
+            tokio::select! {
+                ev = output.next() => {
+                    let Some(ev) = ev else { return };
+                    let l = event_line(ev, &entry, &state).await;
+                    // A client that went away drops the receiver; dropping `output` then kills
+                    // the process.
+                    if tx.send(Ok(l)).await.is_err() {
+                        return;
+                    }
+                }
+                true = async { ending.wait_for(|e| *e == Ending::HandingOver).await.is_ok() } => {
+                    let err = ApiError::Restarting(
+                        "the sandbox host is handing over to its next run (an upgrade): the \
+                         command keeps running in the sandbox; read its results from the files \
+                         it writes once the host is back"
+                            .into(),
+                    );
+                    let (_, code) = err.status_and_code();
+                    let _ = tx.send(Ok(line(&json!({ "error": err.to_string(), "code": code })))).await;
+                    // `output` is held until the process exits: dropping it would cancel the
+                    // command in the guest.
+                    std::future::pending::<()>().await;
+                }
             }
         }
     });

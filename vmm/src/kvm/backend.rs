@@ -103,6 +103,15 @@ impl Backend for KvmBackend {
         true
     }
 
+    fn can_outlive(&self) -> bool {
+        // `sandbox-vm` can; the benchmarks' machine in this process cannot.
+        #[cfg(feature = "in-process")]
+        if self.in_process {
+            return false;
+        }
+        true
+    }
+
     fn name(&self) -> &'static str {
         "kvm"
     }

@@ -74,7 +74,11 @@ impl Control {
 /// bounded and parsed like guest data; a malformed line ends the reading (the VM is then judged
 /// by how its process ends).
 pub(super) fn read_events(sock: &UnixStream, control: &Control, spawned: Instant) {
-    let mut reader = control::Reader::new(sock);
+    read_events_from(control::Reader::new(sock), control, spawned)
+}
+
+/// [`read_events`] from a reader already made (an adopted process's, which read its answer).
+pub(super) fn read_events_from(mut reader: control::Reader, control: &Control, spawned: Instant) {
     loop {
         let event = match reader.read::<Event>() {
             Ok(Some(e)) => e,
@@ -109,6 +113,11 @@ pub(super) fn read_events(sock: &UnixStream, control: &Control, spawned: Instant
             }
             Event::Snapshot { id, result } => {
                 control.update(|l| l.snapshot = Some((id, result.map_err(told))))
+            }
+            // Only ever the answer to an adoption, which its adopter reads.
+            Event::Adopted { .. } => {
+                tracing::warn!("a VM process sent an adoption's answer unasked");
+                return;
             }
             Event::Exit {
                 reason,

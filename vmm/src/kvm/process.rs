@@ -35,6 +35,13 @@ const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How long after its answer a VM process may take to close a snapshot's state pipe.
 const STATE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a VM process taken on again may take to answer its adoption, and then to connect
+/// to its agent.
+const ADOPT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The socket a VM process that may outlive the service listens on for the service's next run,
+/// in its state directory.
+pub const CONTROL_SOCKET: &str = "control.sock";
 
 /// Where `sandbox-vm` is: `SANDBOX_HOST_VM_BINARY`, else beside this program (or one directory
 /// up, for cargo's test binaries in `deps/`).
@@ -74,6 +81,7 @@ async fn start_program(
     config.cmdline = cmdline;
     config.vsock_cid = vsock_cid;
     let cmd = jail_command(&program, spec, d.fds, d.fsize)?;
+    let limit_mib = cmd.limits.memory_bytes >> 20;
     let spawned = Instant::now();
     let writer = d
         .control
@@ -131,6 +139,11 @@ async fn start_program(
         snapshots: std::sync::atomic::AtomicU64::new(0),
         snapshot_to: spec.snapshot_to.clone(),
         memory_mib: spec.memory_mib,
+        adoptable: d.token.map(|t| Adoptable {
+            token: t,
+            state_dir: spec.state_dir.clone(),
+            limit_mib,
+        }),
     };
     vm.build_machine(config).await?;
     // The caller's bound, as on QEMU: a nested host under load needs more than the default.
@@ -143,6 +156,137 @@ async fn start_program(
     let stream = tokio::net::UnixStream::from_std(stream)
         .map_err(|e| VmError::io("the agent channel", e))?;
     Ok(StartedVm::over_socket(Box::new(vm), stream))
+}
+
+/// The VM process of sandbox `id` that a previous run of the service started with `outlive`
+/// (`record` says which), taken on again: adopted (its pid, start time, uid and cgroup), its
+/// control socket connected anew on [`CONTROL_SOCKET`] and answering with its token and this
+/// service's protocol version, and its agent connected anew (the old channel's host end closed
+/// with the old service). The VM and its agent's channel, or why not; a process that was
+/// adopted is killed on failure.
+pub(crate) async fn adopt(
+    id: &str,
+    record: &crate::adopt::VmRecord,
+) -> Result<(Box<dyn Vm>, tokio::net::UnixStream), crate::adopt::AdoptVmError> {
+    use crate::adopt::AdoptVmError;
+    let token = record
+        .token
+        .clone()
+        .ok_or_else(|| AdoptVmError::Control("no token of adoption is recorded".into()))?;
+    let identity = sandbox_jail::Identity {
+        pid: record.pid,
+        start_time: record.start_time,
+        uid: record.uid,
+        cgroup: record.cgroup.clone(),
+    };
+    let t0 = Instant::now();
+    let path = record.state_dir.join(CONTROL_SOCKET);
+    let connected = tokio::task::spawn_blocking(move || adopt_control(&path, &token))
+        .await
+        .map_err(|e| AdoptVmError::Control(e.to_string()))?;
+    let (sock, reader) = connected.map_err(AdoptVmError::Control)?;
+    let writer = sock
+        .try_clone()
+        .map_err(|e| AdoptVmError::Control(format!("the control socket: {e}")))?;
+    let control = Arc::new(Control {
+        t0,
+        vmm_start: OnceLock::new(),
+        learned: Mutex::new(Learned::default()),
+        changed: tokio::sync::Notify::new(),
+        marker: OnceLock::new(),
+        writer: Mutex::new(writer),
+    });
+    let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
+    let process = Supervised::adopt(
+        Kind {
+            name: "the VM process",
+            state_dir: Some(record.state_dir.clone()),
+            reap_within: STOP_TIMEOUT,
+            line: told,
+        },
+        identity,
+        id.to_string(),
+        record.memory_mib,
+        Box::new(ProcessEnd {
+            control: control.clone(),
+            reader_done: Some(reader_done_rx),
+        }),
+    )
+    .await?;
+    {
+        let control = control.clone();
+        std::thread::Builder::new()
+            .name("vm-control-reader".into())
+            .spawn(move || {
+                super::control::read_events_from(reader, &control, t0);
+                drop(sock);
+                let _ = reader_done_tx.send(());
+            })
+            .map_err(|e| AdoptVmError::Control(format!("starting the control reader: {e}")))?;
+    }
+    let vm = ProcessVm {
+        exit: process.exit_watch(),
+        process,
+        control,
+        snapshots: std::sync::atomic::AtomicU64::new(0),
+        snapshot_to: None,
+        memory_mib: 0,
+        adoptable: Some(Adoptable {
+            token: record.token.clone().unwrap_or_default(),
+            state_dir: record.state_dir.clone(),
+            limit_mib: record.memory_mib,
+        }),
+    };
+    let stream = match vm.connect_agent(super::AGENT_PORT, ADOPT_TIMEOUT).await {
+        Ok(s) => s,
+        Err(e) => return Err(AdoptVmError::Agent(e.to_string())),
+    };
+    let stream = UnixStream::from(stream);
+    let stream = stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(stream))
+        .map_err(|e| AdoptVmError::Agent(format!("its channel: {e}")))?;
+    Ok((Box::new(vm), stream))
+}
+
+/// Connects to the control socket of a VM process that outlived the service and asks it to be
+/// adopted: it must answer with this service's protocol version and `token`, within
+/// [`ADOPT_TIMEOUT`].
+fn adopt_control(path: &Path, token: &str) -> Result<(UnixStream, control::Reader), String> {
+    let sock =
+        UnixStream::connect(path).map_err(|e| format!("connecting to {}: {e}", path.display()))?;
+    control::send(&sock, &Request::Adopt, None).map_err(|e| format!("asking it: {e}"))?;
+    let mut reader = control::Reader::new(&sock).within(ADOPT_TIMEOUT);
+    let answer = reader.read::<control::Event>();
+    if reader.take_fd().is_some() {
+        return Err("it sent a descriptor".into());
+    }
+    match answer {
+        Ok(Some(control::Event::Adopted { version, .. })) if version != control::VERSION => {
+            Err(format!(
+                "it speaks control protocol {version}, this sandbox host {} (an upgrade that \
+                 changed the protocol cannot take it on)",
+                control::VERSION
+            ))
+        }
+        Ok(Some(control::Event::Adopted { token: t, .. })) if same_token(&t, token) => reader
+            .unbounded()
+            .map(|r| (sock, r))
+            .map_err(|e| format!("the control socket: {e}")),
+        Ok(Some(control::Event::Adopted { .. })) => Err("it answered with another token".into()),
+        Ok(Some(_)) => Err("it answered an adoption with something else".into()),
+        Ok(None) => Err("it closed the connection".into()),
+        Err(e) => Err(format!("its answer: {e}")),
+    }
+}
+
+/// Whether two tokens are equal, in a time that does not depend on where they differ.
+fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 /// The host's end of a VM's network socket and the in-process link a pump serves over it.
@@ -162,6 +306,8 @@ struct Descriptors {
     log: OwnedFd,
     /// The frames of an in-process link, which a pump here serves.
     pumped: Option<Pumped>,
+    /// The token of adoption of a VM process that may outlive the service.
+    token: Option<String>,
 }
 
 /// Every file the VM process gets, as a descriptor (it opens nothing itself), and the machine's
@@ -223,8 +369,20 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         }),
         None => None,
     };
+    // A VM that may outlive the service listens for its next run in its state directory.
+    let (adopt_fd, token) = if spec.outlive {
+        let path = spec.state_dir.join(CONTROL_SOCKET);
+        let listener = std::os::unix::net::UnixListener::bind(&path)
+            .map_err(|e| VmError::io(format!("making the socket {}", path.display()), e))?;
+        let token = new_token().map_err(|e| VmError::io("making the token of adoption", e))?;
+        (Some(fds.push(listener.into())), Some(token))
+    } else {
+        (None, None)
+    };
     let config = VmConfig {
         version: sandbox_control::vm::VERSION,
+        adopt_fd,
+        token: token.clone().unwrap_or_default(),
         restore,
         kvm_fd: 4,
         kernel_fd,
@@ -243,8 +401,17 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         console,
         log,
         pumped,
+        token,
     };
     Ok((d, config))
+}
+
+/// A new token of adoption: 32 random bytes, in hex.
+fn new_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// The descriptors a VM process inherits, numbered in order.
@@ -328,7 +495,7 @@ fn jail_command(
         keep_groups: vec![],
         seccomp: true,
         host_network: false,
-        outlive: false,
+        outlive: spec.outlive,
     })
 }
 
@@ -466,6 +633,16 @@ pub struct ProcessVm {
     /// Where a snapshot goes: opened, and handed over, only when one is asked for.
     snapshot_to: Option<crate::backend::SnapshotFiles>,
     memory_mib: u32,
+    /// What the service's next run needs of a VM process that may outlive the service.
+    adoptable: Option<Adoptable>,
+}
+
+/// What a VM process that may outlive the service is taken on again with.
+struct Adoptable {
+    token: String,
+    state_dir: PathBuf,
+    /// Its cgroup's memory limit.
+    limit_mib: u64,
 }
 
 impl ProcessVm {
@@ -638,6 +815,21 @@ impl Vm for ProcessVm {
 
     fn pid(&self) -> Option<u32> {
         Some(self.process.pid())
+    }
+
+    fn record(&self) -> Option<crate::adopt::VmRecord> {
+        let a = self.adoptable.as_ref()?;
+        let identity = self.process.identity()?;
+        Some(crate::adopt::VmRecord {
+            backend: "kvm".into(),
+            pid: identity.pid,
+            start_time: identity.start_time,
+            uid: identity.uid,
+            cgroup: identity.cgroup,
+            memory_mib: a.limit_mib,
+            state_dir: a.state_dir.clone(),
+            token: Some(a.token.clone()),
+        })
     }
 
     fn boot_marker(&self) -> Option<Duration> {

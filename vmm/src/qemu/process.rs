@@ -555,6 +555,7 @@ impl Vm for QemuVm {
             cgroup: identity.cgroup,
             memory_mib: self.memory_mib,
             state_dir: path.parent()?.to_path_buf(),
+            token: None,
         })
     }
 
