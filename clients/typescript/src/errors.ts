@@ -219,6 +219,18 @@ export class NoCapacityError extends SandboxHostError {
   }
 }
 
+/**
+ * `503 host_restarting`: the sandbox host is stopping, or handing over to its next run (an
+ * upgrade). A create: retry in a few seconds, or on another host. As an exec stream's last line:
+ * the command keeps running in the sandbox, which the host's next run takes on again; read its
+ * results from the files it writes once the host answers again.
+ */
+export class HostRestartingError extends SandboxHostError {
+  constructor(answer: HostAnswer) {
+    super(sentence(answer.message, 'The sandbox host is restarting'), answer);
+  }
+}
+
 /** `507 no_space`: the guest's filesystem has no room for the archive or file. */
 export class NoSpaceError extends SandboxHostError {
   constructor(answer: HostAnswer) {
@@ -284,6 +296,7 @@ export const ERROR_CLASSES: { readonly [C in ErrorCode]: AnswerErrorClass } = {
   internal: InternalError,
   unavailable: UnavailableError,
   no_capacity: NoCapacityError,
+  host_restarting: HostRestartingError,
   no_space: NoSpaceError,
 };
 

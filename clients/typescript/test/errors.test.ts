@@ -9,6 +9,7 @@ import { after, before, describe, it } from 'node:test';
 import {
   BodyTooLargeError,
   ERROR_CLASSES,
+  HostRestartingError,
   HostUnreachableError,
   NoCapacityError,
   NoSandboxError,
@@ -150,6 +151,14 @@ describe('errors', () => {
       sendJson(res, 413, { error: hostText, code: 'body_too_large' });
     });
     await assert.rejects(host.client().sandbox('sbx-1').writeFile('/workspace/big', Buffer.alloc(2 * 1024 * 1024)), BodyTooLargeError);
+  });
+
+  it('a host that is restarting says so, for a create and as an exec\'s last line', async () => {
+    const text = 'the sandbox host is handing over to its next run (an upgrade): retry in a few seconds';
+    host.on('POST /v1/sandboxes', (_req, res) => sendJson(res, 503, { error: text, code: 'host_restarting' }));
+    await assert.rejects(host.client().create({ run_id: 'r', time_limit_ms: 1000, review: false }), (e: unknown) => {
+      return e instanceof HostRestartingError && e.message === `T${text.slice(1)}`;
+    });
   });
 
   it('no capacity and unavailable carry the host\'s reason', async () => {

@@ -7,7 +7,7 @@ import type http from 'node:http';
 import { after, before, describe, it } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 
-import { BadRequestError, StreamCutError, VmDiedError, type OutputChunk } from '../src/index.js';
+import { BadRequestError, HostRestartingError, StreamCutError, VmDiedError, type OutputChunk } from '../src/index.js';
 import { FakeHost, readAll } from './fake-host.js';
 
 const EXEC = 'POST /v1/sandboxes/sbx-1/exec';
@@ -104,7 +104,7 @@ describe('exec', () => {
     assert.deepEqual(r.exit, { exit_code: null, signal: 9, timed_out: true, duration_ms: 1000 });
   });
 
-  it('throws the last line’s error: bad_request (cannot start), vm_died (midway)', async () => {
+  it('throws the last line’s error: bad_request (cannot start), vm_died (midway), host_restarting', async () => {
     host.on(EXEC, async (req, res) => {
       await readAll(req);
       ndjsonHead(res);
@@ -129,6 +129,15 @@ describe('exec', () => {
     );
     assert.deepEqual(seen, ['partial']);
     await assert.rejects(ex2.wait(), VmDiedError);
+
+    // A host that hands over to its next run says so; the command runs on in the sandbox.
+    host.on(EXEC, async (req, res) => {
+      await readAll(req);
+      ndjsonHead(res);
+      res.end('{"error":"the sandbox host is handing over to its next run (an upgrade): the command keeps running in the sandbox","code":"host_restarting"}\n');
+    });
+    const ex3 = await host.client().sandbox('sbx-1').exec('x');
+    await assert.rejects(ex3.wait(), (e: unknown) => e instanceof HostRestartingError && e.message.startsWith('The sandbox host is handing over'));
   });
 
   it('a stream that ends without its last line, or breaks off, is StreamCutError', async () => {

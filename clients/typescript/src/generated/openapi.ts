@@ -219,7 +219,7 @@ export interface components {
         Error: {
             error: string;
             /** @enum {string} */
-            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "no_capacity" | "no_space" | "internal";
+            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "host_restarting" | "no_capacity" | "no_space" | "internal";
         };
         Health: {
             available: boolean;
@@ -600,7 +600,7 @@ export interface operations {
             403: components["responses"]["Error"];
             413: components["responses"]["Error"];
             500: components["responses"]["Error"];
-            /** @description Or no_capacity: the sandbox would overcommit the host's guest memory, disk or file descriptors; the error says which and what to do. */
+            /** @description Or no_capacity: the sandbox would overcommit the host's guest memory, disk or file descriptors; the error says which and what to do. Or host_restarting: the sandbox host is stopping or handing over to its next run (an upgrade); retry. */
             503: components["responses"]["Error"];
         };
     };
@@ -913,7 +913,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description NDJSON: {"stdout": base64} / {"stderr": base64} lines, then {"exit_code", "signal", "timed_out", "duration_ms"}, or {"error", "code"}: bad_request when the command cannot be started (no such program, a cwd that is not a directory), vm_died if the VM failed midway */
+            /** @description NDJSON: {"stdout": base64} / {"stderr": base64} lines, then {"exit_code", "signal", "timed_out", "duration_ms"}, or {"error", "code"}: bad_request when the command cannot be started (no such program, a cwd that is not a directory), vm_died if the VM failed midway, host_restarting if the sandbox host hands over to its next run (an upgrade) while the command runs: the command keeps running in the sandbox. A stream that ends with neither an exit nor an error line means the sandbox host went away (a crash); the command keeps running too */
             200: {
                 headers: {
                     [name: string]: unknown;
