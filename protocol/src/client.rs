@@ -92,11 +92,23 @@ impl Client {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
+        Client::numbered_from(read, write, 1)
+    }
+
+    /// [`Client::new`] whose streams are numbered from `first`: a host that takes an agent on
+    /// again after another host (a restart of the service) numbers its streams apart from the
+    /// ones the agent may still hold open for the old one, if it never saw the old one go (a
+    /// reconnection faster than the guest read its channel).
+    pub fn numbered_from<R, W>(read: R, write: W, first: u32) -> Client
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let (tx, rx) = mpsc::channel(64);
         let shared = Arc::new(Shared {
             tx,
             streams: Mutex::new(HashMap::new()),
-            next_id: AtomicU32::new(1),
+            next_id: AtomicU32::new(first.max(1)),
             closed: watch::channel(None).0,
             ready: watch::channel(None).0,
             stray_errors: broadcast::channel(64).0,

@@ -162,6 +162,13 @@ impl Decoder {
         self.buf.len() - self.pos
     }
 
+    /// The bytes received but not yet consumed, for a reader that goes on from here (the start
+    /// of the next frame, or all of it).
+    pub fn into_pending(mut self) -> Vec<u8> {
+        self.buf.drain(..self.pos);
+        self.buf
+    }
+
     /// The next complete frame, an error about bytes just skipped, or `None` when more input is
     /// needed.
     pub fn next_frame(&mut self) -> Option<Result<Frame, DecodeError>> {

@@ -340,20 +340,49 @@ fn serve_requests(
                 let result = snapshot(m, &mut reader, resume);
                 say(w, &Event::Snapshot { id, result }, None)
             }
-            Ok(None) | Err(_) if adoption.is_some() && m.exit().is_none() => {
-                let Some(a) = &adoption else { return };
-                match adopted(a, w) {
-                    Some(next) => reader = next,
-                    None => {
-                        m.stop();
-                        return;
-                    }
+            // The service went (its socket ended, or was reset with our words unread); a line it
+            // garbled still stops the VM below.
+            Ok(None) if adoption.is_some() && m.exit().is_none() => {
+                if !wait_for_adoption(&mut reader, m, w, &adoption) {
+                    return;
+                }
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionReset
+                    && adoption.is_some()
+                    && m.exit().is_none() =>
+            {
+                if !wait_for_adoption(&mut reader, m, w, &adoption) {
+                    return;
                 }
             }
             Ok(Some(Request::Start(_) | Request::Adopt)) | Err(_) | Ok(None) => {
                 m.stop();
                 return;
             }
+        }
+    }
+}
+
+/// Waits for the service's next run ([`adopted`]) and puts its reader in place; `false` (the
+/// machine stopped) if the socket it waits on fails.
+fn wait_for_adoption(
+    reader: &mut control::Reader,
+    m: &Machine,
+    w: &Writer,
+    adoption: &Option<Adoption>,
+) -> bool {
+    let Some(a) = adoption else {
+        return false;
+    };
+    match adopted(a, w) {
+        Some(next) => {
+            *reader = next;
+            true
+        }
+        None => {
+            m.stop();
+            false
         }
     }
 }
@@ -369,12 +398,29 @@ fn adopted(a: &Adoption, w: &Writer) -> Option<control::Reader> {
         let conn = match a.listener.accept() {
             Ok((c, _)) => c,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return None,
+            // What cannot change (the socket is not a listening one, or not ours to use) ends
+            // the wait; a shortage (descriptors, memory) passes: a moment, and again.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::InvalidInput
+                        | std::io::ErrorKind::PermissionDenied
+                        | std::io::ErrorKind::Unsupported
+                ) =>
+            {
+                return None;
+            }
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
         };
         let mut reader = control::Reader::new(&conn);
         if !matches!(reader.read::<Request>(), Ok(Some(Request::Adopt))) {
             continue;
         }
+        // Descriptors that came with it are no request's: a later snapshot must not take them.
+        while reader.take_fd().is_some() {}
         let answer = Event::Adopted {
             version: control::VERSION,
             token: a.token.clone(),

@@ -106,14 +106,16 @@ pub async fn adopt(
             path: path.clone(),
             source,
         })?;
-    tokio::time::timeout(AGENT_TIMEOUT, skip_to_ready(&mut read))
+    let rest = tokio::time::timeout(AGENT_TIMEOUT, skip_to_ready(&mut read))
         .await
         .map_err(|_| AdoptVmError::Agent("no Ready came".into()))??;
-    // The channel is at a frame's boundary now: a second ping's `Ready` is the client's.
+    // The client reads on from the frame's boundary after that `Ready` (what came after it in
+    // the same read first); a second ping's `Ready` is its own.
     tokio::io::AsyncWriteExt::write_all(&mut write, &ping)
         .await
         .map_err(|source| AdoptVmError::Connect { path, source })?;
-    let client = Client::new(Box::new(read), Box::new(write));
+    let read = tokio::io::AsyncReadExt::chain(std::io::Cursor::new(rest), read);
+    let client = Client::numbered_from(Box::new(read), Box::new(write), first_stream());
     let ready = client
         .wait_ready(AGENT_TIMEOUT)
         .await
@@ -128,11 +130,24 @@ pub async fn adopt(
     ))
 }
 
+/// Where a host that takes an agent on again starts numbering its streams: at a random point
+/// from 2^20 on, far from the ones an earlier host used (numbered from 1), which the agent may
+/// still hold if it never saw that host go.
+fn first_stream() -> u32 {
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    (1 << 20) + (u32::from_le_bytes(b) % (1 << 30))
+}
+
 /// Reads the channel up to and including the agent's `Ready` on stream 0, dropping what came
 /// before it: a VM's channel may hold what its guest wrote while no host was there (QEMU keeps
 /// a port's unsent bytes for the next connection), the tail of a frame among it. At most
-/// [`MAX_SKIPPED`] bytes; the caller bounds the time.
-async fn skip_to_ready(read: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<(), AdoptVmError> {
+/// [`MAX_SKIPPED`] bytes; the caller bounds the time. What came after the `Ready` in the same
+/// read is returned, for the reader that goes on.
+async fn skip_to_ready(
+    read: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> Result<Vec<u8>, AdoptVmError> {
     use tokio::io::AsyncReadExt;
     let mut dec = sandbox_protocol::Decoder::new();
     let mut buf = vec![0u8; 64 * 1024];
@@ -157,7 +172,7 @@ async fn skip_to_ready(read: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result
                 && f.kind == sandbox_protocol::Kind::Ready as u8
                 && f.stream == 0
             {
-                return Ok(());
+                return Ok(dec.into_pending());
             }
         }
     }
@@ -177,17 +192,18 @@ mod tests {
         bytes.extend_from_slice(b"SBX1garbage");
         bytes.extend_from_slice(&Frame::new(Kind::Ready, 0, b"{}".to_vec()).encode());
         let (mut host, mut guest) = tokio::io::duplex(1 << 20);
+        // The start of what follows the `Ready` comes in the same read.
+        let after = Frame::new(Kind::Ready, 0, b"{\"second\":1}".to_vec()).encode();
+        bytes.extend_from_slice(&after[..9]);
         tokio::io::AsyncWriteExt::write_all(&mut guest, &bytes)
             .await
             .unwrap();
-        skip_to_ready(&mut host).await.unwrap();
-        // The agent's answer to the next ping comes whole to the client.
-        let after = Frame::new(Kind::Ready, 0, b"{\"second\":1}".to_vec()).encode();
-        tokio::io::AsyncWriteExt::write_all(&mut guest, &after)
+        let mut rest = skip_to_ready(&mut host).await.unwrap();
+        assert_eq!(rest, after[..9], "kept for the reader that goes on");
+        tokio::io::AsyncWriteExt::write_all(&mut guest, &after[9..])
             .await
             .unwrap();
         drop(guest);
-        let mut rest = Vec::new();
         tokio::io::AsyncReadExt::read_to_end(&mut host, &mut rest)
             .await
             .unwrap();

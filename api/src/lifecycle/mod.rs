@@ -260,6 +260,18 @@ pub async fn create(
             pausable,
         },
     );
+    // A create that was under way when the service began to dispose of every sandbox: that
+    // disposal did not see it, so it goes now (it would outlive the service otherwise).
+    if state.ending() == crate::state::Ending::Disposing
+        && let Some(entry) = state.registry().take(&entry.id)
+    {
+        dispose(state, entry, Disposal::Shutdown).await;
+        return Err(ApiError::Restarting(
+            "the sandbox host is stopping: it disposes of every sandbox; create the sandbox on \
+             another host, or here once it has started again"
+                .into(),
+        ));
+    }
     // Its record, before the create is answered (a crash after the answer keeps the sandbox),
     // off the runtime's threads (it is synced to disk).
     let (dir, e) = (state.config().state_dir.clone(), entry.clone());
@@ -409,8 +421,10 @@ fn register(state: &AppState, run: registry::Run, running: registry::Running) ->
 pub async fn dispose(state: &AppState, entry: Arc<SandboxEntry>, why: Disposal) {
     // A pause or resume under way finishes first (each is bounded).
     let _turn = entry.paused.lock().await;
-    // The record first: a crash from here on leaves nothing that a restart would take on.
-    crate::adopt::forget(&state.config().state_dir, &entry);
+    // The record first: a crash from here on leaves nothing that a restart would take on. Off
+    // the runtime's threads: a save of it in progress holds its turn across a sync to disk.
+    let (dir, e) = (state.config().state_dir.clone(), entry.clone());
+    let _ = tokio::task::spawn_blocking(move || crate::adopt::forget(&dir, &e)).await;
     let exit = entry.sandbox().stop().await;
     if let Some(p) = &entry.pausable {
         let _ = std::fs::remove_dir_all(&p.dir);

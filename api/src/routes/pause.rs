@@ -12,6 +12,19 @@ use crate::error::ApiError;
 use crate::lifecycle;
 use crate::state::AppState;
 
+/// A pause or resume starts only while the service serves: one that began after a hand-over
+/// saved the sandbox's record would leave a record of a VM that is gone.
+fn serving(state: &AppState) -> Result<(), ApiError> {
+    match state.ending() {
+        crate::state::Ending::Serving => Ok(()),
+        _ => Err(ApiError::Restarting(
+            "the sandbox host is stopping or handing over to its next run: pause or resume the \
+             sandbox once it has started again"
+                .into(),
+        )),
+    }
+}
+
 pub fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/sandboxes/{id}/pause", post(pause))
@@ -26,6 +39,7 @@ async fn pause(
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let entry = state.registry().get(&id)?;
+    serving(&state)?;
     // On a task of its own: a client that goes away mid-pause does not leave it half done.
     let outcome = tokio::spawn(async move { lifecycle::pause(&entry).await.map(|o| (entry, o)) })
         .await
@@ -48,6 +62,7 @@ async fn resume(
     SandboxId(id): SandboxId,
 ) -> Result<Json<Value>, ApiError> {
     let entry = state.registry().get(&id)?;
+    serving(&state)?;
     let outcome =
         tokio::spawn(async move { lifecycle::resume(&state, &entry).await.map(|o| (entry, o)) })
             .await
