@@ -93,25 +93,6 @@ pub fn socket_path(state_dir: &Path, id: &str) -> PathBuf {
     process_dir(state_dir, id).join("control.sock")
 }
 
-/// A new token: 32 random bytes, in hex.
-fn new_token() -> Result<String, NetProcessError> {
-    use std::io::Read;
-    let mut b = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| internal("its token", &e))?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-/// Whether two tokens are equal, in a time that does not depend on where they differ.
-fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
 struct Channel {
     sock: UnixStream,
     reader: Reader,
@@ -207,7 +188,11 @@ impl NetProcess {
             }
             let made = std::os::unix::net::UnixListener::bind(&path)
                 .map_err(|e| internal(&format!("its socket {}", path.display()), &e))
-                .and_then(|l| Ok((l, new_token()?)));
+                .and_then(|l| {
+                    let token =
+                        sandbox_vmm::adopt::new_token().map_err(|e| internal("its token", &e))?;
+                    Ok((l, token))
+                });
             let (listener, token) = made.inspect_err(|_| {
                 let _ = std::fs::remove_dir_all(&dir);
             })?;
@@ -329,7 +314,9 @@ impl NetProcess {
                     "it speaks version {version} of its channel, this sandbox host {VERSION} (an \
                      upgrade that changed the channel cannot take it on)"
                 )),
-                Some(Event::Adopted { token: t, .. }) if same_token(&t, &token) => {
+                Some(Event::Adopted { token: t, .. })
+                    if sandbox_vmm::adopt::same_token(&t, &token) =>
+                {
                     Ok((sock, reader))
                 }
                 Some(Event::Adopted { .. }) => Err("it answered with another token".into()),

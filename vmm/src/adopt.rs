@@ -130,6 +130,24 @@ pub async fn adopt(
     ))
 }
 
+/// A new token of adoption for a process that may outlive the service: 32 random bytes, in
+/// hex. The process answers an adoption with it, which shows it is the one started with it.
+pub fn new_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Whether two tokens are equal, in a time that does not depend on where they differ.
+pub fn same_token(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
 /// Where a host that takes an agent on again starts numbering its streams: at a random point
 /// from 2^20 on, far from the ones an earlier host used (numbered from 1), which the agent may
 /// still hold if it never saw that host go.

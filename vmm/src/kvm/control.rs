@@ -34,6 +34,18 @@ pub(super) struct Control {
 }
 
 impl Control {
+    /// The control of a VM process whose requests go to `writer`, started (or taken on) at `t0`.
+    pub(super) fn new(t0: Instant, writer: UnixStream) -> Control {
+        Control {
+            t0,
+            vmm_start: OnceLock::new(),
+            learned: Mutex::new(Learned::default()),
+            changed: tokio::sync::Notify::new(),
+            marker: OnceLock::new(),
+            writer: Mutex::new(writer),
+        }
+    }
+
     pub(super) fn ask(&self, r: &Request) -> bool {
         let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         control::send(&w, r, None).is_ok()

@@ -5,13 +5,13 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use super::control::{Control, Learned, read_events, told};
+use super::control::{Control, read_events, told};
 use super::judge::ProcessEnd;
 use crate::backend::{
     MissingProgram, SpecError, StartedVm, Vm, VmError, VmExit, VmSnapshotError, VmSpec,
@@ -87,14 +87,7 @@ async fn start_program(
         .control
         .try_clone()
         .map_err(|e| VmError::io("the control socket", e))?;
-    let control = Arc::new(Control {
-        t0,
-        vmm_start: OnceLock::new(),
-        learned: Mutex::new(Learned::default()),
-        changed: tokio::sync::Notify::new(),
-        marker: OnceLock::new(),
-        writer: Mutex::new(writer),
-    });
+    let control = Arc::new(Control::new(t0, writer));
     let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
     let process = Supervised::spawn(
         Spawn {
@@ -188,14 +181,7 @@ pub(crate) async fn adopt(
     let writer = sock
         .try_clone()
         .map_err(|e| AdoptVmError::Control(format!("the control socket: {e}")))?;
-    let control = Arc::new(Control {
-        t0,
-        vmm_start: OnceLock::new(),
-        learned: Mutex::new(Learned::default()),
-        changed: tokio::sync::Notify::new(),
-        marker: OnceLock::new(),
-        writer: Mutex::new(writer),
-    });
+    let control = Arc::new(Control::new(t0, writer));
     let (reader_done_tx, reader_done_rx) = tokio::sync::oneshot::channel::<()>();
     let process = Supervised::adopt(
         Kind {
@@ -269,24 +255,19 @@ fn adopt_control(path: &Path, token: &str) -> Result<(UnixStream, control::Reade
                 control::VERSION
             ))
         }
-        Ok(Some(control::Event::Adopted { token: t, .. })) if same_token(&t, token) => reader
-            .unbounded()
-            .map(|r| (sock, r))
-            .map_err(|e| format!("the control socket: {e}")),
+        Ok(Some(control::Event::Adopted { token: t, .. }))
+            if crate::adopt::same_token(&t, token) =>
+        {
+            reader
+                .unbounded()
+                .map(|r| (sock, r))
+                .map_err(|e| format!("the control socket: {e}"))
+        }
         Ok(Some(control::Event::Adopted { .. })) => Err("it answered with another token".into()),
         Ok(Some(_)) => Err("it answered an adoption with something else".into()),
         Ok(None) => Err("it closed the connection".into()),
         Err(e) => Err(format!("its answer: {e}")),
     }
-}
-
-/// Whether two tokens are equal, in a time that does not depend on where they differ.
-fn same_token(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
 }
 
 /// The host's end of a VM's network socket and the in-process link a pump serves over it.
@@ -374,7 +355,8 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         let path = spec.state_dir.join(CONTROL_SOCKET);
         let listener = std::os::unix::net::UnixListener::bind(&path)
             .map_err(|e| VmError::io(format!("making the socket {}", path.display()), e))?;
-        let token = new_token().map_err(|e| VmError::io("making the token of adoption", e))?;
+        let token = crate::adopt::new_token()
+            .map_err(|e| VmError::io("making the token of adoption", e))?;
         (Some(fds.push(listener.into())), Some(token))
     } else {
         (None, None)
@@ -404,14 +386,6 @@ fn descriptors(spec: &VmSpec) -> Result<(Descriptors, VmConfig), VmError> {
         token,
     };
     Ok((d, config))
-}
-
-/// A new token of adoption: 32 random bytes, in hex.
-fn new_token() -> std::io::Result<String> {
-    use std::io::Read;
-    let mut b = [0u8; 32];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// The descriptors a VM process inherits, numbered in order.
