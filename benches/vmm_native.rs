@@ -169,7 +169,7 @@ fn per_call_ns(n: u32, mut call: impl FnMut()) -> f64 {
 fn filters_child(halt: &std::path::Path, runs: usize, sealed: bool) {
     use sandbox_vm::seal;
     if sealed {
-        seal::install().expect("the filters build");
+        seal::install(None).expect("the filters build");
     }
     let starts: Vec<String> = (0..runs)
         .filter_map(|_| start(&config(halt, None)))

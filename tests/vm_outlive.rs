@@ -68,7 +68,7 @@ async fn a_vm_that_outlives_its_service_is_taken_on_again() {
         "the VM's process outlived its service"
     );
     let liveness = sandbox_vmm::Liveness::from_env().unwrap();
-    let sandbox = sandbox_vmm::adopt::adopt(&id, &rec, liveness)
+    let sandbox = sandbox_vmm::adopt::adopt(&id, &rec, liveness, None)
         .await
         .expect("taken on again");
     let out = sh(
@@ -78,7 +78,7 @@ async fn a_vm_that_outlives_its_service_is_taken_on_again() {
     .await;
     assert_eq!(out.stdout_str(), "kept\nrunning\n", "{out:?}");
     // A second adoption of the same process is refused: its ids are this process's now.
-    let again = sandbox_vmm::adopt::adopt(&id, &rec, liveness).await;
+    let again = sandbox_vmm::adopt::adopt(&id, &rec, liveness, None).await;
     assert!(again.is_err(), "adopted twice");
     let exit = sandbox.stop().await;
     assert!(exit.requested, "{exit:?}");

@@ -26,8 +26,9 @@ use crate::netproc::NetRecord;
 use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 
-/// The records' format; a record of another is not taken on.
-const VERSION: u32 = 1;
+/// The records' format; a record of another is not taken on. Format 1 had no pause state
+/// (the sandboxes it names are running ones, taken on as such).
+const VERSION: u32 = 2;
 /// The largest record read: a run's variables and egress settings come from a create request,
 /// which the API's body limit bounds well below this.
 const MAX_RECORD: u64 = 8 << 20;
@@ -64,6 +65,12 @@ pub enum AdoptError {
     /// The record was written before the host last booted: its processes are gone.
     #[error("it was recorded before the host restarted")]
     Rebooted,
+    /// Taking it on did not end within its bound.
+    #[error("taking it on again took longer than {0:?}")]
+    Slow(Duration),
+    /// It is paused, and what resuming it needs is gone.
+    #[error("it is paused and cannot be resumed: {0}")]
+    Pause(String),
 }
 
 /// A sandbox as its record holds it.
@@ -90,12 +97,33 @@ struct SandboxRecord {
     reservation: [u64; 3],
     /// The host's boot (`/proc/sys/kernel/random/boot_id`) the processes run in.
     boot_id: String,
-    vm: VmRecord,
+    /// Its VM's process; none while the sandbox is paused (its VM ended at the pause).
+    vm: Option<VmRecord>,
     net: NetRecord,
+    /// What pausing and resuming it needs (a backend that can pause: KVM).
+    #[serde(default)]
+    pause: Option<PauseRecord>,
+}
+
+/// What rebuilds a sandbox's `registry::Pausable`: the snapshot files are found from its id
+/// (`<id>.paused/`), the VM's spec from the image's directory and the run's shape.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PauseRecord {
+    /// Paused: no VM runs, its guest is in the snapshot set `slot`.
+    paused: bool,
+    /// The snapshot set the running VM writes to, or the paused guest is in.
+    slot: u8,
+    /// Resumes so far (names the next VM's directory).
+    resumes: u64,
+    /// The network device's address, which the guest's driver read.
+    mac: [u8; 6],
+    /// The image's directory the VM was made from.
+    image_dir: PathBuf,
 }
 
 /// A run's egress settings without the secrets' values, which only its network process holds.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct EgressRecord {
     allow: Vec<String>,
@@ -106,7 +134,7 @@ struct EgressRecord {
 }
 
 /// A secret without its value.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SecretRecord {
     env: String,
@@ -183,24 +211,63 @@ fn boot_id() -> String {
 /// a disposal removes the record under the same turn: a record is never written back after its
 /// sandbox went. The new record is written beside the old (a file made anew, never one a link
 /// leads from) and renamed over it, so a crash at any point leaves one whole record.
+///
+/// While a pause or a resume runs (it holds the sandbox's pause lock), nothing is written: each
+/// saves the record itself as it ends ([`save_as`]).
 pub fn save(state_dir: &Path, entry: &SandboxEntry) -> Result<(), AdoptError> {
+    let Ok(paused) = entry.paused.try_lock() else {
+        return Ok(());
+    };
+    save_as(state_dir, entry, *paused)
+}
+
+/// [`save`] by a holder of the sandbox's pause lock, which says whether it is paused.
+pub fn save_as(state_dir: &Path, entry: &SandboxEntry, paused: bool) -> Result<(), AdoptError> {
     let mut turn = entry.record.lock().unwrap_or_else(|e| e.into_inner());
     if turn.disposed {
         return Ok(());
     }
     let counters = entry.counters.values();
-    write(state_dir, entry, counters)?;
+    write(state_dir, entry, counters, paused)?;
     turn.saved = counters;
     Ok(())
 }
 
-fn write(state_dir: &Path, entry: &SandboxEntry, counters: [u64; 3]) -> Result<(), AdoptError> {
-    let (Some(vm), Some(net)) = (
-        entry.sandbox().vm.record(),
-        entry.net.as_ref().and_then(|n| n.record()),
-    ) else {
+/// Whether `entry`'s record can name everything its next run needs: a network process that
+/// outlives the service, and a VM process that does, or a pause it can resume from.
+pub fn can_keep(entry: &SandboxEntry, paused: bool) -> bool {
+    entry.net.as_ref().and_then(|n| n.record()).is_some()
+        && if paused {
+            entry.pausable.is_some()
+        } else {
+            entry.sandbox().vm.record().is_some()
+        }
+}
+
+fn write(
+    state_dir: &Path,
+    entry: &SandboxEntry,
+    counters: [u64; 3],
+    paused: bool,
+) -> Result<(), AdoptError> {
+    if !can_keep(entry, paused) {
+        return Ok(());
+    }
+    let Some(net) = entry.net.as_ref().and_then(|n| n.record()) else {
         return Ok(());
     };
+    let vm = if paused {
+        None
+    } else {
+        entry.sandbox().vm.record()
+    };
+    let pause = entry.pausable.as_ref().map(|p| PauseRecord {
+        paused,
+        slot: p.slot.load(std::sync::atomic::Ordering::SeqCst) as u8,
+        resumes: p.resumes.load(std::sync::atomic::Ordering::SeqCst),
+        mac: p.mac,
+        image_dir: p.image_dir.clone(),
+    });
     let reservation = entry
         .reservation
         .lock()
@@ -225,6 +292,7 @@ fn write(state_dir: &Path, entry: &SandboxEntry, counters: [u64; 3]) -> Result<(
         boot_id: boot_id(),
         vm,
         net,
+        pause,
     };
     let path = record_path(state_dir, &entry.id);
     let io = |source| AdoptError::Io {
@@ -294,6 +362,9 @@ pub struct Kept {
 /// (a few seconds at most), and a host with many sandboxes must not wait for them in turn.
 const AT_ONCE: usize = 8;
 
+/// The longest one sandbox's adoption may take.
+const ONE_BOUND: Duration = Duration::from_secs(60);
+
 /// Takes on again every sandbox the state directory has a record of, registering each; disposes
 /// of the rest. Runs once at start-up, before the API serves.
 pub async fn adopt_all(state: &AppState) -> Kept {
@@ -320,7 +391,12 @@ pub async fn adopt_all(state: &AppState) -> Kept {
             let (state, dir, slots) = (state.clone(), dir.clone(), slots.clone());
             tokio::spawn(async move {
                 let _slot = slots.acquire_owned().await;
-                let r = adopt_one(&state, &dir, &id).await;
+                // Each step has its own short bound; this one holds whatever a step missed,
+                // so the start-up goes on. What was taken on by then is left to the clean-up
+                // of the cgroups no sandbox keeps.
+                let r = tokio::time::timeout(ONE_BOUND, adopt_one(&state, &dir, &id))
+                    .await
+                    .unwrap_or(Err(AdoptError::Slow(ONE_BOUND)));
                 (id, r)
             })
         })
@@ -329,10 +405,9 @@ pub async fn adopt_all(state: &AppState) -> Kept {
     for t in tasks {
         let Ok((id, r)) = t.await else { continue };
         match r {
-            Ok((entry, cgroups, vm_dir)) => {
+            Ok((entry, cgroups, files)) => {
                 adopted += 1;
-                kept.files
-                    .extend([format!("{id}.json"), vm_dir, format!("net-{id}")]);
+                kept.files.extend(files);
                 kept.cgroups.extend(cgroups);
                 tracing::info!(
                     id = %entry.id,
@@ -348,6 +423,11 @@ pub async fn adopt_all(state: &AppState) -> Kept {
                     "Disposed of a sandbox an earlier sandbox host left, because it could not be taken on again: {e}"
                 );
                 remove(&dir, &id);
+                // One cut short at its very end may have been registered: it goes too.
+                if let Some(entry) = state.registry().take(&id) {
+                    crate::lifecycle::dispose(state, entry, crate::metrics::Disposal::Shutdown)
+                        .await;
+                }
             }
         }
     }
@@ -399,7 +479,7 @@ fn read(dir: &Path, id: &str) -> Result<SandboxRecord, AdoptError> {
         return Err(bad(format!("larger than {MAX_RECORD} bytes")));
     }
     let r: SandboxRecord = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
-    if r.version != VERSION {
+    if !(1..=VERSION).contains(&r.version) {
         return Err(bad(format!(
             "format {} (this host reads {VERSION})",
             r.version
@@ -408,8 +488,17 @@ fn read(dir: &Path, id: &str) -> Result<SandboxRecord, AdoptError> {
     if r.id != id {
         return Err(bad(format!("it names another sandbox ({:.80})", r.id)));
     }
-    if vm_dir_name(dir, id, &r.vm.state_dir).is_none() {
-        return Err(bad("its VM's directory is not the sandbox's".into()));
+    let paused = r.pause.as_ref().is_some_and(|p| p.paused);
+    match &r.vm {
+        Some(vm) if vm_dir_name(dir, id, &vm.state_dir).is_none() => {
+            return Err(bad("its VM's directory is not the sandbox's".into()));
+        }
+        Some(_) if paused => return Err(bad("it names a VM of a paused sandbox".into())),
+        None if !paused => return Err(bad("it names no VM and no pause".into())),
+        _ => {}
+    }
+    if r.pause.as_ref().is_some_and(|p| p.slot > 1) {
+        return Err(bad("its snapshot set is neither 0 nor 1".into()));
     }
     Ok(r)
 }
@@ -431,13 +520,15 @@ fn vm_dir_name(dir: &Path, id: &str, vm_dir: &Path) -> Option<String> {
     plain.then(|| name.to_string())
 }
 
-/// Takes sandbox `id` on again, or says why not (having disposed of what was adopted). With the
-/// entry, the cgroups its processes were found in.
-async fn adopt_one(
-    state: &AppState,
-    dir: &Path,
-    id: &str,
-) -> Result<(Arc<SandboxEntry>, Vec<PathBuf>, String), AdoptError> {
+/// What adopting one sandbox keeps: its entry, the cgroups its processes were found in, and
+/// its names in the state directory.
+type Adopted = (Arc<SandboxEntry>, Vec<PathBuf>, Vec<String>);
+
+/// Takes sandbox `id` on again, or says why not (having disposed of what was adopted). A paused
+/// sandbox has no VM to take on: its network process and its snapshot are, and a resume starts
+/// its next VM as before the restart.
+async fn adopt_one(state: &AppState, dir: &Path, id: &str) -> Result<Adopted, AdoptError> {
+    let pause_dir = dir.join(format!("{id}.paused"));
     let r = match read(dir, id) {
         Ok(r) => r,
         Err(e) => {
@@ -445,7 +536,7 @@ async fn adopt_one(
             // are in this service's cgroups, which the clean-up after this empties.
             if plain_id(id) {
                 let _ = std::fs::remove_dir_all(dir.join(id));
-                let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
+                let _ = std::fs::remove_dir_all(&pause_dir);
                 let net = crate::netproc::socket_path(dir, id);
                 if let Some(d) = net.parent() {
                     let _ = std::fs::remove_dir_all(d);
@@ -454,20 +545,60 @@ async fn adopt_one(
             return Err(e);
         }
     };
+    let vm_state_dir = r.vm.as_ref().map(|v| v.state_dir.clone());
+    let remove_files = || {
+        if let Some(d) = &vm_state_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+        let _ = std::fs::remove_dir_all(&pause_dir);
+    };
     if r.boot_id != boot_id() {
-        let _ = std::fs::remove_dir_all(&r.vm.state_dir);
-        let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
+        remove_files();
         let _ = std::fs::remove_dir_all(dir.join(format!("net-{id}")));
         return Err(AdoptError::Rebooted);
     }
+    let paused = r.vm.is_none();
     let created_at = SystemTime::UNIX_EPOCH + Duration::from_millis(r.created_at_ms);
     let expires_at = SystemTime::UNIX_EPOCH + Duration::from_millis(r.expires_at_ms);
-    let egress: EgressSpec = r.egress.into();
+    let egress: EgressSpec = r.egress.clone().into();
     // The dial rules need the settings, not the secrets' values.
     let cfg = crate::egress::net_config(id, &egress, state.config(), [0; 6]);
+    let vm_dir = vm_state_dir
+        .as_deref()
+        .and_then(|d| vm_dir_name(dir, id, d));
+    // What pausing needs: a paused sandbox without it cannot be resumed, and goes; a running one
+    // runs on, and cannot be paused.
+    let pausable = match &r.pause {
+        Some(p) => match pausable(state, id, &r, p, vm_state_dir.clone()) {
+            Ok(p) => Some(p),
+            Err(why) if paused => {
+                let _ = std::fs::remove_dir_all(dir.join(format!("net-{id}")));
+                remove_files();
+                return Err(AdoptError::Pause(why));
+            }
+            Err(why) => {
+                tracing::warn!(id = %id, "A sandbox taken on again cannot be paused: {why}");
+                None
+            }
+        },
+        None => None,
+    };
+    // A running VM writes its snapshot to the set its start (or its resume) gave it.
+    let snapshot_to = pausable.as_ref().map(|p| sandbox_vmm::adopt::SnapshotTo {
+        files: p.files[p.slot.load(std::sync::atomic::Ordering::SeqCst)].clone(),
+        memory_mib: r.memory_mib,
+    });
+    let liveness = state.config().liveness();
     let (net, vm) = tokio::join!(
         crate::netproc::NetProcess::adopt(id, &r.net, &cfg, dir),
-        sandbox_vmm::adopt::adopt(id, &r.vm, state.config().liveness()),
+        async {
+            match &r.vm {
+                Some(v) => sandbox_vmm::adopt::adopt(id, v, liveness, snapshot_to)
+                    .await
+                    .map(Some),
+                None => Ok(None),
+            }
+        },
     );
     let (net, sandbox) = match (net, vm) {
         (Ok(net), Ok(sandbox)) => (net, sandbox),
@@ -476,11 +607,10 @@ async fn adopt_one(
             if let Ok(n) = &net {
                 n.end();
             }
-            if let Ok(s) = &vm {
+            if let Ok(Some(s)) = &vm {
                 s.stop().await;
             }
-            let _ = std::fs::remove_dir_all(&r.vm.state_dir);
-            let _ = std::fs::remove_dir_all(dir.join(format!("{id}.paused")));
+            remove_files();
             return Err(match (net, vm) {
                 (Err(e), _) => AdoptError::Net(e),
                 (_, Err(e)) => AdoptError::Vm(e),
@@ -490,7 +620,10 @@ async fn adopt_one(
     };
     let dispose = |e: AdoptError| async {
         net.end();
-        sandbox.stop().await;
+        if let Some(s) = &sandbox {
+            s.stop().await;
+        }
+        remove_files();
         e
     };
     if SystemTime::now() > expires_at + state.config().grace {
@@ -498,8 +631,16 @@ async fn adopt_one(
     }
     let [memory, egress_mib, disk] = r.reservation;
     let reservation = state.capacity().hold(memory, egress_mib, disk);
-    let cgroups: Vec<PathBuf> = r.vm.cgroup.iter().chain(&r.net.cgroup).cloned().collect();
-    let vm_dir = vm_dir_name(dir, id, &r.vm.state_dir).unwrap_or_else(|| id.to_string());
+    let cgroups: Vec<PathBuf> =
+        r.vm.iter()
+            .flat_map(|v| v.cgroup.clone())
+            .chain(r.net.cgroup.clone())
+            .collect();
+    let mut files = vec![format!("{id}.json"), format!("net-{id}")];
+    files.extend(vm_dir);
+    if pausable.is_some() {
+        files.push(format!("{id}.paused"));
+    }
     let run = registry::Run {
         id: id.to_string(),
         run_id: r.run_id,
@@ -513,19 +654,90 @@ async fn adopt_one(
         egress,
         time_limit: expires_at.duration_since(created_at).unwrap_or_default(),
     };
+    let sandbox = sandbox.unwrap_or_else(|| {
+        sandbox_vmm::Sandbox::ended(
+            "the sandbox is paused: its VM ended at the pause, and a resume starts the next".into(),
+        )
+    });
     let running = registry::Running {
         env: vec![],
         net: Some(net),
         sandbox,
         reservation,
-        pausable: None,
+        pausable,
     };
-    let entry = Arc::new(SandboxEntry::restored(run, running, created_at, r.counters));
+    let entry = Arc::new(SandboxEntry::restored(
+        run, running, created_at, r.counters, paused,
+    ));
     state.registry().insert(entry.clone());
-    registry::watch(entry.clone());
+    if !paused {
+        registry::watch(entry.clone());
+    }
     let (d, e) = (dir.to_path_buf(), entry.clone());
     let _ = tokio::task::spawn_blocking(move || save_or_log(&d, &e)).await;
-    Ok((entry, cgroups, vm_dir))
+    Ok((entry, cgroups, files))
+}
+
+/// Rebuilds what pausing and resuming sandbox `id` needs, as its create made it: the snapshot
+/// files under `<id>.paused/` (regular files, never links), the VM's spec from the very image
+/// directory its snapshot was taken on (which must still be in the store), the snapshot set in
+/// use, the resumes so far and the MAC address.
+fn pausable(
+    state: &AppState,
+    id: &str,
+    r: &SandboxRecord,
+    p: &PauseRecord,
+    vm_dir: Option<PathBuf>,
+) -> Result<registry::Pausable, String> {
+    let backend = state
+        .backend()
+        .filter(|b| b.can_pause())
+        .ok_or("this sandbox host's backend cannot pause or resume a sandbox")?;
+    let image = state
+        .store()
+        .resolve_at(&r.image, &p.image_dir)
+        .map_err(|e| {
+            format!("the image its snapshot was taken on is no longer in the store ({e})")
+        })?;
+    let config = state.config();
+    let dir = config.state_dir.join(format!("{id}.paused"));
+    let files = [
+        crate::lifecycle::snapshot_paths(&dir),
+        crate::lifecycle::snapshot_paths(&dir.join("b")),
+    ];
+    for f in files.iter().flat_map(|f| [&f.state, &f.memory]) {
+        let regular = std::fs::symlink_metadata(f).is_ok_and(|m| m.file_type().is_file());
+        if !regular {
+            return Err(format!("its snapshot file {} is missing", f.display()));
+        }
+    }
+    let slot = usize::from(p.slot);
+    if p.paused && std::fs::metadata(&files[slot].state).map_or(0, |m| m.len()) == 0 {
+        return Err(format!(
+            "its snapshot {} is empty",
+            files[slot].state.display()
+        ));
+    }
+    let mut spec = image.vm_spec(
+        id.to_string(),
+        r.memory_mib,
+        r.vcpus,
+        r.disk_limit_mib,
+        config.state_dir.join(id),
+    );
+    spec.outlive = backend.can_outlive() && sandbox_jail::global().status().cgroup.is_some();
+    spec.snapshot_to = Some(files[0].clone());
+    let vm_dir = vm_dir.unwrap_or_else(|| spec.state_dir.clone());
+    Ok(registry::Pausable {
+        dir,
+        files,
+        slot: std::sync::atomic::AtomicUsize::new(slot),
+        vm_dir: std::sync::Mutex::new(vm_dir),
+        resumes: std::sync::atomic::AtomicU64::new(p.resumes),
+        spec,
+        mac: p.mac,
+        image_dir: p.image_dir.clone(),
+    })
 }
 
 #[cfg(test)]

@@ -142,6 +142,9 @@ pub struct Pausable {
     /// The network device's MAC address: each VM of the sandbox gets a new socket to its
     /// network process (`NetProcess::relink`), with the address the guest's driver read.
     pub mac: [u8; 6],
+    /// The image's directory (canonical): a snapshot is restored only onto the files it was
+    /// taken with, so the service's next run rebuilds the spec from this very directory.
+    pub image_dir: std::path::PathBuf,
 }
 
 /// Marks a sandbox busy for as long as it lives.
@@ -379,7 +382,7 @@ impl SandboxEntry {
     /// not kept (issue 32: the network process holds them; the service keeps what it shows,
     /// each secret's variable and hosts, and never needs a value again).
     pub fn new(run: Run, running: Running) -> SandboxEntry {
-        Self::restored(run, running, SystemTime::now(), [0; 3])
+        Self::restored(run, running, SystemTime::now(), [0; 3], false)
     }
 
     /// The entry of a sandbox created at `created_at` with `counters` so far: one a previous run
@@ -389,6 +392,7 @@ impl SandboxEntry {
         running: Running,
         created_at: SystemTime,
         counters: [u64; 3],
+        paused: bool,
     ) -> SandboxEntry {
         let mut egress = run.egress;
         for s in &mut egress.secrets {
@@ -414,8 +418,8 @@ impl SandboxEntry {
             in_flight: AtomicU64::new(0),
             reservation: Mutex::new(running.reservation),
             pausable: running.pausable,
-            paused: tokio::sync::Mutex::new(false),
-            paused_now: std::sync::atomic::AtomicBool::new(false),
+            paused: tokio::sync::Mutex::new(paused),
+            paused_now: std::sync::atomic::AtomicBool::new(paused),
             lost: std::sync::atomic::AtomicBool::new(false),
             record: Mutex::new(RecordTurn {
                 saved: counters,

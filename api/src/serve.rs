@@ -239,6 +239,9 @@ fn warn_about_host(cfg: &Config, store: &ImageStore) {
     }
 }
 
+/// How long a hand-over waits for a sandbox's pause or resume under way to end.
+const PAUSE_TURN: Duration = Duration::from_secs(20);
+
 /// The status a hand-over exits with: systemd restarts the unit on it (`RestartForceExitStatus`
 /// in deploy/systemd/sandbox-host.service), with whatever binary is installed by then.
 pub const HANDOVER_EXIT: i32 = 75;
@@ -254,24 +257,42 @@ async fn hand_over(state: &AppState) -> ! {
     state.begin_ending(crate::state::Ending::HandingOver);
     let dir = state.config().state_dir.clone();
     let (mut kept, mut disposals) = (0, vec![]);
-    for e in state.registry().all() {
-        let outlives = e.net.as_ref().and_then(|n| n.record()).is_some()
-            && e.sandbox().vm.record().is_some()
-            && !e.is_paused();
-        let (d, entry) = (dir.clone(), e.clone());
-        let saved = outlives
-            && tokio::task::spawn_blocking(move || crate::adopt::save(&d, &entry).is_ok())
-                .await
-                .unwrap_or(false);
+    let all = state.registry().all();
+    // The kept sandboxes' pause locks, held to the exit: a pause asked before the hand-over
+    // began cannot change a sandbox after its record was written.
+    let mut held = vec![];
+    for e in &all {
+        // A pause or resume under way ends first (both are bounded), so the record says which
+        // the sandbox is; one that does not end in time is not kept.
+        let turn = tokio::time::timeout(PAUSE_TURN, e.paused.lock()).await.ok();
+        let saved = match &turn {
+            Some(paused) => {
+                let paused = **paused && !e.is_lost();
+                let (d, entry) = (dir.clone(), e.clone());
+                crate::adopt::can_keep(e, paused)
+                    && tokio::task::spawn_blocking(move || {
+                        crate::adopt::save_as(&d, &entry, paused).is_ok()
+                    })
+                    .await
+                    .unwrap_or(false)
+            }
+            None => false,
+        };
         if saved {
             kept += 1;
-        } else if let Some(entry) = state.registry().take(&e.id) {
-            let st = state.clone();
-            disposals.push(tokio::spawn(async move {
-                lifecycle::dispose(&st, entry, crate::metrics::Disposal::Shutdown).await
-            }));
+            held.extend(turn);
+        } else {
+            drop(turn);
+            if let Some(entry) = state.registry().take(&e.id) {
+                let st = state.clone();
+                disposals.push(tokio::spawn(async move {
+                    lifecycle::dispose(&st, entry, crate::metrics::Disposal::Shutdown).await
+                }));
+            }
         }
     }
+    // The exec streams of the kept sandboxes are told; those of the others end with their VM.
+    state.begin_ending(crate::state::Ending::HandedOver);
     let disposed = disposals.len();
     let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, async {
         for d in disposals {

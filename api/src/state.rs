@@ -37,6 +37,9 @@ pub enum Ending {
     Disposing,
     /// SIGUSR2: it hands its sandboxes over to its next run, then exits.
     HandingOver,
+    /// The hand-over decided: the sandboxes still in the registry are kept for the next run,
+    /// the others are being disposed of.
+    HandedOver,
 }
 
 /// State shared by every handler.

@@ -1,8 +1,9 @@
 //! A service that restarts without losing runs (issue 32), on the real binary with real guests:
 //! `kill -9` of the service, and its hand-over (SIGUSR2), leave each sandbox running (its VM,
 //! its network process, its open connections, the commands in it) for the next service on the
-//! same state directory, which takes it on again with its run, counters and refusals; and a
-//! sandbox whose VM died while no service was there leaves nothing behind.
+//! same state directory, which takes it on again with its run, counters and refusals; a paused
+//! sandbox (KVM) is kept paused and resumes; and a sandbox whose VM died while no service was
+//! there leaves nothing behind.
 
 mod common;
 
@@ -384,4 +385,105 @@ async fn a_sandbox_whose_vm_died_while_the_service_was_down_leaves_nothing() {
             });
         assert!(!groups, "a cgroup of {id} is left");
     }
+}
+
+/// Pauses or resumes `id`, and says the state it answered with.
+async fn pause_or_resume(h: &common::Host, id: &str, what: &str) -> String {
+    let (s, v) = h
+        .json("POST", &format!("/v1/sandboxes/{id}/{what}"), None)
+        .await;
+    assert_eq!(s, 200, "{what}: {v}");
+    v["state"].as_str().unwrap_or_default().to_string()
+}
+
+/// A paused sandbox survives a crash and a hand-over of the service paused, and resumes with its
+/// files and processes; a sandbox taken on again (running) can be paused and resumed, from the
+/// snapshot set its first service left it on. Only a backend that pauses (KVM): where this
+/// machine's /dev/kvm cannot boot Linux, `nested_kvm.rs` runs this test in the nested test host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_stays_paused_across_restarts_and_resumes() {
+    if stock_image_missing() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("sbx-paused")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let state = tmp.path().join("state");
+    let mut h = start_in(&state, &[]);
+    let (_, health) = h.json("GET", "/v1/health", None).await;
+    if health["backend"] != "kvm" {
+        assert!(
+            std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() != Ok("1"),
+            "the nested host runs the KVM backend: {health}"
+        );
+        eprintln!(
+            "skipped: pausing needs the KVM backend, and this host runs {} (nested_kvm runs \
+             this test in the nested test host)",
+            health["backend"]
+        );
+        return;
+    }
+    let id = h.create(json!({"run_id": "run-paused"})).await;
+    run(&h, &id, "echo kept > /workspace/file").await;
+    run(
+        &h,
+        &id,
+        "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! > /workspace/bg.pid",
+    )
+    .await;
+    let before = sandbox(&h, &id).await;
+    assert_eq!(pause_or_resume(&h, &id, "pause").await, "paused");
+
+    // A crash while it is paused: the next service has it, paused.
+    h.signal("KILL");
+    h.wait_exit(Duration::from_secs(10));
+    let mut h2 = start_in(&state, &[]);
+    let line = h2.wait_log("taken on again, or disposed of", Duration::from_secs(60));
+    if line["adopted"] != 1 {
+        let why = h2.wait_log("could not be taken on again", Duration::from_secs(1));
+        panic!("the paused sandbox was not taken on again: {why}");
+    }
+    let now = sandbox(&h2, &id).await;
+    assert_eq!(now["state"], "paused", "{now}");
+    for k in ["run_id", "created_at", "expires_at", "image"] {
+        assert_eq!(now[k], before[k], "{k}: {now} against {before}");
+    }
+    assert_eq!(pause_or_resume(&h2, &id, "resume").await, "ready");
+    assert_eq!(run(&h2, &id, "cat /workspace/file").await, "kept\n");
+    run(&h2, &id, "kill -0 $(cat /workspace/bg.pid)").await;
+
+    // Paused again by the service that took it on (the other snapshot set), then handed over.
+    run(&h2, &id, "echo again >> /workspace/file").await;
+    assert_eq!(pause_or_resume(&h2, &id, "pause").await, "paused");
+    h2.signal("USR2");
+    assert_eq!(h2.wait_exit(Duration::from_secs(30)), Some(75));
+    let line = h2.wait_log("Handed over", Duration::from_secs(1));
+    assert_eq!(
+        (line["kept"].as_u64(), line["disposed"].as_u64()),
+        (Some(1), Some(0)),
+        "{line}"
+    );
+    let mut h3 = start_in(&state, &[]);
+    h3.wait_log("taken on again, or disposed of", Duration::from_secs(60));
+    assert_eq!(sandbox(&h3, &id).await["state"], "paused");
+    assert_eq!(pause_or_resume(&h3, &id, "resume").await, "ready");
+    assert_eq!(run(&h3, &id, "cat /workspace/file").await, "kept\nagain\n");
+    run(&h3, &id, "kill -0 $(cat /workspace/bg.pid)").await;
+
+    // A crash while it runs: the next service takes its VM on, and can pause and resume it.
+    run(&h3, &id, "echo third >> /workspace/file").await;
+    h3.signal("KILL");
+    h3.wait_exit(Duration::from_secs(10));
+    let h4 = start_in(&state, &[]);
+    h4.wait_log("taken on again, or disposed of", Duration::from_secs(60));
+    assert_eq!(sandbox(&h4, &id).await["state"], "ready");
+    assert_eq!(pause_or_resume(&h4, &id, "pause").await, "paused");
+    assert_eq!(pause_or_resume(&h4, &id, "resume").await, "ready");
+    assert_eq!(
+        run(&h4, &id, "cat /workspace/file").await,
+        "kept\nagain\nthird\n"
+    );
+    run(&h4, &id, "kill -0 $(cat /workspace/bg.pid)").await;
+    delete_and_check_nothing_left(&h4, &id, &state).await;
 }

@@ -30,8 +30,12 @@ fn selected(stderr: &str, field: &str) -> Option<String> {
     )
 }
 
+/// One nested host at a time: each keeps a processor busy, and a second beside it slows both.
+static ONE_NESTED_HOST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn auto_accel_uses_kvm_where_kvm_boots_linux() {
+    let _one = ONE_NESTED_HOST.lock().unwrap_or_else(|e| e.into_inner());
     if stock_image_missing() {
         return;
     }
@@ -109,17 +113,7 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         )
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("NESTED-START kvm=yes"),
-        "the nested host has no /dev/kvm: {text}"
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = nested_ran(&out);
     let (qemu, auto) = text.split_once("==auto").expect("both runs happened");
     assert_eq!(
         selected_accel(qemu).as_deref(),
@@ -139,4 +133,93 @@ fn auto_accel_uses_kvm_where_kvm_boots_linux() {
         auto.contains("2\nnested-kvm-ok"),
         "two vCPUs in the guest: {text}"
     );
+}
+
+/// What the nested host printed, once it is shown to have had /dev/kvm and run the command to
+/// a status of 0.
+fn nested_ran(out: &std::process::Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("NESTED-START kvm=yes"),
+        "the nested host has no /dev/kvm: {text}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// The newest test binary `name` beside this one (cargo's `<name>-<hash>`).
+fn sibling(name: &str) -> Option<std::path::PathBuf> {
+    let me = std::env::current_exe().ok()?;
+    std::fs::read_dir(me.parent()?)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let f = p.file_name().and_then(|f| f.to_str()).unwrap_or("");
+            f.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('-'))
+                .is_some_and(|hash| !hash.contains('.') && hash.len() == 16)
+        })
+        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
+}
+
+/// A paused sandbox across a crash and a hand-over of the service (`api_restart.rs`), which
+/// only the KVM backend can pause: where this machine's /dev/kvm boots Linux that test runs on
+/// it natively; here it runs in the nested test host, the service and its processes with it.
+#[test]
+fn a_paused_sandbox_is_kept_across_restarts_on_the_kvm_backend() {
+    let _one = ONE_NESTED_HOST.lock().unwrap_or_else(|e| e.into_inner());
+    if stock_image_missing() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = sandbox_vmm::ImageStore::new(sandbox_vmm::config::image_dir());
+    if rt.block_on(sandbox_vmm::select::kvm_usable(&store)).is_ok() {
+        eprintln!("this machine's KVM boots guests: api_restart runs the test natively");
+        return;
+    }
+    let test = sibling("api_restart").expect("the api_restart test binary, built beside this one");
+    let service = std::path::Path::new(env!("CARGO_BIN_EXE_sandbox-host"));
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    let name = test.file_name().unwrap().to_string_lossy().into_owned();
+    let out = Command::new("bash")
+        .arg(root.join("tests/nested/run.sh"))
+        .args(["--timeout", "900"])
+        .arg("--with")
+        .arg(&test)
+        .arg("--with")
+        .arg(service)
+        .arg("--with")
+        .arg(service.with_file_name("sandbox-vm"))
+        .arg("--with")
+        .arg(service.with_file_name("sandbox-net"))
+        .arg("--")
+        .arg(format!(
+            // As root: the nested host has no service user (its one user is root), and the test
+            // fails rather than skip when the KVM backend is not the one it gets.
+            "export SANDBOX_HOST_IN_NESTED=1 SANDBOX_HOST_VMM=kvm SANDBOX_HOST_BIN=/work/sandbox-host; \
+             unset SANDBOX_HOST_REQUIRE_E2E; \
+             timeout 600 ./{name} --exact \
+             a_paused_sandbox_stays_paused_across_restarts_and_resumes --nocapture 2>&1"
+        ))
+        .output()
+        .unwrap();
+    let text = nested_ran(&out);
+    // Nothing skipped but the service user, which the nested host does not have.
+    let skipped = text
+        .lines()
+        .filter(|l| l.contains("skipped:") && !l.contains("as an ordinary user"))
+        .count();
+    assert!(
+        text.contains("test result: ok. 1 passed") && skipped == 0,
+        "{text}"
+    );
+    eprintln!("{text}");
 }

@@ -98,15 +98,17 @@ tsc_arg=""
 [ -n "$tsc_mhz" ] && tsc_arg="tsc_early_khz=$(awk -v m="$tsc_mhz" 'BEGIN {printf "%d", m * 1000}')"
 
 # A wedged nested host (tests/nested/README.md, "Wedged") prints nothing any more. Its init writes
-# a heartbeat to a second serial port every 10 s, so a stopped heartbeat ends the boot within
-# SANDBOX_HOST_NESTED_HEARTBEAT_S (90) seconds; a console silent for SANDBOX_HOST_NESTED_SILENCE_S
-# (420, longer than any test's own 300 s deadline) does too, where the heartbeat never started.
-# A wedged boot is booted once more, up to SANDBOX_HOST_NESTED_ATTEMPTS (3) boots in all. Every
+# a heartbeat to a second serial port every 2 s, so a stopped heartbeat ends the boot within
+# SANDBOX_HOST_NESTED_HEARTBEAT_S (30) seconds, and a heartbeat that never starts (a wedge in the
+# kernel's boot) within SANDBOX_HOST_NESTED_FIRST_BEAT_S (120); a console silent for
+# SANDBOX_HOST_NESTED_SILENCE_S (420, longer than any test's own 300 s deadline) does too.
+# A wedged boot is booted once more, up to SANDBOX_HOST_NESTED_ATTEMPTS (5) boots in all. Every
 # boot's console streams to stderr as it runs; stdout gets the console of the last boot alone, so
 # callers that read stdout never mix two boots.
 silence=${SANDBOX_HOST_NESTED_SILENCE_S:-420}
-hb_silence=${SANDBOX_HOST_NESTED_HEARTBEAT_S:-90}
-attempts=${SANDBOX_HOST_NESTED_ATTEMPTS:-3}
+hb_silence=${SANDBOX_HOST_NESTED_HEARTBEAT_S:-30}
+first_beat=${SANDBOX_HOST_NESTED_FIRST_BEAT_S:-120}
+attempts=${SANDBOX_HOST_NESTED_ATTEMPTS:-5}
 deadline=$(( $(date +%s) + timeout ))
 out="$work/console.log"
 hb="$work/heartbeat"
@@ -126,6 +128,7 @@ while :; do
   qemu_pid=$!
   tail -n +1 -f --pid="$qemu_pid" "$out" >&2 &
   wedged=""
+  booted=$(date +%s)
   while kill -0 "$qemu_pid" 2>/dev/null; do
     sleep 5
     now=$(date +%s)
@@ -133,6 +136,8 @@ while :; do
     why=""
     if [ -s "$hb" ] && [ $(( now - $(stat -c %Y "$hb") )) -ge "$hb_silence" ]; then
       why="its heartbeat stopped $(( now - $(stat -c %Y "$hb") )) s ago"
+    elif [ ! -s "$hb" ] && [ $(( now - booted )) -ge "$first_beat" ]; then
+      why="its heartbeat never started in $(( now - booted )) s"
     elif [ "$age" -ge "$silence" ]; then
       why="it printed nothing for $age s"
     fi

@@ -284,7 +284,7 @@ fn build(
     }
     // From here on each thread the machine starts applies its kind's filter before it runs
     // (seal.rs): the network link's threads, started by `machine_config`, are the first.
-    seal::install().map_err(|e| e.to_string())?;
+    seal::install(cfg.adopt_fd).map_err(|e| e.to_string())?;
     let (mcfg, adoption) = machine_config(cfg)?;
     let (exit_tx, exit_rx) = mpsc::channel::<MachineExit>();
     let machine = Machine::start_held(
@@ -387,6 +387,63 @@ fn wait_for_adoption(
     }
 }
 
+/// How long a connection on the adoption socket has to send its first line (the service's next
+/// run sends it at once).
+const FIRST_LINE: Duration = Duration::from_secs(5);
+
+/// Whether a whole first line is waiting on `conn` within `bound`: looked at without reading it
+/// (the reader then reads it, with any descriptors that came along). A line longer than any
+/// `Adopt`, an end, or an error is `false`.
+fn first_line_within(conn: &UnixStream, bound: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let deadline = Instant::now() + bound;
+    let mut buf = [0u8; 512];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let mut pfd = libc::pollfd {
+            fd: conn.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one pollfd of ours, a timespec on the stack, no signal mask.
+        let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if ready <= 0 {
+            return false;
+        }
+        // SAFETY: a peek into our buffer, within its length.
+        let got = unsafe {
+            libc::recv(
+                conn.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if got <= 0 {
+            return false;
+        }
+        let got = got as usize;
+        if buf[..got].contains(&b'\n') {
+            return true;
+        }
+        if got == buf.len() {
+            return false;
+        }
+        // Part of a line: the rest may follow (the poll would answer at once meanwhile).
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for the service's next run on the adoption socket: the first connection whose first
 /// line is [`Request::Adopt`] is answered with the version and the token, and becomes the
 /// control socket (the writer's too). Anything else first is closed. Only the service's user
@@ -415,6 +472,11 @@ fn adopted(a: &Adoption, w: &Writer) -> Option<control::Reader> {
                 continue;
             }
         };
+        // A connection that does not say its first line in time is closed: it cannot hold the
+        // wait for the service's next run.
+        if !first_line_within(&conn, FIRST_LINE) {
+            continue;
+        }
         let mut reader = control::Reader::new(&conn);
         if !matches!(reader.read::<Request>(), Ok(Some(Request::Adopt))) {
             continue;
@@ -432,5 +494,43 @@ fn adopted(a: &Adoption, w: &Writer) -> Option<control::Reader> {
         // lives in the writer until the next adoption replaces both.
         *w.lock().unwrap_or_else(|e| e.into_inner()) = conn;
         return Some(reader);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_adoption_socket_waits_for_a_first_line_only_so_long() {
+        let bound = Duration::from_millis(300);
+        // Silent: refused at the bound, not later.
+        let (a, _silent) = UnixStream::pair().unwrap();
+        let t0 = Instant::now();
+        assert!(!first_line_within(&a, bound));
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        // A whole line, and a line sent in two parts.
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(b"{\"Adopt\":null}\n").unwrap();
+        assert!(first_line_within(&a, bound));
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(b"{\"Ado").unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            b.write_all(b"pt\":null}\n").unwrap();
+            b
+        });
+        assert!(first_line_within(&a, bound));
+        drop(late.join());
+        // Part of a line that never ends, a line longer than any request, an end.
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(b"{\"Ado").unwrap();
+        assert!(!first_line_within(&a, bound));
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(&[b'x'; 600]).unwrap();
+        assert!(!first_line_within(&a, bound));
+        let (a, b) = UnixStream::pair().unwrap();
+        drop(b);
+        assert!(!first_line_within(&a, bound));
     }
 }

@@ -68,8 +68,9 @@ type Sealer = Box<dyn Fn(ThreadKind) -> Result<(), VmSealError> + Send + Sync>;
 static SEALER: OnceLock<Sealer> = OnceLock::new();
 
 /// Makes every later [`enter`] apply its kind's filter: the VM process calls this before it
-/// builds the machine.
-pub fn install() -> Result<(), VmSealError> {
+/// builds the machine. `adopt_fd` is the listening socket a VM that outlives the service waits
+/// for its next run on: the only descriptor a main thread may `accept4` on.
+pub fn install(adopt_fd: Option<i32>) -> Result<(), VmSealError> {
     // Built once, up front: a thread that starts later only loads its program.
     let programs: Vec<(ThreadKind, BpfProgram)> = [
         ThreadKind::Main,
@@ -78,7 +79,7 @@ pub fn install() -> Result<(), VmSealError> {
         ThreadKind::Restore,
     ]
     .into_iter()
-    .map(|k| Ok((k, program(k)?)))
+    .map(|k| Ok((k, program(k, adopt_fd)?)))
     .collect::<Result<_, VmSealError>>()?;
     settle_the_allocator();
     install_sigsys_handler();
@@ -301,6 +302,7 @@ const PR_SET_VMA: u64 = 0x5356_4d41;
 fn rules(
     kind: ThreadKind,
     pid: u32,
+    adopt_fd: Option<i32>,
 ) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompiler::BackendError> {
     use SeccompCmpOp::{Eq, MaskedEq};
     let mut m: BTreeMap<i64, Vec<SeccompRule>> =
@@ -442,9 +444,6 @@ fn rules(
                     libc::SYS_sendmsg,
                     libc::SYS_shutdown,
                     libc::SYS_ppoll,
-                    // The service's next run, on the socket a VM that outlives the service was
-                    // handed listening (the process has no other, and can make none).
-                    libc::SYS_accept4,
                     // Threads: the jail's floor answers `clone3` with ENOSYS (a filter cannot
                     // read its flags), and this list lets it through to it (the strictest
                     // answer of all filters wins, and a trap here would beat its ENOSYS).
@@ -462,6 +461,11 @@ fn rules(
                 ],
             );
             m.insert(libc::SYS_fcntl, one_of(1, &FCNTL)?);
+            // The service's next run, on the socket a VM that outlives the service was handed
+            // listening, and on no other descriptor (a VM that does not outlive has none).
+            if let Some(fd) = adopt_fd {
+                m.insert(libc::SYS_accept4, only(vec![arg(0, Eq, fd as u64)])?);
+            }
             // `clone` only for a thread: a new process (a fork, or one of `vfork`'s kind) would
             // be a second program outside the threads' accounting.
             m.insert(
@@ -498,10 +502,10 @@ fn rules(
     Ok(m)
 }
 
-/// The program of one kind of thread.
-pub fn program(kind: ThreadKind) -> Result<BpfProgram, VmSealError> {
+/// The program of one kind of thread ([`install`] says what `adopt_fd` is).
+pub fn program(kind: ThreadKind, adopt_fd: Option<i32>) -> Result<BpfProgram, VmSealError> {
     let err = |e: &dyn std::fmt::Display| VmSealError::Build(kind.name(), e.to_string());
-    let rules = rules(kind, std::process::id()).map_err(|e| err(&e))?;
+    let rules = rules(kind, std::process::id(), adopt_fd).map_err(|e| err(&e))?;
     let f = SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, ARCH)
         .map_err(|e| err(&e))?;
     f.try_into().map_err(|e: seccompiler::BackendError| err(&e))
@@ -655,7 +659,7 @@ mod tests {
             ThreadKind::Device,
             ThreadKind::Restore,
         ] {
-            let p = program(k).unwrap();
+            let p = program(k, Some(ADOPT_FD)).unwrap();
             assert!(!p.is_empty() && p.len() < 512, "{k:?}: {}", p.len());
         }
     }
@@ -669,7 +673,7 @@ mod tests {
         if std::env::var_os("SEAL_CHILD").is_some() {
             // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-            install().unwrap();
+            install(None).unwrap();
             std::thread::spawn(|| {
                 enter(ThreadKind::Device).unwrap();
                 for _ in 0..4 {
@@ -716,7 +720,7 @@ mod tests {
             let file = tempfile::tempfile().unwrap();
             crate::snapshot::size_memory_file(&file, bytes).unwrap();
             let (_r, mut w) = std::io::pipe().unwrap();
-            install().unwrap();
+            install(None).unwrap();
             enter(ThreadKind::Main).unwrap();
             let written = crate::snapshot::write_memory(&mem, &file).unwrap();
             assert_eq!(written, 4096);
@@ -758,7 +762,7 @@ mod tests {
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
             let disk = tempfile::tempfile().unwrap();
             disk.set_len(1 << 20).unwrap();
-            install().unwrap();
+            install(None).unwrap();
             enter(ThreadKind::Device).unwrap();
             let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
             // SAFETY: fallocate on a descriptor we own.
@@ -804,7 +808,7 @@ mod tests {
         if std::env::var_os("SEAL_CHILD").is_some() {
             // SAFETY: PR_SET_NO_NEW_PRIVS takes no pointers.
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-            install().unwrap();
+            install(None).unwrap();
             enter(ThreadKind::Restore).unwrap();
             // SAFETY: ioctls on a descriptor that is not open; nothing is read or written.
             let r = unsafe { libc::ioctl(-1, KVM_SET_REGS() as _, 0) };
@@ -843,7 +847,7 @@ mod tests {
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
             let owned = std::fs::File::open("/dev/null").unwrap();
             let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
-            install().unwrap();
+            install(None).unwrap();
             enter(ThreadKind::Vcpu).unwrap();
             // Closing what the thread owns is allowed (debug builds check it is open first), and
             // so is shutting a socket down (a vsock device reset does, on this thread).
@@ -924,6 +928,28 @@ mod tests {
 
     fn fcntl(cmd: i32, value: u64) -> i64 {
         raw(libc::SYS_fcntl, [2, cmd as u64, value, 0, 0, 0])
+    }
+
+    /// Where the cases' process holds a listening socket with a connection waiting, as a VM
+    /// that outlives the service holds its adoption socket; descriptor `ADOPT_FD + 1` is
+    /// another listening socket.
+    const ADOPT_FD: i32 = 60;
+
+    fn listen_on_adopt_fd() {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, fd) in [ADOPT_FD, ADOPT_FD + 1].into_iter().enumerate() {
+            let path = dir.path().join(format!("s{i}"));
+            let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+            let c = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            std::mem::forget(c);
+            use std::os::fd::IntoRawFd;
+            // SAFETY: dup2 onto numbers this test process does not use otherwise.
+            assert_eq!(unsafe { libc::dup2(l.into_raw_fd(), fd) }, fd);
+        }
+    }
+
+    fn accept_on(fd: i32) -> i64 {
+        raw(libc::SYS_accept4, [fd as u64, 0, 0, 0, 0, 0])
     }
 
     /// The parent test process's id, read before the filter (`getppid` is on no list).
@@ -1059,6 +1085,15 @@ mod tests {
         },
         Case {
             kind: ThreadKind::Main,
+            what: "accept4 on the adoption socket, then on another",
+            allowed: || accept_on(ADOPT_FD),
+            trapped: || {
+                accept_on(ADOPT_FD + 1);
+            },
+            nr: libc::SYS_accept4,
+        },
+        Case {
+            kind: ThreadKind::Main,
             what: "no socketpair on a main thread",
             allowed: || raw(libc::SYS_getpid, [0; 6]),
             trapped: || {
@@ -1079,7 +1114,8 @@ mod tests {
                 PARENT.store(libc::getppid(), std::sync::atomic::Ordering::SeqCst);
                 libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
             }
-            install().unwrap();
+            listen_on_adopt_fd();
+            install(Some(ADOPT_FD)).unwrap();
             enter(case.kind).unwrap();
             let r = (case.allowed)();
             eprintln!("allowed: {r}");

@@ -68,6 +68,17 @@ pub enum AdoptVmError {
     Control(String),
 }
 
+/// Where a VM taken on again writes its snapshot (a pausable sandbox's, on the KVM backend): the
+/// files its start was given, and its guest memory. The caller knows them from the sandbox's
+/// id; a record names no path the VM may write.
+#[derive(Debug, Clone)]
+pub struct SnapshotTo {
+    /// The snapshot set the VM writes to.
+    pub files: crate::backend::SnapshotFiles,
+    /// The guest's memory.
+    pub memory_mib: u32,
+}
+
 /// The sandbox `record` describes, taken on again: its process adopted, its agent's channel
 /// connected anew and answering, watched as one this run booted. The agent does not know the
 /// host is new: a ping makes it announce itself (`Ready`), as a restored agent does. On
@@ -77,11 +88,14 @@ pub async fn adopt(
     id: &str,
     record: &VmRecord,
     liveness: Liveness,
+    snapshot_to: Option<SnapshotTo>,
 ) -> Result<Sandbox, AdoptVmError> {
     let t0 = Instant::now();
     let path = record.state_dir.join(crate::qemu::process::AGENT_SOCKET);
     let (vm, stream): (std::sync::Arc<dyn crate::Vm>, _) = match record.backend.as_str() {
         "qemu" => {
+            // A QEMU VM is snapshotted only for a template, never after its start.
+            drop(snapshot_to);
             let vm = crate::qemu::process::adopt(id, record).await?;
             let stream = tokio::net::UnixStream::connect(&path)
                 .await
@@ -93,7 +107,7 @@ pub async fn adopt(
         }
         #[cfg(target_os = "linux")]
         "kvm" => {
-            let (vm, stream) = crate::kvm::process::adopt(id, record).await?;
+            let (vm, stream) = crate::kvm::process::adopt(id, record, snapshot_to).await?;
             (vm.into(), stream)
         }
         other => return Err(AdoptVmError::Backend(other.chars().take(16).collect())),

@@ -190,6 +190,31 @@ impl ImageStore {
         &self.dir
     }
 
+    /// Image `name` as it was when it resolved to the (canonical) directory `dir`: what a paused
+    /// sandbox's snapshot was taken on, named by a record the service's next run reads. The name
+    /// is looked up again; if it now leads elsewhere (a newer build of the image), `dir` itself
+    /// is read if it is still in the store (an image's builds are directories of the store the
+    /// name links to). Any other directory (outside the store, reached through a link, gone) is
+    /// `Missing`.
+    pub fn resolve_at(&self, name: &str, dir: &Path) -> Result<Image, ImageError> {
+        let missing = || ImageError::Missing {
+            name: format!("{name} (at {})", dir.display()),
+            store: self.dir.clone(),
+            hint: String::new(),
+        };
+        if let Ok(image) = self.resolve(name)
+            && image.dir == dir
+        {
+            return Ok(image);
+        }
+        let store = std::fs::canonicalize(&self.dir).map_err(|_| missing())?;
+        let canonical = std::fs::canonicalize(dir).map_err(|_| missing())?;
+        if canonical != dir || !dir.starts_with(&store) || dir == store {
+            return Err(missing());
+        }
+        self.load(name, canonical)
+    }
+
     /// Looks an image up now. `name:tag` maps to `<store>/<name>/<tag>`.
     pub fn resolve(&self, name: &str) -> Result<Image, ImageError> {
         let valid = !name.is_empty()
@@ -222,6 +247,11 @@ impl ImageStore {
                 });
             }
         };
+        self.load(name, dir)
+    }
+
+    /// The image in the (canonical) directory `dir`, by the name it was asked for.
+    fn load(&self, name: &str, dir: PathBuf) -> Result<Image, ImageError> {
         let path = dir.join("manifest.json");
         let bad = |why: String| ImageError::BadManifest {
             name: name.into(),
@@ -271,6 +301,44 @@ mod tests {
         std::fs::write(d.join("vmlinux"), b"k").unwrap();
         std::fs::write(d.join("initramfs.cpio"), b"i").unwrap();
         std::os::unix::fs::symlink(format!(".{name}-1"), store.join(name)).unwrap();
+    }
+
+    #[test]
+    fn a_build_an_image_name_no_longer_leads_to_is_found_while_it_is_in_the_store() {
+        let t = tempfile::tempdir().unwrap();
+        let manifest = r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio"}"#;
+        make(t.path(), "stock", manifest);
+        let store = ImageStore::with_arch(t.path(), Arch::X86_64);
+        let first = store.resolve("stock").unwrap().dir;
+        assert_eq!(store.resolve_at("stock", &first).unwrap().dir, first);
+        // A newer build: the name leads to it, and the first build is still read by its directory.
+        let d = t.path().join(".stock-2");
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["vmlinux", "initramfs.cpio"] {
+            std::fs::write(d.join(f), b"x").unwrap();
+        }
+        std::fs::write(d.join("manifest.json"), manifest).unwrap();
+        std::fs::remove_file(t.path().join("stock")).unwrap();
+        std::os::unix::fs::symlink(".stock-2", t.path().join("stock")).unwrap();
+        assert_ne!(store.resolve("stock").unwrap().dir, first);
+        assert_eq!(store.resolve_at("stock", &first).unwrap().dir, first);
+        // Gone, outside the store, the store itself, or through a link: missing.
+        let outside = tempfile::tempdir().unwrap();
+        for dir in [
+            t.path().join(".stock-9"),
+            outside.path().to_path_buf(),
+            std::fs::canonicalize(t.path()).unwrap(),
+            std::fs::canonicalize(t.path()).unwrap().join("stock"),
+        ] {
+            assert!(
+                matches!(
+                    store.resolve_at("other", &dir),
+                    Err(ImageError::Missing { .. })
+                ),
+                "{}",
+                dir.display()
+            );
+        }
     }
 
     #[test]

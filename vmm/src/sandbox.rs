@@ -138,6 +138,35 @@ impl Sandbox {
         }
     }
 
+    /// A sandbox with no VM: what a paused sandbox holds when the service takes it on again
+    /// after a restart (its VM ended at the pause; a resume starts the next). Its VM has ended
+    /// as asked, with `reason`, and its agent channel is closed with it, so a request that
+    /// reaches it gets that reason, as it would from any VM that ended.
+    pub fn ended(reason: String) -> Sandbox {
+        let (ours, theirs) = tokio::io::duplex(64);
+        drop(theirs);
+        let (read, write) = tokio::io::split(ours);
+        let client = Client::new(read, write);
+        client.close(reason.clone());
+        Sandbox {
+            vm: Arc::new(EndedVm(VmExit {
+                reason,
+                requested: true,
+                console: vec![],
+            })),
+            client,
+            ready: Ready {
+                version: String::new(),
+                protocol: 0,
+                channel: String::new(),
+                uptime_ms: 0,
+            },
+            boot_time: Duration::ZERO,
+            watchdog: tokio::spawn(async {}).abort_handle(),
+            snapshotting: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }
+    }
+
     /// Stops the VM and removes its files.
     pub async fn stop(&self) -> VmExit {
         // A stop is not a failure: the watchdog must not see the closing channel and kill.
@@ -352,4 +381,29 @@ pub fn diagnostic_lines(vm: &dyn Vm) -> Vec<String> {
         .collect();
     lines.extend(recent.iter().rev().take(8).rev().cloned());
     lines
+}
+
+/// The VM of [`Sandbox::ended`]: it ended before this service knew it, and has nothing left.
+struct EndedVm(VmExit);
+
+#[async_trait::async_trait]
+impl Vm for EndedVm {
+    fn exit(&self) -> Option<VmExit> {
+        Some(self.0.clone())
+    }
+    async fn wait(&self) -> VmExit {
+        self.0.clone()
+    }
+    async fn stop(&self, _grace: Duration) -> VmExit {
+        self.0.clone()
+    }
+    async fn kill(&self, _reason: String) -> VmExit {
+        self.0.clone()
+    }
+    fn console_tail(&self, _n: usize) -> Vec<String> {
+        vec![]
+    }
+    fn pid(&self) -> Option<u32> {
+        None
+    }
 }

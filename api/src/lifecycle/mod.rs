@@ -177,7 +177,7 @@ pub async fn create(
                     .into(),
             ));
         }
-        crate::state::Ending::HandingOver => {
+        crate::state::Ending::HandingOver | crate::state::Ending::HandedOver => {
             return Err(ApiError::Restarting(
                 "the sandbox host is handing over to its next run (an upgrade): retry in a few \
                  seconds"
@@ -241,6 +241,7 @@ pub async fn create(
         resumes: std::sync::atomic::AtomicU64::new(0),
         spec: base_spec,
         mac: started.mac,
+        image_dir: plan.image.dir.clone(),
     });
     if !had_template {
         // The first sandbox of its shape: the next ones are restored.
@@ -318,16 +319,21 @@ struct Started {
 /// Two empty files for a sandbox's snapshot, in a directory of their own.
 fn snapshot_files(dir: &std::path::Path) -> std::io::Result<sandbox_vmm::SnapshotFiles> {
     std::fs::create_dir_all(dir)?;
-    let files = sandbox_vmm::SnapshotFiles {
-        state: dir.join("snapshot.state"),
-        memory: dir.join("snapshot.mem"),
-        disk: None,
-        take_disk: false,
-    };
+    let files = snapshot_paths(dir);
     for p in [&files.state, &files.memory] {
         std::fs::File::create(p)?;
     }
     Ok(files)
+}
+
+/// Where a snapshot set under `dir` is (`snapshot.state`, `snapshot.mem`).
+pub(crate) fn snapshot_paths(dir: &std::path::Path) -> sandbox_vmm::SnapshotFiles {
+    sandbox_vmm::SnapshotFiles {
+        state: dir.join("snapshot.state"),
+        memory: dir.join("snapshot.mem"),
+        disk: None,
+        take_disk: false,
+    }
 }
 
 /// Starts the sandbox's network process, then its VM (restored from `template` or booted),

@@ -36,15 +36,15 @@ pub enum ResumeOutcome {
 /// Why a sandbox without what pausing needs cannot be paused or resumed.
 fn not_pausable() -> String {
     "this sandbox cannot be paused or resumed: pausing needs the KVM backend (QEMU cannot \
-     restore a sandbox), and a sandbox the sandbox host took on again after a restart cannot be \
-     paused yet"
+     restore a sandbox), and the image it was made from (a sandbox the sandbox host took on \
+     again after a restart whose image left the store cannot be paused)"
         .into()
 }
 
 /// Pauses `entry`'s sandbox: its guest stopped where it is and written to its snapshot files,
 /// its VM process ended (its memory goes back to the host), its disk, network process and
 /// counters kept. Refused while a request runs in it (pausing would end it).
-pub async fn pause(entry: &Arc<SandboxEntry>) -> Result<PauseOutcome, ApiError> {
+pub async fn pause(state: &AppState, entry: &Arc<SandboxEntry>) -> Result<PauseOutcome, ApiError> {
     let Some(p) = &entry.pausable else {
         return Err(ApiError::Conflict(not_pausable()));
     };
@@ -124,6 +124,14 @@ pub async fn pause(entry: &Arc<SandboxEntry>) -> Result<PauseOutcome, ApiError> 
         .unwrap_or_else(|e| e.into_inner())
         .release_memory();
     *paused = true;
+    // Its record says so from now on: the service's next run keeps it paused, resumable.
+    let (dir, e) = (state.config().state_dir.clone(), entry.clone());
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Err(err) = crate::adopt::save_as(&dir, &e, true) {
+            tracing::warn!(id = %e.id, "a paused sandbox's record was not written, so a restart of the sandbox host would dispose of it: {err}");
+        }
+    })
+    .await;
     tracing::info!(
         id = %entry.id,
         run_id = %entry.run_id,
@@ -225,7 +233,12 @@ pub async fn resume(
             registry::watch(entry.clone());
             // Its record names the new VM's process from now on.
             let (dir, e) = (state.config().state_dir.clone(), entry.clone());
-            let _ = tokio::task::spawn_blocking(move || crate::adopt::save_or_log(&dir, &e)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Err(err) = crate::adopt::save_as(&dir, &e, false) {
+                    tracing::warn!(id = %e.id, "a sandbox's record was not written, so a restart of the sandbox host would dispose of it: {err}");
+                }
+            })
+            .await;
             tracing::info!(id = %entry.id, run_id = %entry.run_id, resume_ms = t0.elapsed().as_millis() as u64, "Resumed sandbox");
             Ok(ResumeOutcome::Resumed {
                 resume_ms: t0.elapsed().as_millis() as u64,

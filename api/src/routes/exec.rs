@@ -166,7 +166,12 @@ async fn exec(
                         return;
                     }
                 }
-                true = async { ending.wait_for(|e| *e == Ending::HandingOver).await.is_ok() } => {
+                // Told once the hand-over has kept the sandbox (one it disposes of is gone from
+                // the registry by then, and its stream ends with its VM).
+                true = async {
+                    ending.wait_for(|e| *e == Ending::HandedOver).await.is_ok()
+                        && state.registry().get(&entry.id).is_ok()
+                } => {
                     let err = ApiError::Restarting(
                         "the sandbox host is handing over to its next run (an upgrade): the \
                          command keeps running in the sandbox; read its results from the files \

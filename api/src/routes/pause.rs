@@ -41,9 +41,11 @@ async fn pause(
     let entry = state.registry().get(&id)?;
     serving(&state)?;
     // On a task of its own: a client that goes away mid-pause does not leave it half done.
-    let outcome = tokio::spawn(async move { lifecycle::pause(&entry).await.map(|o| (entry, o)) })
-        .await
-        .map_err(|e| ApiError::Internal(format!("the pause's task failed: {e}")))?;
+    let st = state.clone();
+    let outcome =
+        tokio::spawn(async move { lifecycle::pause(&st, &entry).await.map(|o| (entry, o)) })
+            .await
+            .map_err(|e| ApiError::Internal(format!("the pause's task failed: {e}")))?;
     let (entry, outcome) = outcome?;
     Ok(Json(match outcome {
         lifecycle::PauseOutcome::AlreadyPaused => json!({"id": entry.id, "state": "paused"}),

@@ -68,8 +68,12 @@ pub fn stock_only_store(state: &Path) -> PathBuf {
 }
 
 /// The binary as whoever runs the tests, for the operator commands and `run`.
+/// `SANDBOX_HOST_BIN` names it where the build's path is not this machine's (a test binary run
+/// inside the nested test host, `nested_kvm.rs`).
 pub fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_sandbox-host"));
+    let exe = std::env::var_os("SANDBOX_HOST_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_sandbox-host").into());
+    let mut c = Command::new(exe);
     test_env(&mut c);
     c
 }

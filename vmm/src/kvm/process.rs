@@ -160,6 +160,7 @@ async fn start_program(
 pub(crate) async fn adopt(
     id: &str,
     record: &crate::adopt::VmRecord,
+    snapshot_to: Option<crate::adopt::SnapshotTo>,
 ) -> Result<(Box<dyn Vm>, tokio::net::UnixStream), crate::adopt::AdoptVmError> {
     use crate::adopt::AdoptVmError;
     let token = record
@@ -215,8 +216,8 @@ pub(crate) async fn adopt(
         process,
         control,
         snapshots: std::sync::atomic::AtomicU64::new(0),
-        snapshot_to: None,
-        memory_mib: 0,
+        memory_mib: snapshot_to.as_ref().map_or(0, |s| s.memory_mib),
+        snapshot_to: snapshot_to.map(|s| s.files),
         adoptable: Some(Adoptable {
             token: record.token.clone().unwrap_or_default(),
             state_dir: record.state_dir.clone(),
