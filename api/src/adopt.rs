@@ -444,8 +444,7 @@ pub async fn adopt_all(state: &AppState) -> Kept {
 /// Whether `id` is one this service makes (`registry::new_id`): a record's name is checked
 /// before anything is built from it.
 fn plain_id(id: &str) -> bool {
-    id.strip_prefix("sbx-")
-        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    registry::host_of(id).is_some()
 }
 
 /// The record of `id`, read within [`MAX_RECORD`] and checked.
@@ -746,12 +745,17 @@ mod tests {
 
     #[test]
     fn only_ids_this_service_makes_are_read() {
-        assert!(plain_id(&registry::new_id()));
+        assert!(plain_id(&registry::new_id(None)));
+        assert!(plain_id(&registry::new_id(Some("node-7"))));
         for bad in [
             "sbx-0123",
             "sbx-0123456789abcdeg",
             "../sbx-0123456789abcdef",
             "sbx-0123456789abcdef/..",
+            "sbx-0123456789abcdef-",
+            "sbx-0123456789abcdef-Node",
+            "sbx-0123456789abcdef-a/../b",
+            "sbx-0123456789abcdef-01234567890123456789012345678901234567890",
             "run-1-2",
             "",
         ] {

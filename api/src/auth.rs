@@ -45,7 +45,23 @@ pub async fn require_token(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    if state.config().bind.is_loopback() {
+    check(
+        state.config().bind.is_loopback(),
+        state.token_digest(),
+        &req,
+    )?;
+    Ok(next.run(req).await)
+}
+
+/// The checks of [`require_token`], for any service that serves this API (the host, a fleet's
+/// gateway): on a loopback bind the Host header must name loopback, then the bearer token must
+/// be the one whose digest is `expected_digest`.
+pub fn check(
+    loopback_bind: bool,
+    expected_digest: &[u8; 32],
+    req: &Request,
+) -> Result<(), ApiError> {
+    if loopback_bind {
         let host = req
             .headers()
             .get(header::HOST)
@@ -60,10 +76,10 @@ pub async fn require_token(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
         .unwrap_or(b"");
-    if !token_matches(given, state.token_digest()) {
+    if !token_matches(given, expected_digest) {
         return Err(ApiError::Unauthorized);
     }
-    Ok(next.run(req).await)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -67,6 +67,18 @@ pub enum ConfigError {
     },
 }
 
+/// Whether `name` can name a host in a fleet (`SANDBOX_HOST_NAME`): it ends every id of the
+/// host's sandboxes, so it is short and plain (a sandbox's socket paths, which hold its id, must
+/// stay under 108 bytes; and no `.`, which the cgroups' names use as a separator).
+pub fn valid_host_name(name: &str) -> bool {
+    (1..=40).contains(&name.len())
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
 /// Everything `serve` needs, validated.
 #[derive(Clone)]
 pub struct Config {
@@ -112,6 +124,9 @@ pub struct Config {
     /// `SANDBOX_HOST_TEMPLATES` (`on` by default, `off`): sandboxes are restored from a
     /// template of their shape instead of booting (issue 15; on QEMU too, issue 36).
     pub templates: bool,
+    /// `SANDBOX_HOST_NAME`: this host's name in a fleet (issue 33). Its sandboxes' ids end with
+    /// it, so a gateway finds the host of a sandbox from the id alone; `/v1/health` says it.
+    pub name: Option<String>,
 }
 
 impl std::fmt::Debug for Config {
@@ -137,6 +152,7 @@ impl std::fmt::Debug for Config {
             .field("meter_body_max", &self.meter_body_max)
             .field("egress_memory_mib", &self.egress_memory_mib)
             .field("templates", &self.templates)
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -305,6 +321,19 @@ impl Config {
                            the meter holds must fit beside the connections) to 65536",
             });
         }
+        let name = match get("SANDBOX_HOST_NAME").map(|v| v.trim().to_string()) {
+            None => None,
+            Some(n) if valid_host_name(&n) => Some(n),
+            Some(n) => {
+                return Err(ConfigError::Invalid {
+                    var: "SANDBOX_HOST_NAME",
+                    value: n,
+                    expected: "a name of 1 to 40 lowercase letters, digits and inner `-` (a \
+                               node's name, say; the container's entrypoint makes one of \
+                               SANDBOX_HOST_NODE_NAME)",
+                });
+            }
+        };
         let templates = match get("SANDBOX_HOST_TEMPLATES").as_deref().map(str::trim) {
             None | Some("on") => true,
             Some("off") => false,
@@ -358,6 +387,7 @@ impl Config {
             state_dir: sandbox_vmm::config::state_dir(),
             egress_resolve: std::sync::Arc::new(egress_resolve),
             templates,
+            name,
             egress_ca_file,
             egress_ca_pem,
             meter_body_max: meter_body_max_mib << 20,
@@ -393,6 +423,40 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn a_host_name_is_short_and_plain_and_ends_its_ids() {
+        let t = "x".repeat(24);
+        let c = cfg(&[
+            ("SANDBOX_HOST_TOKEN", t.as_str()),
+            ("SANDBOX_HOST_NAME", "node-7"),
+        ])
+        .unwrap();
+        assert_eq!(c.name.as_deref(), Some("node-7"));
+        let id = crate::registry::new_id(c.name.as_deref());
+        assert_eq!(crate::registry::host_of(&id), Some(Some("node-7")));
+        assert_eq!(
+            crate::registry::host_of(&crate::registry::new_id(None)),
+            Some(None)
+        );
+        for bad in ["Node", "-a", "a-", "a_b", "a.b", &"a".repeat(41)] {
+            let e = cfg(&[
+                ("SANDBOX_HOST_TOKEN", t.as_str()),
+                ("SANDBOX_HOST_NAME", bad),
+            ])
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("SANDBOX_HOST_NAME"), "{bad}: {e}");
+        }
+        for bad in [
+            "sbx-0123456789abcdef-",
+            "sbx-0123456789abcdefx",
+            "sbx-0123",
+            "x-0123456789abcdef",
+        ] {
+            assert_eq!(crate::registry::host_of(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -71,6 +71,9 @@ pub enum ApiError {
     /// The guest or the VM failed in a way the caller cannot fix.
     #[error("{0}")]
     Internal(String),
+    /// A fleet's gateway could not reach the sandbox host a request needs (issue 33).
+    #[error("{0}")]
+    HostDown(String),
 }
 
 impl ApiError {
@@ -93,6 +96,7 @@ impl ApiError {
             ApiError::NoCapacity(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            ApiError::HostDown(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
         }
     }
 

@@ -12,6 +12,7 @@ mod egress;
 mod error;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod gateway;
 mod json;
 mod lifecycle;
 mod metrics;

@@ -37,6 +37,9 @@ enum Command {
         #[arg(last = true, required = true, num_args = 1..)]
         command: Vec<String>,
     },
+    /// Serve the API in front of a fleet of sandbox hosts (SANDBOX_HOST_GATEWAY_HOSTS or
+    /// SANDBOX_HOST_GATEWAY_DNS), keeping no sandbox of its own.
+    Gateway,
     /// Dispose of sandboxes of a running sandbox host.
     Rm {
         /// Sandbox ids.
@@ -90,6 +93,7 @@ fn main() -> ExitCode {
                 command,
             } => client::exec(id, command, timeout_ms).await,
             Command::Rm { ids } => client::rm(ids).await,
+            Command::Gateway => sandbox_host::gateway::run().await,
         }
     })
 }

@@ -446,8 +446,9 @@ pub fn watch(watched: Arc<SandboxEntry>) {
     });
 }
 
-/// A new sandbox id: `sbx-` and 16 random hex digits.
-pub fn new_id() -> String {
+/// A new sandbox id: `sbx-` and 16 random hex digits, then `-` and the host's name if it has
+/// one (`SANDBOX_HOST_NAME`, issue 33: a gateway reads the host from the id).
+pub fn new_id(host: Option<&str>) -> String {
     let mut b = [0u8; 8];
     let ok = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))
@@ -459,10 +460,27 @@ pub fn new_id() -> String {
             .unwrap_or(0);
         b = (n as u64 ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
     }
-    format!(
-        "sbx-{}",
-        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-    )
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    match host {
+        Some(h) => format!("sbx-{hex}-{h}"),
+        None => format!("sbx-{hex}"),
+    }
+}
+
+/// The host's name an id ends with (`new_id`), if it is one this service makes.
+pub fn host_of(id: &str) -> Option<Option<&str>> {
+    let rest = id.strip_prefix("sbx-")?;
+    let hex = rest.get(..16)?;
+    if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    match &rest[16..] {
+        "" => Some(None),
+        tail => {
+            let name = tail.strip_prefix('-')?;
+            crate::config::valid_host_name(name).then_some(Some(name))
+        }
+    }
 }
 
 /// Adds `n` to a per-sandbox and the service-wide counter.

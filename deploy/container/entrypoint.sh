@@ -25,6 +25,14 @@ log() {
 
 [ $# -gt 0 ] || set -- serve
 
+# A fleet's host name (SANDBOX_HOST_NAME) from its node's (the Helm chart passes
+# SANDBOX_HOST_NODE_NAME): the first label, lowercased, without what a host name cannot hold,
+# at most 40 characters.
+if [ -z "${SANDBOX_HOST_NAME:-}" ] && [ -n "${SANDBOX_HOST_NODE_NAME:-}" ]; then
+  SANDBOX_HOST_NAME=$(printf '%s' "${SANDBOX_HOST_NODE_NAME%%.*}" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9-' '-' | cut -c1-40 | sed 's/^-*//; s/-*$//')
+  export SANDBOX_HOST_NAME
+fi
+
 if [ "$(id -u)" -ne 0 ]; then
   # Started as another user (docker run --user, rootless setups): nothing here can be prepared.
   log WARN "The entrypoint runs as uid $(id -u), not root: it cannot find the group of /dev/kvm or prepare the cgroup; starting the sandbox host as this user"
@@ -32,7 +40,10 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 groups=""
-if [ -c /dev/kvm ]; then
+if [ "$1" = gateway ]; then
+  # A fleet's gateway starts no VM: no /dev/kvm, no cgroup, no image store to prepare.
+  :
+elif [ -c /dev/kvm ]; then
   gid=$(stat -c %g /dev/kvm)
   name=$(getent group "$gid" | cut -d: -f1)
   if [ "$gid" -lt 100 ] || [ "$gid" -eq 65534 ] || { [ -n "$name" ] && [ "$name" != kvm ] && [ "$name" != "$user" ]; }; then

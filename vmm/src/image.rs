@@ -190,6 +190,42 @@ impl ImageStore {
         &self.dir
     }
 
+    /// The names that resolve now to an image of this store's architecture: `name` for an image
+    /// directly under the store, `name:tag` for each tag (and `name` too where there is a
+    /// `latest`). At most 256, sorted: what `/v1/health` tells a gateway placing a create.
+    pub fn names(&self) -> Vec<String> {
+        let mut names = vec![];
+        let entries = |d: &Path| -> Vec<String> {
+            std::fs::read_dir(d)
+                .map(|rd| {
+                    rd.flatten()
+                        .take(256)
+                        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                        .filter(|n| !n.starts_with('.'))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for name in entries(&self.dir) {
+            let dir = self.dir.join(&name);
+            if dir.join("manifest.json").exists() {
+                names.push(name);
+                continue;
+            }
+            for tag in entries(&dir) {
+                if tag == "latest" {
+                    names.push(name.clone());
+                }
+                names.push(format!("{name}:{tag}"));
+            }
+        }
+        names.retain(|n| self.resolve(n).is_ok());
+        names.sort();
+        names.dedup();
+        names.truncate(256);
+        names
+    }
+
     /// Image `name` as it was when it resolved to the (canonical) directory `dir`: what a paused
     /// sandbox's snapshot was taken on, named by a record the service's next run reads. The name
     /// is looked up again; if it now leads elsewhere (a newer build of the image), `dir` itself
@@ -339,6 +375,27 @@ mod tests {
                 dir.display()
             );
         }
+    }
+
+    #[test]
+    fn names_are_what_resolves() {
+        let t = tempfile::tempdir().unwrap();
+        let manifest = r#"{"kind":"initramfs","kernel":"vmlinux","initrd":"initramfs.cpio"}"#;
+        make(t.path(), "stock", manifest);
+        let tagged = t.path().join("guest");
+        std::fs::create_dir_all(&tagged).unwrap();
+        std::os::unix::fs::symlink("../.stock-1", tagged.join("latest")).unwrap();
+        std::os::unix::fs::symlink("../.stock-1", tagged.join("v2")).unwrap();
+        std::os::unix::fs::symlink("../.missing", tagged.join("gone")).unwrap();
+        let store = ImageStore::with_arch(t.path(), Arch::X86_64);
+        assert_eq!(
+            store.names(),
+            ["guest", "guest:latest", "guest:v2", "stock"]
+        );
+        assert_eq!(
+            ImageStore::with_arch(t.path(), Arch::Aarch64).names(),
+            Vec::<String>::new()
+        );
     }
 
     #[test]

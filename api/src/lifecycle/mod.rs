@@ -91,7 +91,7 @@ impl Plan {
         };
         Ok(Plan {
             run: registry::Run {
-                id: registry::new_id(),
+                id: registry::new_id(state.config().name.as_deref()),
                 run_id: asked.run_id,
                 image: if stock_image {
                     STOCK.to_string()

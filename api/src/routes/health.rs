@@ -31,6 +31,9 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
         "warning": a.warning,
         "version": env!("CARGO_PKG_VERSION"),
         "image": { "name": image, "stock": stock },
+        // A fleet's gateway places a create by these (issue 33).
+        "name": state.config().name,
+        "images": state.store().names(),
         "sandboxes": state.registry().all().len(),
         "capacity": state.capacity().report(),
         "jail": jail_report(),

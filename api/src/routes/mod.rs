@@ -83,15 +83,19 @@ async fn declared_length(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > state.config().max_body) {
+    if declared_over(req.headers(), state.config().max_body) {
         return Err(too_large(&state));
     }
     Ok(next.run(req).await)
+}
+
+/// Whether a request declares a body longer than `max` bytes (`Content-Length`).
+pub fn declared_over(headers: &axum::http::HeaderMap, max: u64) -> bool {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|n| n > max)
 }
 
 /// The 413 error for this host's limit.

@@ -176,6 +176,7 @@ async fn create(
             "expires_at": rfc3339(entry.expires_at),
             "boot_ms": boot_ms,
             "started_from": started_from,
+            "host": state.config().name,
         })),
     ))
 }

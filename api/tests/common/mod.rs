@@ -309,6 +309,20 @@ pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
     if !env.iter().any(|(k, _)| *k == "SANDBOX_HOST_TEMPLATES") {
         cmd.env("SANDBOX_HOST_TEMPLATES", "off");
     }
+    let (child, logs) = spawn_logged(&mut cmd, env);
+    let h = Host {
+        child,
+        port,
+        state: state.to_path_buf(),
+        _tmp: None,
+        logs,
+    };
+    h.wait_log("Listening on", Duration::from_secs(120));
+    h
+}
+
+/// Spawns `cmd` with `env` added, its stderr's lines gathered as they come.
+fn spawn_logged(cmd: &mut Command, env: &[(&str, &str)]) -> (Child, Arc<Mutex<Vec<String>>>) {
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -321,14 +335,33 @@ pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
             l.lock().unwrap().push(line);
         }
     });
+    (child, logs)
+}
+
+/// Starts `sandbox-host gateway` (issue 33) with `env` (its hosts among them), as the service's
+/// user, and waits for its `Listening on` line.
+pub fn start_gateway(env: &[(&str, &str)]) -> Host {
+    let tmp = tempfile::Builder::new()
+        .prefix("sbx-gw")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let port = free_port();
+    let mut cmd = service();
+    cmd.env("SANDBOX_HOST_TOKEN", TOKEN)
+        .env("SANDBOX_HOST_PORT", port.to_string())
+        .env("SANDBOX_HOST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .arg("gateway");
+    let (child, logs) = spawn_logged(&mut cmd, env);
     let h = Host {
         child,
         port,
-        state: state.to_path_buf(),
-        _tmp: None,
+        state: tmp.path().join("none"),
+        _tmp: Some(tmp),
         logs,
     };
-    h.wait_log("Listening on", Duration::from_secs(120));
+    h.wait_log("Listening on", Duration::from_secs(30));
     h
 }
 

@@ -231,6 +231,17 @@ export class HostRestartingError extends SandboxHostError {
   }
 }
 
+/**
+ * `503 host_unavailable`, from a fleet's gateway (`sandbox-host gateway`): the sandbox host that
+ * holds the sandbox did not answer (it is down or unreachable), or stopped answering during a
+ * create. The sandbox may come back with its host; a new sandbox goes to another host.
+ */
+export class HostUnavailableError extends SandboxHostError {
+  constructor(answer: HostAnswer) {
+    super(sentence(answer.message, 'The sandbox host that holds the sandbox did not answer'), answer);
+  }
+}
+
 /** `507 no_space`: the guest's filesystem has no room for the archive or file. */
 export class NoSpaceError extends SandboxHostError {
   constructor(answer: HostAnswer) {
@@ -297,6 +308,7 @@ export const ERROR_CLASSES: { readonly [C in ErrorCode]: AnswerErrorClass } = {
   unavailable: UnavailableError,
   no_capacity: NoCapacityError,
   host_restarting: HostRestartingError,
+  host_unavailable: HostUnavailableError,
   no_space: NoSpaceError,
 };
 

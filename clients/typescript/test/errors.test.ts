@@ -10,6 +10,7 @@ import {
   BodyTooLargeError,
   ERROR_CLASSES,
   HostRestartingError,
+  HostUnavailableError,
   HostUnreachableError,
   NoCapacityError,
   NoSandboxError,
@@ -158,6 +159,14 @@ describe('errors', () => {
     host.on('POST /v1/sandboxes', (_req, res) => sendJson(res, 503, { error: text, code: 'host_restarting' }));
     await assert.rejects(host.client().create({ run_id: 'r', time_limit_ms: 1000, review: false }), (e: unknown) => {
       return e instanceof HostRestartingError && e.message === `T${text.slice(1)}`;
+    });
+  });
+
+  it('a gateway whose host is lost says which host and sandbox', async () => {
+    const text = 'The sandbox host b that holds sbx-0123456789abcdef-b did not answer (connection refused); retry later, or make a new sandbox';
+    host.on('GET /v1/sandboxes/sbx-0123456789abcdef-b', (_req, res) => sendJson(res, 503, { error: text, code: 'host_unavailable' }));
+    await assert.rejects(host.client().sandbox('sbx-0123456789abcdef-b').info(), (e: unknown) => {
+      return e instanceof HostUnavailableError && e.message === text;
     });
   });
 

@@ -219,7 +219,7 @@ export interface components {
         Error: {
             error: string;
             /** @enum {string} */
-            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "host_restarting" | "no_capacity" | "no_space" | "internal";
+            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "host_restarting" | "no_capacity" | "no_space" | "internal" | "host_unavailable";
         };
         Health: {
             available: boolean;
@@ -277,6 +277,33 @@ export interface components {
                 /** @description Limits of fairness between VMs that this host's kernel cannot apply (a bound on each VM's processor time, an I/O weight, one OOM kill for the whole group), in words. Said at start-up; never a reason to refuse VMs. */
                 unenforced: string[];
             };
+            /** @description This host's SANDBOX_HOST_NAME: the ids of its sandboxes end with `-<name>`, which is how a fleet's gateway finds a sandbox's host. Null on a host without a name. */
+            name?: string | null;
+            /** @description The image names that resolve in this host's store now (at most 256): what a gateway places a create by. */
+            images?: string[];
+            /**
+             * @description Present only in a gateway's answer (`sandbox-host gateway`): then `backend`, `accel`, `arch` and `image` are those of one of its hosts, `sandboxes` and `capacity` the fleet's sums, and `hosts` has a row per host.
+             * @enum {string}
+             */
+            role?: "gateway";
+            /** @description A gateway's hosts, as of its last poll of each. */
+            hosts?: {
+                name: string | null;
+                url: string;
+                /** @description It answered the last poll. */
+                up: boolean;
+                /** @description Up, named as configured, able to start sandboxes, not draining. */
+                takes_sandboxes: boolean;
+                draining?: boolean;
+                /** @description Why it takes no sandboxes. */
+                reason: string | null;
+                sandboxes?: number;
+                arch?: string;
+                images?: string[];
+                capacity?: unknown;
+                backend?: unknown;
+                version?: unknown;
+            }[];
         };
         Secret: {
             env: string;
@@ -343,6 +370,8 @@ export interface components {
              * @enum {string}
              */
             started_from: "template" | "boot";
+            /** @description The name of the sandbox host that holds it (its SANDBOX_HOST_NAME, which also ends the id), or null on a host without a name. Through a gateway (issue 33) always a name. */
+            host?: string | null;
         };
         Sandbox: {
             id?: string;
@@ -557,6 +586,11 @@ export interface operations {
                 content: {
                     "application/json": {
                         sandboxes?: components["schemas"]["Sandbox"][];
+                        /** @description Through a gateway: the hosts that did not answer the list (their sandboxes are missing from it). Absent on a host. */
+                        unreachable?: {
+                            host?: string;
+                            error?: string;
+                        }[];
                     };
                 };
             };

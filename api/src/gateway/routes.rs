@@ -1,0 +1,406 @@
+//! The gateway's routes: the API of `routes/`, each answered by the fleet's hosts.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use sha2::Digest;
+
+use super::config::GatewayConfig;
+use super::fleet::{Fleet, Host};
+use super::place;
+use super::proxy;
+use crate::error::ApiError;
+
+/// The gateway's state, shared by every handler.
+#[derive(Clone)]
+pub struct Gateway(Arc<Inner>);
+
+struct Inner {
+    config: GatewayConfig,
+    token_digest: [u8; 32],
+    fleet: Arc<Fleet>,
+    rng: Mutex<place::Rng>,
+    /// Sandboxes made, by host.
+    placements: Mutex<BTreeMap<String, u64>>,
+    /// Creates a host refused or did not take, sent on to the next.
+    failovers: AtomicU64,
+}
+
+impl Gateway {
+    /// The gateway of `fleet`.
+    pub fn new(config: GatewayConfig, fleet: Arc<Fleet>) -> Gateway {
+        Gateway(Arc::new(Inner {
+            token_digest: sha2::Sha256::digest(config.token.as_bytes()).into(),
+            config,
+            fleet,
+            rng: Mutex::new(place::Rng::new()),
+            placements: Mutex::default(),
+            failovers: AtomicU64::new(0),
+        }))
+    }
+}
+
+/// The whole application.
+pub fn app(gw: Gateway) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", any(by_id))
+        .route("/v1/sandboxes/{id}/{*rest}", any(by_id_rest))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .layer(middleware::from_fn_with_state(gw.clone(), declared_length))
+        .layer(middleware::from_fn_with_state(gw.clone(), require_token))
+        .with_state(gw)
+}
+
+async fn require_token(
+    State(gw): State<Gateway>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    crate::auth::check(gw.0.config.bind.is_loopback(), &gw.0.token_digest, &req)?;
+    Ok(next.run(req).await)
+}
+
+fn too_large(gw: &Gateway) -> ApiError {
+    ApiError::TooLarge {
+        bytes: gw.0.config.max_body,
+        mb: gw.0.config.max_body_mb,
+    }
+}
+
+/// A body whose declared length is over the limit is refused before any of it is read, as a
+/// host refuses it; a body without a declared length is bounded by the host it streams to.
+async fn declared_length(
+    State(gw): State<Gateway>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if crate::routes::declared_over(req.headers(), gw.0.config.max_body) {
+        return Err(too_large(&gw));
+    }
+    Ok(next.run(req).await)
+}
+
+/// The error of a sandbox whose host did not answer, in the words of the issue's contract.
+fn host_down(name: &str, id: &str, why: &str) -> ApiError {
+    ApiError::HostDown(format!(
+        "The sandbox host {name} that holds {id} did not answer ({why}); retry later, or make a \
+         new sandbox"
+    ))
+}
+
+async fn by_id(State(gw): State<Gateway>, Path(id): Path<String>, req: Request) -> Response {
+    route(&gw, &id, req).await
+}
+
+async fn by_id_rest(
+    State(gw): State<Gateway>,
+    Path((id, _rest)): Path<(String, String)>,
+    req: Request,
+) -> Response {
+    route(&gw, &id, req).await
+}
+
+/// Sends a request about sandbox `id` to the host its id names.
+async fn route(gw: &Gateway, id: &str, req: Request) -> Response {
+    let Some(Some(name)) = crate::registry::host_of(id) else {
+        return ApiError::NoSandbox(id.chars().take(100).collect()).into_response();
+    };
+    let Some(host) = gw.0.fleet.by_name(name) else {
+        return ApiError::NoSandbox(id.to_string()).into_response();
+    };
+    match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), req).await {
+        Ok(res) => res,
+        Err(e) => {
+            if e.before_sending {
+                host.failed(e.why.clone());
+            }
+            host_down(name, id, &e.why).into_response()
+        }
+    }
+}
+
+/// How much a create body may be when the gateway reads it to place it (a create's JSON is
+/// small; the host applies its own limit to it again).
+const CREATE_MAX: usize = 1 << 20;
+
+/// `POST /v1/sandboxes`: placed on a host that takes it (`place.rs`), sent on to the next when a
+/// host refuses it for room (`503 no_capacity`), is restarting, cannot start VMs, or cannot be
+/// reached. The host's answer comes back as it is, naming the host (`host`).
+async fn create(State(gw): State<Gateway>, req: Request) -> Result<Response, ApiError> {
+    let (parts, body) = req.into_parts();
+    let bytes = http_body_util::Limited::new(body, CREATE_MAX)
+        .collect()
+        .await
+        .map_err(|_| too_large(&gw))?
+        .to_bytes();
+    // The host checks the request; the gateway reads only what places it.
+    let asked: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let image = asked["image"].as_str().map(str::to_string);
+    let memory = asked["memory_mib"].as_u64().unwrap_or(4096);
+    let hosts: Vec<(Arc<Host>, super::fleet::Seen)> =
+        gw.0.fleet
+            .all()
+            .into_iter()
+            .map(|h| {
+                let s = h.seen();
+                (h, s)
+            })
+            .filter(|(_, s)| s.takes_sandboxes)
+            .collect();
+    if hosts.is_empty() {
+        return Err(ApiError::NoCapacity(no_host_reason(&gw)));
+    }
+    // Hosts with the image first; where none has it, any (a host makes it from its stock image,
+    // as a lone host does, and says so).
+    let with_image: Vec<(Arc<Host>, super::fleet::Seen)> = match &image {
+        Some(i) => hosts
+            .iter()
+            .filter(|(_, s)| s.images.iter().any(|n| n == i))
+            .cloned()
+            .collect(),
+        None => hosts.clone(),
+    };
+    let pool = if with_image.is_empty() {
+        hosts
+    } else {
+        with_image
+    };
+    let free: Vec<u64> = pool.iter().map(|(_, s)| s.free_memory_mib).collect();
+    let order = {
+        let mut rng = gw.0.rng.lock().unwrap_or_else(|e| e.into_inner());
+        place::order(&free, memory, &mut rng)
+    };
+    let mut last: Option<Response> = None;
+    for i in order {
+        let (host, seen) = &pool[i];
+        let name = seen.name.clone().unwrap_or_default();
+        let mut out = Request::builder()
+            .method(parts.method.clone())
+            .uri(parts.uri.clone())
+            .body(Body::from(bytes.clone()))
+            .map_err(|e| ApiError::Internal(format!("the create could not be passed on: {e}")))?;
+        *out.headers_mut() = parts.headers.clone();
+        match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), out).await {
+            Ok(res) if res.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                // Read (bounded) to pass on the last refusal if every host refuses.
+                let (p, b) = res.into_parts();
+                let body = http_body_util::Limited::new(b, 64 << 10)
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                tracing::info!(host = %name, "A host refused a create; trying the next");
+                gw.0.failovers.fetch_add(1, Relaxed);
+                last = Some(Response::from_parts(p, Body::from(body)));
+            }
+            Ok(res) => {
+                if res.status() == StatusCode::CREATED {
+                    host.placed(memory);
+                    *gw.0
+                        .placements
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(name)
+                        .or_default() += 1;
+                }
+                return Ok(res);
+            }
+            Err(e) if e.before_sending => {
+                tracing::warn!(host = %name, "A host did not answer a create; trying the next: {}", e.why);
+                host.failed(e.why);
+                gw.0.failovers.fetch_add(1, Relaxed);
+            }
+            Err(e) => {
+                // The create reached the host: it may have made the sandbox. Not sent again.
+                host.failed(e.why.clone());
+                return Err(ApiError::HostDown(format!(
+                    "The sandbox host {name} stopped answering during the create ({}); the sandbox \
+                     may exist there: list the sandboxes to see, then retry",
+                    e.why
+                )));
+            }
+        }
+    }
+    Ok(last.unwrap_or_else(|| ApiError::NoCapacity(no_host_reason(&gw)).into_response()))
+}
+
+/// Why no host takes a create, host by host.
+fn no_host_reason(gw: &Gateway) -> String {
+    let why: Vec<String> =
+        gw.0.fleet
+            .all()
+            .iter()
+            .map(|h| {
+                let s = h.seen();
+                format!(
+                    "{}: {}",
+                    s.name.unwrap_or_else(|| h.url.to_string()),
+                    s.reason.unwrap_or_else(|| "no room".into())
+                )
+            })
+            .collect();
+    format!(
+        "no sandbox host of this fleet takes a sandbox now ({}); retry when a run ends, or add hosts",
+        if why.is_empty() {
+            "no host found".into()
+        } else {
+            why.join("; ")
+        }
+    )
+}
+
+/// `GET /v1/sandboxes`: every host's list, merged; the hosts that did not answer are named.
+async fn list(State(gw): State<Gateway>, req: Request) -> Response {
+    let query = req
+        .uri()
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    let mut asks = tokio::task::JoinSet::new();
+    for h in gw.0.fleet.all() {
+        let Some(name) = h.name() else { continue };
+        let (client, token, query) = (
+            gw.0.fleet.client().clone(),
+            gw.0.fleet.host_token().to_string(),
+            query.clone(),
+        );
+        asks.spawn(async move {
+            let req = Request::get(format!("/v1/sandboxes{query}"))
+                .body(Body::empty())
+                .expect("a plain request");
+            let got = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                let res = proxy::forward(&client, &h.url, &token, req)
+                    .await
+                    .map_err(|e| e.why)?;
+                let ok = res.status().is_success();
+                let body = http_body_util::Limited::new(res.into_body(), 64 << 20)
+                    .collect()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .to_bytes();
+                let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+                if !ok {
+                    return Err(v["error"].as_str().unwrap_or("an error").to_string());
+                }
+                Ok(v)
+            })
+            .await
+            .unwrap_or_else(|_| Err("no answer within 5 s".into()));
+            (name, got)
+        });
+    }
+    let mut sandboxes = vec![];
+    let mut unreachable = vec![];
+    while let Some(Ok((name, got))) = asks.join_next().await {
+        match got {
+            Ok(v) => sandboxes.extend(v["sandboxes"].as_array().cloned().unwrap_or_default()),
+            Err(why) => unreachable.push(json!({"host": name, "error": why})),
+        }
+    }
+    sandboxes.sort_by(|a, b| a["created_at"].as_str().cmp(&b["created_at"].as_str()));
+    axum::Json(json!({"sandboxes": sandboxes, "unreachable": unreachable})).into_response()
+}
+
+/// `GET /v1/health`: available when any host takes sandboxes; the capacity summed, a row per host.
+async fn health(State(gw): State<Gateway>) -> Response {
+    let mut rows = vec![];
+    let (mut sandboxes, mut free, mut limit) = (0u64, 0u64, 0u64);
+    let mut available = false;
+    for h in gw.0.fleet.all() {
+        let s = h.seen();
+        if s.up {
+            sandboxes += s.sandboxes;
+            free += s.free_memory_mib;
+            limit += s.memory_limit_mib;
+        }
+        available |= s.takes_sandboxes;
+        rows.push(json!({
+            "name": s.name,
+            "url": h.url.to_string(),
+            "up": s.up,
+            "takes_sandboxes": s.takes_sandboxes,
+            "draining": s.health["draining"].as_bool().unwrap_or(false),
+            "reason": s.reason,
+            "sandboxes": s.sandboxes,
+            "arch": s.arch,
+            "images": s.images,
+            "capacity": s.health["capacity"],
+            "backend": s.health["backend"],
+            "version": s.health["version"],
+        }));
+    }
+    let reason = (!available).then(|| no_host_reason(&gw));
+    // What the API says of one host (its backend, accelerator, guests' architecture, default
+    // image) is said of one that takes sandboxes, else of any that answered.
+    let seen: Vec<_> = gw.0.fleet.all().iter().map(|h| h.seen()).collect();
+    let one = seen
+        .iter()
+        .find(|s| s.takes_sandboxes)
+        .or_else(|| seen.iter().find(|s| s.up))
+        .map(|s| s.health.clone())
+        .unwrap_or(Value::Null);
+    axum::Json(json!({
+        "role": "gateway",
+        "available": available,
+        "reason": reason,
+        "backend": one["backend"].as_str().unwrap_or("qemu"),
+        "accel": one["accel"].as_str().unwrap_or("none"),
+        "arch": one["arch"].as_str().unwrap_or(std::env::consts::ARCH),
+        "image": if one["image"].is_object() { one["image"].clone() } else { json!({}) },
+        "version": env!("CARGO_PKG_VERSION"),
+        "sandboxes": sandboxes,
+        "capacity": {
+            "sandboxes": sandboxes,
+            "memory_mib": {"committed": limit.saturating_sub(free), "limit": limit, "free": free},
+        },
+        "hosts": rows,
+    }))
+    .into_response()
+}
+
+/// `GET /metrics`: the gateway's own counters (each host is scraped on its own).
+async fn metrics(State(gw): State<Gateway>) -> Response {
+    let mut out = String::new();
+    out.push_str("# HELP sandbox_gateway_placements_total Sandboxes made through this gateway, by host.\n# TYPE sandbox_gateway_placements_total counter\n");
+    for (host, n) in
+        gw.0.placements
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+    {
+        out.push_str(&format!(
+            "sandbox_gateway_placements_total{{host=\"{host}\"}} {n}\n"
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP sandbox_gateway_failovers_total Creates a host refused or did not answer, sent on to the next.\n# TYPE sandbox_gateway_failovers_total counter\nsandbox_gateway_failovers_total {}\n",
+        gw.0.failovers.load(Relaxed)
+    ));
+    out.push_str("# HELP sandbox_gateway_host_up Whether the host answered the last poll.\n# TYPE sandbox_gateway_host_up gauge\n");
+    for h in gw.0.fleet.all() {
+        let s = h.seen();
+        let name = s.name.unwrap_or_else(|| h.url.to_string());
+        out.push_str(&format!(
+            "sandbox_gateway_host_up{{host=\"{name}\"}} {}\n",
+            u8::from(s.up)
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP sandbox_gateway_polls_total Health polls of the fleet.\n# TYPE sandbox_gateway_polls_total counter\nsandbox_gateway_polls_total {}\n",
+        gw.0.fleet.polls.load(Relaxed)
+    ));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

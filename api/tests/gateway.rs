@@ -1,0 +1,197 @@
+//! A fleet behind a gateway (issue 33), with real hosts and guests: three sandbox hosts of one
+//! sandbox's room each, named, and `sandbox-host gateway` in front of them. A create lands on a
+//! host with room (three creates, one on each), the fourth is refused with the hosts' reasons;
+//! exec, files and the list go through the gateway to the host an id names; a host killed
+//! mid-run gives its sandboxes' callers the clear 503 while the others serve, and a create goes
+//! where there is room.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{start, start_gateway, stock_image_missing};
+use serde_json::json;
+
+/// The host an id names (`sbx-<hex>-<host>`).
+fn host_of(id: &str) -> &str {
+    id.rsplit_once('-').map(|(_, h)| h).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_places_routes_and_outlives_a_lost_host() {
+    if stock_image_missing() {
+        return;
+    }
+    // Room for one 256 MiB sandbox each (with its egress and network process's shares).
+    let host = |name: &str| {
+        start(&[
+            ("SANDBOX_HOST_NAME", name),
+            ("SANDBOX_HOST_MEMORY_LIMIT_MIB", "640"),
+        ])
+    };
+    let (a, mut b, c) = (host("a"), host("b"), host("c"));
+    let hosts = format!("a={},b={},c={}", a.url(""), b.url(""), c.url(""));
+    let gw = start_gateway(&[
+        ("SANDBOX_HOST_GATEWAY_HOSTS", hosts.as_str()),
+        ("SANDBOX_HOST_GATEWAY_POLL_MS", "300"),
+    ]);
+    let (s, health) = gw.json("GET", "/v1/health", None).await;
+    assert_eq!(s, 200, "{health}");
+    assert_eq!(health["available"], true, "{health}");
+    assert_eq!(
+        health["hosts"].as_array().map(Vec::len),
+        Some(3),
+        "{health}"
+    );
+    assert!(
+        health["hosts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|h| h["up"] == true),
+        "{health}"
+    );
+    // The token rules are the hosts': none, no answer.
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<hyper::body::Bytes>>();
+    let res = client
+        .request(
+            hyper::Request::get(gw.url("/v1/sandboxes"))
+                .body(Default::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 401);
+
+    // Three creates: one on each host (each has room for one), each answer naming its host.
+    let mut ids = vec![];
+    for i in 0..3 {
+        let (s, v) = gw
+            .json(
+                "POST",
+                "/v1/sandboxes",
+                Some(json!({"run_id": format!("run-{i}"), "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+            )
+            .await;
+        assert_eq!(s, 201, "{v}");
+        let id = v["id"].as_str().unwrap().to_string();
+        assert_eq!(v["host"].as_str(), Some(host_of(&id)), "{v}");
+        ids.push(id);
+    }
+    let placed: BTreeSet<&str> = ids.iter().map(|i| host_of(i)).collect();
+    assert_eq!(placed, BTreeSet::from(["a", "b", "c"]), "{ids:?}");
+    // A fourth: no host has room, and the answer says so.
+    let (s, v) = gw
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"run_id": "run-4", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+        )
+        .await;
+    assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
+
+    // Through the gateway to the host each id names: exec, a file both ways, the list.
+    for id in &ids {
+        let (out, _, last) = gw.exec(id, "echo hello from $(hostname)").await;
+        assert_eq!(last["exit_code"], 0, "{last}");
+        assert!(String::from_utf8_lossy(&out).starts_with("hello"));
+    }
+    let id = &ids[0];
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let (s, _) = gw
+        .req(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/f"),
+            data.clone(),
+            &[],
+        )
+        .await;
+    assert_eq!(s, 204);
+    let (s, back) = gw
+        .req(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/f"),
+            vec![],
+            &[],
+        )
+        .await;
+    assert_eq!((s, back.len()), (200, data.len()));
+    assert!(back == data);
+    let (s, list) = gw.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(s, 200);
+    let listed: BTreeSet<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listed, ids.iter().cloned().collect(), "{list}");
+
+    // Host b is lost mid-run: its sandbox's callers get the clear 503, nothing hangs, the
+    // others serve, and the list names what did not answer.
+    let on_b = ids.iter().find(|i| host_of(i) == "b").unwrap().clone();
+    b.signal("KILL");
+    b.wait_exit(Duration::from_secs(10));
+    let t = std::time::Instant::now();
+    let (s, v) = gw.json("GET", &format!("/v1/sandboxes/{on_b}"), None).await;
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (503, Some("host_unavailable")),
+        "{v}"
+    );
+    assert!(
+        v["error"].as_str().unwrap().starts_with(&format!(
+            "The sandbox host b that holds {on_b} did not answer"
+        )),
+        "{v}"
+    );
+    let (_, list) = gw.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(
+        list["sandboxes"].as_array().map(Vec::len),
+        Some(2),
+        "{list}"
+    );
+    assert_eq!(list["unreachable"][0]["host"], "b", "{list}");
+    for id in ids.iter().filter(|i| **i != on_b) {
+        let (s, v) = gw.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, 200, "{v}");
+    }
+
+    // Room again on a: the next create goes there, and nowhere else can take it.
+    let on_a = ids.iter().find(|i| host_of(i) == "a").unwrap().clone();
+    let (s, _) = gw
+        .json("DELETE", &format!("/v1/sandboxes/{on_a}"), None)
+        .await;
+    assert_eq!(s, 204);
+    tokio::time::sleep(Duration::from_millis(700)).await; // a poll sees the room
+    let (s, v) = gw
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"run_id": "run-5", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["host"], "a", "{v}");
+
+    // Ids of no sandbox: a gone one on a live host, one of no host of the fleet, one of no form.
+    for (id, code) in [
+        (on_a.as_str(), "no_sandbox"),
+        ("sbx-0123456789abcdef-zz", "no_sandbox"),
+        ("sbx-nothing", "no_sandbox"),
+    ] {
+        let (s, v) = gw.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!((s, v["code"].as_str()), (404, Some(code)), "{id}: {v}");
+    }
+    let (_, m) = gw.req("GET", "/metrics", vec![], &[]).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(
+        m.contains("sandbox_gateway_placements_total{host=\"a\"} 2"),
+        "{m}"
+    );
+    assert!(m.contains("sandbox_gateway_host_up{host=\"b\"} 0"), "{m}");
+    drop((a, c));
+}
