@@ -60,6 +60,8 @@ struct Inner {
     templates: Option<crate::templates::Templates>,
     started: Instant,
     ending: tokio::sync::watch::Sender<Ending>,
+    /// Draining (issue 33): no new sandboxes; those it has run to their end.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -88,6 +90,7 @@ impl AppState {
                 templates,
                 started: Instant::now(),
                 ending: tokio::sync::watch::Sender::new(Ending::Serving),
+                draining: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -151,6 +154,20 @@ impl AppState {
     /// Whether the service serves, or how it is ending.
     pub fn ending(&self) -> Ending {
         *self.inner.ending.borrow()
+    }
+
+    /// Whether the host is draining: it takes no new sandboxes.
+    pub fn draining(&self) -> bool {
+        self.inner
+            .draining
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Starts or ends draining.
+    pub fn set_draining(&self, on: bool) {
+        self.inner
+            .draining
+            .store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// A receiver of how the service ends, for the streams that answer it.

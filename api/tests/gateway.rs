@@ -160,12 +160,48 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
         assert_eq!(s, 200, "{v}");
     }
 
-    // Room again on a: the next create goes there, and nowhere else can take it.
+    // Room again on a, but a drains: no host takes a create. Then a takes it again.
     let on_a = ids.iter().find(|i| host_of(i) == "a").unwrap().clone();
     let (s, _) = gw
         .json("DELETE", &format!("/v1/sandboxes/{on_a}"), None)
         .await;
     assert_eq!(s, 204);
+    let (s, v) = gw
+        .json("PUT", "/v1/hosts/a/drain", Some(json!({"draining": true})))
+        .await;
+    assert_eq!((s, &v), (200, &json!({"name": "a", "draining": true})));
+    let (_, health) = gw.json("GET", "/v1/health", None).await;
+    let row_a = health["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["name"] == "a")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (
+            row_a["draining"].as_bool(),
+            row_a["takes_sandboxes"].as_bool()
+        ),
+        (Some(true), Some(false)),
+        "{row_a}"
+    );
+    let (s, v) = gw
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"run_id": "run-drained", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+        )
+        .await;
+    assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
+    let (s, v) = gw
+        .json("PUT", "/v1/hosts/zz/drain", Some(json!({"draining": true})))
+        .await;
+    assert_eq!((s, v["code"].as_str()), (404, Some("not_found")), "{v}");
+    let (s, _) = gw
+        .json("PUT", "/v1/hosts/a/drain", Some(json!({"draining": false})))
+        .await;
+    assert_eq!(s, 200);
     tokio::time::sleep(Duration::from_millis(700)).await; // a poll sees the room
     let (s, v) = gw
         .json(

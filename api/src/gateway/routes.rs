@@ -54,6 +54,7 @@ impl Gateway {
 pub fn app(gw: Gateway) -> Router {
     Router::new()
         .route("/v1/health", get(health))
+        .route("/v1/hosts/{name}/drain", axum::routing::put(drain))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id_rest))
@@ -129,6 +130,31 @@ async fn route(gw: &Gateway, id: &str, req: Request) -> Response {
             }
             host_down(name, id, &e.why).into_response()
         }
+    }
+}
+
+/// `PUT /v1/hosts/{name}/drain`: to the host named, which then takes no new sandboxes (the next
+/// poll sees it; the gateway stops placing on it at once).
+async fn drain(State(gw): State<Gateway>, Path(name): Path<String>, req: Request) -> Response {
+    let Some(host) = gw.0.fleet.by_name(&name) else {
+        return ApiError::NotFound(format!(
+            "no host `{}` in this fleet (GET /v1/health lists its hosts)",
+            name.chars().take(64).collect::<String>()
+        ))
+        .into_response();
+    };
+    match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), req).await {
+        Ok(res) => {
+            if res.status().is_success() {
+                gw.0.fleet.poll().await;
+            }
+            res
+        }
+        Err(e) => ApiError::HostDown(format!(
+            "The sandbox host {name} did not answer ({}); retry later",
+            e.why
+        ))
+        .into_response(),
     }
 }
 

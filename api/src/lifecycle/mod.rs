@@ -185,6 +185,14 @@ pub async fn create(
             ));
         }
     }
+    if state.draining() {
+        return Err(ApiError::NoCapacity(
+            "this sandbox host is draining: it takes no new sandboxes, and its sandboxes run to \
+             their end. Create the sandbox on another host (a fleet's gateway does), or end the \
+             drain (PUT /v1/hosts/{name}/drain with {\"draining\": false})"
+                .into(),
+        ));
+    }
     let mut spec = plan.vm_spec(state);
     // A sandbox outlives a crash or a hand-over of the service where its backend lets the next
     // run take it on again (`adopt.rs`), and where the jail makes cgroups: what the next run does

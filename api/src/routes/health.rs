@@ -1,14 +1,49 @@
 //! `GET /v1/health`: can this host start a microVM, on what, with which image.
 
 use axum::extract::State;
-use axum::routing::get;
+use axum::routing::{get, put};
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
+use crate::error::ApiError;
 use crate::state::AppState;
 
 pub fn router() -> Router<AppState> {
-    Router::new().route("/v1/health", get(health))
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/hosts/{name}/drain", put(drain))
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainRequest {
+    draining: bool,
+}
+
+/// `PUT /v1/hosts/{name}/drain`: a draining host takes no new sandboxes (a create gets `503
+/// no_capacity` saying so, which a fleet's gateway passes on to another host) and its sandboxes
+/// run to their end. `{name}` is this host's `SANDBOX_HOST_NAME`; a gateway sends the request to
+/// the host it names. Not kept across a restart of the service.
+async fn drain(
+    State(state): State<AppState>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+    crate::routes::ApiJson(req): crate::routes::ApiJson<DrainRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let own = state.config().name.as_deref().unwrap_or("");
+    if name != own {
+        return Err(ApiError::NotFound(format!(
+            "no host `{}` here: this sandbox host is {}",
+            name.chars().take(64).collect::<String>(),
+            if own.is_empty() {
+                "unnamed (SANDBOX_HOST_NAME is not set)".to_string()
+            } else {
+                format!("`{own}`")
+            }
+        )));
+    }
+    state.set_draining(req.draining);
+    tracing::info!(draining = req.draining, "Draining changed");
+    Ok(Json(json!({"name": own, "draining": req.draining})))
 }
 
 /// The image a create request gets by default, and whether it is the stock fallback.
@@ -33,6 +68,7 @@ async fn health(State(state): State<AppState>) -> Json<Value> {
         "image": { "name": image, "stock": stock },
         // A fleet's gateway places a create by these (issue 33).
         "name": state.config().name,
+        "draining": state.draining(),
         "images": state.store().names(),
         "sandboxes": state.registry().all().len(),
         "capacity": state.capacity().report(),

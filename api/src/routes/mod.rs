@@ -23,6 +23,7 @@ use crate::state::AppState;
 #[cfg(test)]
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/health"),
+    ("PUT", "/v1/hosts/{name}/drain"),
     ("POST", "/v1/sandboxes"),
     ("GET", "/v1/sandboxes"),
     ("GET", "/v1/sandboxes/{id}"),

@@ -92,6 +92,21 @@ export class SandboxHost {
     return sandbox;
   }
 
+  /**
+   * `PUT /v1/hosts/{name}/drain`: the host named (through a fleet's gateway, any of its hosts;
+   * on a host, its own `SANDBOX_HOST_NAME`) takes no new sandboxes while draining, and its
+   * sandboxes run to their end. `NotFoundError` for a name it does not know.
+   */
+  async drain(name: string, draining: boolean, options: CallOptions = {}): Promise<{ name: string; draining: boolean }> {
+    return this.#transport.json<{ name: string; draining: boolean }>({
+      method: 'PUT',
+      path: `/v1/hosts/${encodeURIComponent(name)}/drain`,
+      json: { draining },
+      idempotent: true,
+      signal: options.signal,
+    });
+  }
+
   /** `GET /v1/sandboxes`: every sandbox on the host, oldest first. */
   async list(options: CallOptions = {}): Promise<SandboxSummary[]> {
     const r = await this.#transport.json<{ sandboxes: SandboxSummary[] }>({ method: 'GET', path: '/v1/sandboxes', idempotent: true, signal: options.signal });

@@ -66,6 +66,18 @@ describe('host and sandbox calls', () => {
     assert.match(await c.metrics(), /sandbox_host_boots_total 3/);
   });
 
+  it('drain: PUT with the flag, the answer, and an unknown host', async () => {
+    let body: unknown;
+    host.on('PUT /v1/hosts/node-3/drain', async (req, res) => {
+      body = JSON.parse((await readAll(req)).toString());
+      sendJson(res, 200, { name: 'node-3', draining: true });
+    });
+    assert.deepEqual(await host.client().drain('node-3', true), { name: 'node-3', draining: true });
+    assert.deepEqual(body, { draining: true });
+    host.on('PUT /v1/hosts/zz/drain', (_req, res) => sendJson(res, 404, { error: 'no host `zz` in this fleet', code: 'not_found' }));
+    await assert.rejects(host.client().drain('zz', false), NotFoundError);
+  });
+
   it('files: write (with its length and mode), read, and a missing one', async () => {
     const files = new Map<string, Buffer>();
     host.on('PUT /v1/sandboxes/sbx-1/files', async (req, res, url) => {

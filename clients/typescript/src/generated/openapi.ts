@@ -21,6 +21,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/hosts/{name}/drain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /** Drain a host: it takes no new sandboxes, its sandboxes run to their end (not kept across a restart of the host) */
+        put: operations["drainHost"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes": {
         parameters: {
             query?: never;
@@ -304,6 +321,8 @@ export interface components {
                 backend?: unknown;
                 version?: unknown;
             }[];
+            /** @description The host is draining (PUT /v1/hosts/{name}/drain): it takes no new sandboxes. */
+            draining?: boolean;
         };
         Secret: {
             env: string;
@@ -567,6 +586,51 @@ export interface operations {
             };
             401: components["responses"]["Error"];
             403: components["responses"]["Error"];
+        };
+    };
+    drainHost: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The host's SANDBOX_HOST_NAME. On a host, its own name; through a fleet's gateway, any of its hosts. */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                /**
+                 * @example {
+                 *       "draining": true
+                 *     }
+                 */
+                "application/json": {
+                    draining: boolean;
+                };
+            };
+        };
+        responses: {
+            /** @description Draining or not from now on */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        name: string;
+                        draining: boolean;
+                    };
+                };
+            };
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            /** @description No host of that name (here, or in the gateway's fleet). */
+            404: components["responses"]["Error"];
+            413: components["responses"]["Error"];
+            /** @description Through a gateway: host_unavailable, the host did not answer. */
+            503: components["responses"]["Error"];
         };
     };
     listSandboxes: {
