@@ -175,8 +175,22 @@ pub fn image_store() -> PathBuf {
 
 /// `sandbox-host` for `serve`: as the user `sandbox-host` when the tests run as root.
 pub fn service() -> Command {
+    service_wrapped(&[])
+}
+
+/// [`service`] started through `wrapper` (a command and its arguments that execs the rest, run
+/// as root: `ip netns exec NS`, say).
+pub fn service_wrapped(wrapper: &[&str]) -> Command {
     let Some(u) = service_user() else {
-        return bin();
+        if wrapper.is_empty() {
+            return bin();
+        }
+        let exe = std::env::var_os("SANDBOX_HOST_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_sandbox-host").into());
+        let mut c = Command::new(wrapper[0]);
+        c.args(&wrapper[1..]).arg(exe);
+        test_env(&mut c);
+        return c;
     };
     // By its path: a test's own PATH (`/nonexistent`) applies to the lookup too.
     let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
@@ -186,7 +200,7 @@ pub fn service() -> Command {
     // As bin/up starts it: on cgroup v2 moved into its leaf first (the pid stays: `exec`), then
     // the user's ids, then a session of its own with no terminal, and only its own settings
     // of the environment.
-    let mut argv: Vec<std::ffi::OsString> = vec![];
+    let mut argv: Vec<std::ffi::OsString> = wrapper.iter().map(Into::into).collect();
     if let Some(p) = &u.procs {
         argv.extend(["/bin/sh", "-c", "echo $$ > \"$0\" && exec \"$@\""].map(Into::into));
         argv.push(p.into());
@@ -289,9 +303,14 @@ pub fn start(env: &[(&str, &str)]) -> Host {
 
 /// Starts a host on a given state directory.
 pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
+    start_in_wrapped(state, env, &[])
+}
+
+/// [`start_in`] through `wrapper` (see [`service_wrapped`]).
+pub fn start_in_wrapped(state: &Path, env: &[(&str, &str)], wrapper: &[&str]) -> Host {
     let port = free_port();
     give_to_service(state);
-    let mut cmd = service();
+    let mut cmd = service_wrapped(wrapper);
     cmd.env("SANDBOX_HOST_TOKEN", TOKEN)
         .env("SANDBOX_HOST_PORT", port.to_string())
         .env("SANDBOX_HOST_STATE_DIR", state)
@@ -341,12 +360,17 @@ fn spawn_logged(cmd: &mut Command, env: &[(&str, &str)]) -> (Child, Arc<Mutex<Ve
 /// Starts `sandbox-host gateway` (issue 33) with `env` (its hosts among them), as the service's
 /// user, and waits for its `Listening on` line.
 pub fn start_gateway(env: &[(&str, &str)]) -> Host {
+    start_gateway_wrapped(env, &[])
+}
+
+/// [`start_gateway`] through `wrapper` (see [`service_wrapped`]).
+pub fn start_gateway_wrapped(env: &[(&str, &str)], wrapper: &[&str]) -> Host {
     let tmp = tempfile::Builder::new()
         .prefix("sbx-gw")
         .tempdir_in("/tmp")
         .unwrap();
     let port = free_port();
-    let mut cmd = service();
+    let mut cmd = service_wrapped(wrapper);
     cmd.env("SANDBOX_HOST_TOKEN", TOKEN)
         .env("SANDBOX_HOST_PORT", port.to_string())
         .env("SANDBOX_HOST_LOG", "info")
