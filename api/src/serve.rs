@@ -126,6 +126,13 @@ async fn run() -> Result<(), ServiceError> {
     tokio::spawn(lifecycle::sweep_forever(state.clone()));
     lifecycle::save_forever(state.clone());
     let app = routes::app(state.clone());
+    // Each write goes out at once (an exec's lines are small): with Nagle's algorithm, a client
+    // that delays its acknowledgement (a fleet's gateway, on a kept connection) got each answer's
+    // next write 40 ms late.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(dispose_on_signal(state, signals))
         .await
