@@ -71,6 +71,12 @@ pub enum ApiError {
     /// The guest or the VM failed in a way the caller cannot fix.
     #[error("{0}")]
     Internal(String),
+    /// A create body larger than a fleet's gateway reads to place it (issue 33).
+    #[error(
+        "the create's body is larger than {0} bytes, which a fleet's gateway reads to place it; a \
+         create needs far less (its variables and egress settings)"
+    )]
+    CreateTooLarge(usize),
     /// A fleet's gateway could not reach the sandbox host a request needs (issue 33).
     #[error("{0}")]
     HostDown(String),
@@ -97,6 +103,7 @@ impl ApiError {
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
             ApiError::HostDown(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
+            ApiError::CreateTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
         }
     }
 

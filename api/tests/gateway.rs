@@ -64,6 +64,22 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
         .await
         .unwrap();
     assert_eq!(res.status(), 401);
+    // A create's body is read (bounded) to place it: one far larger than a create is refused.
+    let big = format!("{{\"run_id\": \"{}\"}}", "x".repeat(2 << 20));
+    let (s, answer) = gw
+        .req(
+            "POST",
+            "/v1/sandboxes",
+            big.into_bytes(),
+            &[("content-type", "application/json")],
+        )
+        .await;
+    let v: serde_json::Value = serde_json::from_slice(&answer).unwrap_or_default();
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (413, Some("body_too_large")),
+        "{v}"
+    );
 
     // Three creates: one on each host (each has room for one), each answer naming its host.
     let mut ids = vec![];

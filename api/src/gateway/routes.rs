@@ -166,12 +166,26 @@ const CREATE_MAX: usize = 1 << 20;
 /// host refuses it for room (`503 no_capacity`), is restarting, cannot start VMs, or cannot be
 /// reached. The host's answer comes back as it is, naming the host (`host`).
 async fn create(State(gw): State<Gateway>, req: Request) -> Result<Response, ApiError> {
-    let (parts, body) = req.into_parts();
-    let bytes = http_body_util::Limited::new(body, CREATE_MAX)
-        .collect()
-        .await
-        .map_err(|_| too_large(&gw))?
-        .to_bytes();
+    let (parts, mut body) = req.into_parts();
+    // Read up to CREATE_MAX; past it, the rest is read and dropped (within the body limit) so the
+    // answer reaches a client still sending, rather than a reset.
+    let (mut kept, mut seen) = (Vec::new(), 0u64);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ApiError::BadRequest(format!("the create's body: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            seen += data.len() as u64;
+            if seen > gw.0.config.max_body {
+                return Err(too_large(&gw));
+            }
+            if kept.len() + data.len() <= CREATE_MAX {
+                kept.extend_from_slice(&data);
+            }
+        }
+    }
+    if seen as usize > CREATE_MAX {
+        return Err(ApiError::CreateTooLarge(CREATE_MAX));
+    }
+    let bytes = axum::body::Bytes::from(kept);
     // The host checks the request; the gateway reads only what places it.
     let asked: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let image = asked["image"].as_str().map(str::to_string);

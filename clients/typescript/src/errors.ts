@@ -171,9 +171,11 @@ export class BodyTooLargeError extends SandboxHostError {
     const m = /larger than (\d+) bytes(?: \(SANDBOX_HOST_MAX_BODY_MB=(\d+)\))?/.exec(answer.message ?? '');
     const bytes = m?.[1] !== undefined ? Number(m[1]) : undefined;
     const mb = m?.[2] !== undefined ? Number(m[2]) : undefined;
+    // The host's limit comes with its setting; another limit (a fleet's gateway reading a
+    // create to place it) says its own words, kept as they are.
     super(
-      bytes !== undefined
-        ? `The request body is larger than ${bytes} bytes${mb !== undefined ? ` (SANDBOX_HOST_MAX_BODY_MB=${mb})` : ''}; increase SANDBOX_HOST_MAX_BODY_MB for the sandbox host`
+      bytes !== undefined && mb !== undefined
+        ? `The request body is larger than ${bytes} bytes (SANDBOX_HOST_MAX_BODY_MB=${mb}); increase SANDBOX_HOST_MAX_BODY_MB for the sandbox host`
         : sentence(answer.message, 'The request body is larger than the sandbox host accepts; increase SANDBOX_HOST_MAX_BODY_MB for the sandbox host'),
       answer,
     );
