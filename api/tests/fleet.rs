@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{Host, start_gateway_wrapped, start_in_wrapped, stock_image_missing};
-use serde_json::json;
 
 /// The name the gateways resolve, and the resolver's address.
 const NAME: &str = "hosts.fleet.test";
@@ -242,7 +241,7 @@ async fn a_fleet_in_namespaces_behind_two_gateways_found_by_dns() {
             .json(
                 "POST",
                 "/v1/sandboxes",
-                Some(json!({"run_id": format!("run-{i}"), "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+                Some(common::small_run(&format!("run-{i}"))),
             )
             .await;
         assert_eq!(s, 201, "{v}");

@@ -88,7 +88,7 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
             .json(
                 "POST",
                 "/v1/sandboxes",
-                Some(json!({"run_id": format!("run-{i}"), "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+                Some(common::small_run(&format!("run-{i}"))),
             )
             .await;
         assert_eq!(s, 201, "{v}");
@@ -100,11 +100,7 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
     assert_eq!(placed, BTreeSet::from(["a", "b", "c"]), "{ids:?}");
     // A fourth: no host has room, and the answer says so.
     let (s, v) = gw
-        .json(
-            "POST",
-            "/v1/sandboxes",
-            Some(json!({"run_id": "run-4", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
-        )
+        .json("POST", "/v1/sandboxes", Some(common::small_run("run-4")))
         .await;
     assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
 
@@ -206,7 +202,7 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
         .json(
             "POST",
             "/v1/sandboxes",
-            Some(json!({"run_id": "run-drained", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
+            Some(common::small_run("run-drained")),
         )
         .await;
     assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
@@ -220,11 +216,7 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
     assert_eq!(s, 200);
     tokio::time::sleep(Duration::from_millis(700)).await; // a poll sees the room
     let (s, v) = gw
-        .json(
-            "POST",
-            "/v1/sandboxes",
-            Some(json!({"run_id": "run-5", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})),
-        )
+        .json("POST", "/v1/sandboxes", Some(common::small_run("run-5")))
         .await;
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["host"], "a", "{v}");

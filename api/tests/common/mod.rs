@@ -280,6 +280,11 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The body of a create of a small sandbox (256 MiB, one vCPU, ten minutes) for run `run_id`.
+pub fn small_run(run_id: &str) -> Value {
+    serde_json::json!({"run_id": run_id, "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1})
+}
+
 /// A running sandbox host.
 pub struct Host {
     pub child: Child,
@@ -459,7 +464,7 @@ impl Host {
 
     /// Creates a small sandbox and returns its id.
     pub async fn create(&self, extra: Value) -> String {
-        let mut body = serde_json::json!({"run_id": "run-test", "time_limit_ms": 600000, "review": false, "memory_mib": 256, "vcpus": 1});
+        let mut body = small_run("run-test");
         if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
             for (k, v) in e {
                 b.insert(k.clone(), v.clone());
