@@ -90,6 +90,9 @@ pub struct Fleet {
     host_token: String,
     /// Every poll so far (for the tests' waits and `/metrics`).
     pub polls: std::sync::atomic::AtomicU64,
+    /// Held while a poll asked for by a request runs: requests that come meanwhile wait for it
+    /// rather than ask every host again.
+    asking: tokio::sync::Mutex<()>,
 }
 
 impl Fleet {
@@ -117,6 +120,7 @@ impl Fleet {
             client,
             host_token: config.host_token.clone(),
             polls: Default::default(),
+            asking: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -151,6 +155,15 @@ impl Fleet {
                 tokio::time::sleep(every).await;
             }
         });
+    }
+
+    /// A poll for a request that needs the hosts' figures of now; when one is under way, its
+    /// end is enough (so a burst of requests asks each host once).
+    pub async fn poll_now(&self) {
+        match self.asking.try_lock() {
+            Ok(_held) => self.poll().await,
+            Err(_) => drop(self.asking.lock().await),
+        }
     }
 
     /// One poll: the DNS name looked up again (its addresses are the hosts), then every host

@@ -146,7 +146,7 @@ async fn drain(State(gw): State<Gateway>, Path(name): Path<String>, req: Request
     match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), req).await {
         Ok(res) => {
             if res.status().is_success() {
-                gw.0.fleet.poll().await;
+                gw.0.fleet.poll_now().await;
             }
             res
         }
@@ -355,16 +355,20 @@ async fn list(State(gw): State<Gateway>, req: Request) -> Response {
 }
 
 /// `GET /v1/health`: available when any host takes sandboxes; the capacity summed, a row per host.
+/// Each host is asked again first (one poll shared by the health requests that come during it),
+/// so what it says is the hosts' own figures of now, not the gateway's estimate since the last
+/// poll.
 async fn health(State(gw): State<Gateway>) -> Response {
+    gw.0.fleet.poll_now().await;
     let mut rows = vec![];
-    let (mut sandboxes, mut free, mut limit) = (0u64, 0u64, 0u64);
+    let mut sandboxes = 0u64;
+    let mut capacities = vec![];
     let mut available = false;
     for h in gw.0.fleet.all() {
         let s = h.seen();
         if s.up {
-            sandboxes += s.sandboxes;
-            free += s.free_memory_mib;
-            limit += s.memory_limit_mib;
+            sandboxes += s.health["sandboxes"].as_u64().unwrap_or(0);
+            capacities.push(s.health["capacity"].clone());
         }
         available |= s.takes_sandboxes;
         rows.push(json!({
@@ -402,13 +406,39 @@ async fn health(State(gw): State<Gateway>) -> Response {
         "image": if one["image"].is_object() { one["image"].clone() } else { json!({}) },
         "version": env!("CARGO_PKG_VERSION"),
         "sandboxes": sandboxes,
-        "capacity": {
-            "sandboxes": sandboxes,
-            "memory_mib": {"committed": limit.saturating_sub(free), "limit": limit, "free": free},
-        },
+        "capacity": summed(&capacities),
         "hosts": rows,
     }))
     .into_response()
+}
+
+/// The hosts' capacities as one host's: amounts (sandboxes, committed, free, limits, open
+/// descriptors) summed, settings (`overcommit`, `per_sandbox`) as the first host has them.
+fn summed(capacities: &[Value]) -> Value {
+    const AMOUNTS: [(&str, &[&str]); 3] = [
+        ("memory_mib", &["committed", "limit", "free"]),
+        ("disk_mib", &["committed", "free"]),
+        ("fds", &["open", "limit"]),
+    ];
+    const SETTINGS: [(&str, &str); 2] = [("disk_mib", "overcommit"), ("fds", "per_sandbox")];
+    let total = |f: &dyn Fn(&Value) -> &Value| -> u64 {
+        capacities
+            .iter()
+            .map(|c| f(c).as_u64().unwrap_or(0))
+            .fold(0, u64::saturating_add)
+    };
+    let mut out = json!({"sandboxes": total(&|c| &c["sandboxes"])});
+    for (group, fields) in AMOUNTS {
+        for field in fields {
+            out[group][*field] = json!(total(&|c| &c[group][*field]));
+        }
+    }
+    for (group, field) in SETTINGS {
+        if let Some(v) = capacities.first().and_then(|c| c[group][field].as_u64()) {
+            out[group][field] = json!(v);
+        }
+    }
+    out
 }
 
 /// `GET /metrics`: the gateway's own counters (each host is scraped on its own).

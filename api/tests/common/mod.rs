@@ -288,10 +288,23 @@ pub fn small_run(run_id: &str) -> Value {
 /// A running sandbox host.
 pub struct Host {
     pub child: Child,
+    /// The port requests go to: the host's, or its gateway's when the suite runs through one.
     pub port: u16,
+    /// The host's own port.
+    pub service_port: u16,
     pub state: PathBuf,
     _tmp: Option<tempfile::TempDir>,
     pub logs: Arc<Mutex<Vec<String>>>,
+    /// The gateway in front of it ([`through_gateway`]), stopped after the host.
+    pub front: Option<Box<Host>>,
+}
+
+/// The API's end-to-end tests run against a gateway as they run against a host (issue 33):
+/// with `SANDBOX_HOST_TEST_THROUGH=gateway`, every host [`start`] and [`start_in`] make gets a
+/// `sandbox-host gateway` of its own in front, and every request of the test goes through it;
+/// what a test reads of the host itself (its log, its state, its signals) is the host's.
+pub fn through_gateway() -> bool {
+    std::env::var("SANDBOX_HOST_TEST_THROUGH").as_deref() == Ok("gateway")
 }
 
 /// Starts a host with a fresh state directory and `env`, and waits for its `Listening on` line.
@@ -308,7 +321,59 @@ pub fn start(env: &[(&str, &str)]) -> Host {
 
 /// Starts a host on a given state directory.
 pub fn start_in(state: &Path, env: &[(&str, &str)]) -> Host {
-    start_in_wrapped(state, env, &[])
+    if !through_gateway() {
+        return start_in_wrapped(state, env, &[]);
+    }
+    let name = format!("t{}", std::process::id() % 100_000);
+    let mut with_name = env.to_vec();
+    if !env.iter().any(|(k, _)| *k == "SANDBOX_HOST_NAME") {
+        with_name.push(("SANDBOX_HOST_NAME", &name));
+    }
+    let mut h = start_in_wrapped(state, &with_name, &[]);
+    let name = with_name
+        .iter()
+        .find(|(k, _)| *k == "SANDBOX_HOST_NAME")
+        .map(|(_, v)| v.to_string())
+        .unwrap_or(name);
+    let hosts = format!("{name}=http://127.0.0.1:{}", h.service_port);
+    let mut gw_env = vec![
+        ("SANDBOX_HOST_GATEWAY_HOSTS", hosts.as_str()),
+        ("SANDBOX_HOST_GATEWAY_POLL_MS", "200"),
+    ];
+    // The gateway has the host's body limit, as an operator sets both alike.
+    gw_env.extend(
+        env.iter()
+            .filter(|(k, _)| *k == "SANDBOX_HOST_MAX_BODY_MB")
+            .copied(),
+    );
+    let gw = start_gateway(&gw_env);
+    // Until its first poll, the gateway knows the host by name only.
+    let t = Instant::now();
+    loop {
+        let up = std::net::TcpStream::connect(("127.0.0.1", gw.port))
+            .ok()
+            .and_then(|_| {
+                let out = Command::new("curl")
+                    .args(["-s", "-m", "2", "-H"])
+                    .arg(format!("Authorization: Bearer {TOKEN}"))
+                    .arg(gw.url("/v1/health"))
+                    .output()
+                    .ok()?;
+                serde_json::from_slice::<Value>(&out.stdout).ok()
+            })
+            .is_some_and(|v| v["hosts"][0]["up"] == true);
+        if up {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the gateway in front of the host never saw it up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    h.port = gw.port;
+    h.front = Some(Box::new(gw));
+    h
 }
 
 /// [`start_in`] through `wrapper` (see [`service_wrapped`]).
@@ -337,9 +402,11 @@ pub fn start_in_wrapped(state: &Path, env: &[(&str, &str)], wrapper: &[&str]) ->
     let h = Host {
         child,
         port,
+        service_port: port,
         state: state.to_path_buf(),
         _tmp: None,
         logs,
+        front: None,
     };
     h.wait_log("Listening on", Duration::from_secs(120));
     h
@@ -386,9 +453,11 @@ pub fn start_gateway_wrapped(env: &[(&str, &str)], wrapper: &[&str]) -> Host {
     let h = Host {
         child,
         port,
+        service_port: port,
         state: tmp.path().join("none"),
         _tmp: Some(tmp),
         logs,
+        front: None,
     };
     h.wait_log("Listening on", Duration::from_secs(30));
     h
@@ -396,7 +465,17 @@ pub fn start_gateway_wrapped(env: &[(&str, &str)], wrapper: &[&str]) -> Host {
 
 impl Host {
     pub fn url(&self, path: &str) -> String {
+        // Each host is scraped on its own (a gateway's `/metrics` are its own counters): what a
+        // test reads of `/metrics` is the host's, with or without a gateway in front.
+        if path.starts_with("/metrics") {
+            return self.service_url(path);
+        }
         format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The host's own URL for `path`, past any gateway (its `/metrics`, for one).
+    pub fn service_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.service_port)
     }
 
     /// Waits for a log line containing `needle` and returns it parsed.
@@ -428,26 +507,13 @@ impl Host {
         body: Vec<u8>,
         headers: &[(&str, &str)],
     ) -> (u16, Bytes) {
-        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let mut b = hyper::Request::builder()
-            .method(method)
-            .uri(self.url(path))
-            .header("authorization", format!("Bearer {TOKEN}"));
-        for (k, v) in headers {
-            b = b.header(*k, *v);
-        }
-        let resp = client
-            .request(b.body(Full::new(Bytes::from(body))).unwrap())
-            .await
-            .unwrap();
-        let status = resp.status().as_u16();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
-        (status, bytes)
+        request(method, &self.url(path), body, headers).await
+    }
+
+    /// A request to the host itself, past any gateway: what only a host says (its jail, for one).
+    pub async fn service_json(&self, method: &str, path: &str) -> (u16, Value) {
+        let (s, b) = request(method, &self.service_url(path), vec![], &[]).await;
+        (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
     }
 
     pub async fn json(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
@@ -545,6 +611,35 @@ impl Drop for Host {
             }
         }
     }
+}
+
+/// One request with the test token to `url`; the status and the whole body.
+pub async fn request(
+    method: &str,
+    url: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> (u16, Bytes) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut b = hyper::Request::builder()
+        .method(method)
+        .uri(url)
+        .header("authorization", format!("Bearer {TOKEN}"));
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = client
+        .request(b.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    (status, bytes)
 }
 
 pub fn parse_ndjson(body: &[u8]) -> (Vec<u8>, Vec<u8>, Value) {
