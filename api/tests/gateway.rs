@@ -239,3 +239,118 @@ async fn a_gateway_places_routes_and_outlives_a_lost_host() {
     assert!(m.contains("sandbox_gateway_host_up{host=\"b\"} 0"), "{m}");
     drop((a, c));
 }
+
+/// Placement by architecture: an x86_64 host and an aarch64 host (its guests under emulation)
+/// behind one gateway. A run asking for aarch64 lands on the aarch64 host and its guest says so;
+/// one asking for x86_64 on the other; a host asked directly for guests it does not run refuses
+/// as a full host does, in words; an architecture no host runs now is refused with each host's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_places_a_run_on_a_host_of_the_architecture_it_asks_for() {
+    if stock_image_missing() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("sbx-arch")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let arm_state = tmp.path().join("arm");
+    let Some(arm_store) = common::aarch64_store(&arm_state) else {
+        return;
+    };
+    let x86 = start(&[("SANDBOX_HOST_NAME", "x")]);
+    let arm = common::start_in(
+        &arm_state,
+        &[
+            ("SANDBOX_HOST_NAME", "arm"),
+            ("SANDBOX_HOST_ARCH", "aarch64"),
+            ("SANDBOX_HOST_VMM", "qemu"),
+            ("SANDBOX_HOST_IMAGE_DIR", arm_store.to_str().unwrap()),
+        ],
+    );
+    let hosts = format!("x={},arm={}", x86.url(""), arm.url(""));
+    let gw = start_gateway(&[
+        ("SANDBOX_HOST_GATEWAY_HOSTS", hosts.as_str()),
+        ("SANDBOX_HOST_GATEWAY_POLL_MS", "300"),
+    ]);
+    let (_, health) = gw.json("GET", "/v1/health", None).await;
+    let arches: BTreeSet<(String, String)> = health["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["name"].as_str().unwrap_or_default().to_string(),
+                h["arch"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        arches,
+        [("arm", "aarch64"), ("x", "x86_64")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .into(),
+        "{health}"
+    );
+
+    let run = |arch: &str| {
+        let mut r = common::small_run("run-arch");
+        r["arch"] = json!(arch);
+        r
+    };
+    for (arch, host, machine) in [("aarch64", "arm", "aarch64"), ("x86_64", "x", "x86_64")] {
+        for _ in 0..2 {
+            let (s, v) = gw.json("POST", "/v1/sandboxes", Some(run(arch))).await;
+            assert_eq!(s, 201, "{v}");
+            assert_eq!(v["host"], host, "{arch}: {v}");
+            let id = v["id"].as_str().unwrap().to_string();
+            let (out, _, last) = gw.exec(&id, "uname -m").await;
+            assert_eq!(last["exit_code"], 0, "{last}");
+            assert_eq!(String::from_utf8_lossy(&out).trim(), machine);
+            let (s, _) = gw
+                .req("DELETE", &format!("/v1/sandboxes/{id}"), vec![], &[])
+                .await;
+            assert_eq!(s, 204);
+        }
+    }
+
+    // Asked directly, a host refuses a run for guests it does not run, as a full host does.
+    let (s, v) = x86
+        .json("POST", "/v1/sandboxes", Some(run("aarch64")))
+        .await;
+    assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
+    let why = v["error"].as_str().unwrap();
+    assert!(
+        why.contains("this host runs x86_64 guests and the run asks for aarch64"),
+        "{why}"
+    );
+    // No such architecture: the host's own words, from the gateway too.
+    for at in [&gw, &x86] {
+        let (s, v) = at.json("POST", "/v1/sandboxes", Some(run("riscv64"))).await;
+        assert_eq!((s, v["code"].as_str()), (400, Some("bad_request")), "{v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("arch must be x86_64 or aarch64, not `riscv64`"),
+            "{v}"
+        );
+    }
+    // The aarch64 host draining: a run for aarch64 has no host, and the refusal says each one's.
+    let (s, _) = gw
+        .json(
+            "PUT",
+            "/v1/hosts/arm/drain",
+            Some(json!({"draining": true})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, v) = gw.json("POST", "/v1/sandboxes", Some(run("aarch64"))).await;
+    assert_eq!((s, v["code"].as_str()), (503, Some("no_capacity")), "{v}");
+    let why = v["error"].as_str().unwrap();
+    assert!(
+        why.contains("takes a sandbox of aarch64 guests now")
+            && why.contains("x: it runs x86_64 guests")
+            && why.contains("arm: it is draining"),
+        "{why}"
+    );
+}

@@ -190,6 +190,10 @@ async fn create(State(gw): State<Gateway>, req: Request) -> Result<Response, Api
     let asked: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let image = asked["image"].as_str().map(str::to_string);
     let memory = asked["memory_mib"].as_u64().unwrap_or(4096);
+    let arch = asked["arch"].as_str();
+    if let Some(e) = arch.and_then(crate::routes::sandboxes::unknown_arch) {
+        return Err(e);
+    }
     let hosts: Vec<(Arc<Host>, super::fleet::Seen)> =
         gw.0.fleet
             .all()
@@ -198,10 +202,10 @@ async fn create(State(gw): State<Gateway>, req: Request) -> Result<Response, Api
                 let s = h.seen();
                 (h, s)
             })
-            .filter(|(_, s)| s.takes_sandboxes)
+            .filter(|(_, s)| s.takes_sandboxes && arch.is_none_or(|a| s.arch == a))
             .collect();
     if hosts.is_empty() {
-        return Err(ApiError::NoCapacity(no_host_reason(&gw)));
+        return Err(ApiError::NoCapacity(no_host_reason(&gw, arch)));
     }
     // Hosts with the image first; where none has it, any (a host makes it from its stock image,
     // as a lone host does, and says so).
@@ -274,26 +278,28 @@ async fn create(State(gw): State<Gateway>, req: Request) -> Result<Response, Api
             }
         }
     }
-    Ok(last.unwrap_or_else(|| ApiError::NoCapacity(no_host_reason(&gw)).into_response()))
+    Ok(last.unwrap_or_else(|| ApiError::NoCapacity(no_host_reason(&gw, arch)).into_response()))
 }
 
-/// Why no host takes a create, host by host.
-fn no_host_reason(gw: &Gateway) -> String {
+/// Why no host takes a create (of guests of `arch`, when it names one), host by host.
+fn no_host_reason(gw: &Gateway, arch: Option<&str>) -> String {
     let why: Vec<String> =
         gw.0.fleet
             .all()
             .iter()
             .map(|h| {
                 let s = h.seen();
-                format!(
-                    "{}: {}",
-                    s.name.unwrap_or_else(|| h.url.to_string()),
-                    s.reason.unwrap_or_else(|| "no room".into())
-                )
+                let why = match (s.reason, arch) {
+                    (Some(r), _) => r,
+                    (None, Some(a)) if s.arch != a => format!("it runs {} guests", s.arch),
+                    (None, _) => "no room".into(),
+                };
+                format!("{}: {why}", s.name.unwrap_or_else(|| h.url.to_string()))
             })
             .collect();
+    let of = arch.map(|a| format!(" of {a} guests")).unwrap_or_default();
     format!(
-        "no sandbox host of this fleet takes a sandbox now ({}); retry when a run ends, or add hosts",
+        "no sandbox host of this fleet takes a sandbox{of} now ({}); retry when a run ends, or add hosts",
         if why.is_empty() {
             "no host found".into()
         } else {
@@ -386,7 +392,7 @@ async fn health(State(gw): State<Gateway>) -> Response {
             "version": s.health["version"],
         }));
     }
-    let reason = (!available).then(|| no_host_reason(&gw));
+    let reason = (!available).then(|| no_host_reason(&gw, None));
     // What the API says of one host (its backend, accelerator, guests' architecture, default
     // image) is said of one that takes sandboxes, else of any that answered.
     let seen: Vec<_> = gw.0.fleet.all().iter().map(|h| h.seen()).collect();

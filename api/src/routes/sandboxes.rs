@@ -40,6 +40,10 @@ struct CreateRequest {
     vcpus: u8,
     #[serde(default, deserialize_with = "present")]
     image: Option<String>,
+    /// The guests' architecture the run needs (`x86_64`, `aarch64`): a host of another refuses
+    /// it as it refuses one it has no room for, so a fleet's gateway places it elsewhere.
+    #[serde(default, deserialize_with = "present")]
+    arch: Option<String>,
     #[serde(default)]
     env: BTreeMap<String, String>,
     #[serde(default, deserialize_with = "present")]
@@ -88,6 +92,9 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
             )));
         }
     }
+    if let Some(e) = r.arch.as_deref().and_then(unknown_arch) {
+        return Err(e);
+    }
     if r.env.values().any(|v| v.contains('\0')) {
         return Err(bad("env values cannot contain NUL"));
     }
@@ -118,6 +125,32 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The architectures a create may ask for, as `/v1/health` names them.
+pub const ARCHES: [&str; 2] = ["x86_64", "aarch64"];
+
+/// The error of an `arch` no host runs (a gateway checks it before placing, with these words).
+pub fn unknown_arch(a: &str) -> Option<ApiError> {
+    (!ARCHES.contains(&a)).then(|| {
+        bad(format!(
+            "arch must be x86_64 or aarch64, not `{}`",
+            a.chars().take(40).collect::<String>()
+        ))
+    })
+}
+
+/// A run asking for guests of another architecture than this host's gets what a full host
+/// answers (`503 no_capacity`): another host may take it, and a gateway sends it on.
+fn check_arch(state: &AppState, asked: Option<&str>) -> Result<(), ApiError> {
+    let own = &state.availability().arch;
+    match asked {
+        Some(a) if a != own => Err(ApiError::NoCapacity(format!(
+            "this host runs {own} guests and the run asks for {a}: send it to a host of that \
+             architecture (a fleet's gateway places it on one)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn valid_env_name(k: &str) -> bool {
     !k.is_empty()
         && k.len() <= 256
@@ -137,6 +170,7 @@ async fn create(
     ApiJson(req): ApiJson<CreateRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     validate(&req)?;
+    check_arch(&state, req.arch.as_deref())?;
     let backend = lifecycle::backend(&state)?;
     let plan = lifecycle::Plan::new(
         &state,

@@ -67,6 +67,40 @@ pub fn stock_only_store(state: &Path) -> PathBuf {
     store
 }
 
+/// An image store beside `state` holding a copy of the aarch64 guests' stock image (root's build
+/// of it is not published to the service's user; it is 9 MiB), for a host with
+/// `SANDBOX_HOST_ARCH=aarch64`; `None` (with "skipped" and why) when it was not built.
+pub fn aarch64_store(state: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let from = sandbox_vmm::config::image_dir_for(sandbox_vmm::arch::Arch::Aarch64).join("stock");
+    if !from.join("manifest.json").is_file() {
+        let why = format!(
+            "no aarch64 stock image in {}; run `SANDBOX_HOST_ARCH=aarch64 bash rootfs/build-stock.sh`",
+            from.display()
+        );
+        assert!(
+            std::env::var("SANDBOX_HOST_REQUIRE_E2E").as_deref() != Ok("1"),
+            "{why}"
+        );
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    let name = state.file_name().unwrap().to_string_lossy();
+    let store = state.with_file_name(format!("{name}-images-aarch64"));
+    let to = store.join("stock");
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(&from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        std::fs::copy(e.path(), &dest).unwrap();
+        std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    for d in [&store, &to] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    Some(store)
+}
+
 /// The binary as whoever runs the tests, for the operator commands and `run`.
 /// `SANDBOX_HOST_BIN` names it where the build's path is not this machine's (a test binary run
 /// inside the nested test host, `nested_kvm.rs`).

@@ -353,6 +353,11 @@ export interface components {
              * @default vantik-guest:latest
              */
             image?: string;
+            /**
+             * @description The guests' architecture the run needs (as `/v1/health`'s `arch` names it). A host whose guests are of another answers 503 no_capacity, as a full host does; a fleet's gateway places the run on a host of that architecture. Absent: the host's own.
+             * @enum {string}
+             */
+            arch?: "x86_64" | "aarch64";
             env?: {
                 [key: string]: string;
             };
