@@ -13,7 +13,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
-type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+type HttpClient = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
 
 /// Where the host is and how to authenticate.
 pub struct Target {
@@ -49,12 +52,44 @@ impl Target {
                 )
             }
         };
-        if !base.starts_with("http://") {
+        if !base.starts_with("http://") && !base.starts_with("https://") {
             return Err(format!(
-                "SANDBOX_HOST_URL must be an http:// address, not `{base}`"
+                "SANDBOX_HOST_URL must be an http:// or https:// address, not `{base}`"
             ));
         }
-        let http = Client::builder(TokioExecutor::new()).build_http();
+        // https: the host's (or gateway's) certificate checked against SANDBOX_HOST_CA_FILE,
+        // else the system's authorities.
+        let tls = if base.starts_with("https://") {
+            crate::tls::client_config().map_err(|e| e.to_string())?
+        } else {
+            crate::tls::no_authorities().map_err(|e| e.to_string())?
+        };
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.enforce_http(false);
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http();
+        // The name the certificate is checked against, when the URL's is not it (a probe at
+        // 127.0.0.1 of a host whose certificate names its Service).
+        let builder = match std::env::var(crate::tls::NAME_VAR)
+            .ok()
+            .filter(|n| !n.trim().is_empty())
+        {
+            Some(n) => {
+                let name = rustls::pki_types::ServerName::try_from(n.trim().to_string()).map_err(
+                    |_| {
+                        format!(
+                            "{} is `{n}`, which is not a DNS name or an address",
+                            crate::tls::NAME_VAR
+                        )
+                    },
+                )?;
+                builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name))
+            }
+            None => builder,
+        };
+        let connector = builder.enable_http1().wrap_connector(connector);
+        let http = Client::builder(TokioExecutor::new()).build(connector);
         Ok(Target {
             base,
             token: token.trim().to_string(),
@@ -82,8 +117,10 @@ impl Target {
         let req = req.body(body).map_err(|e| format!("bad request: {e}"))?;
         self.http.request(req).await.map_err(|e| {
             format!(
-                "The sandbox host at {} did not answer: {e}. Start it, or check SANDBOX_HOST_URL",
-                self.base
+                "The sandbox host at {} did not answer: {}. Start it, or check SANDBOX_HOST_URL \
+                 (and, over https, SANDBOX_HOST_CA_FILE and the name the certificate is issued for)",
+                self.base,
+                crate::gateway::causes(&e)
             )
         })
     }

@@ -25,3 +25,4 @@ mod state;
 mod state_dir;
 mod templates;
 mod time;
+pub mod tls;

@@ -59,6 +59,9 @@ pub enum ServiceError {
     /// The HTTP server ended with an error.
     #[error("the HTTP server failed: {0}")]
     Http(#[source] std::io::Error),
+    /// `SANDBOX_HOST_TLS_CERT` or `SANDBOX_HOST_TLS_KEY` cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// The service: reads the configuration, starts the backend and the API, and runs until a
@@ -86,6 +89,7 @@ pub async fn serve() -> ExitCode {
 /// listener), then the API until a signal.
 async fn run() -> Result<(), ServiceError> {
     let cfg = Config::from_env()?;
+    let tls = crate::tls::server_from_env()?;
     let _lock = state_dir::claim(&cfg.state_dir)?;
     // The jail comes first: every VM process (the probes' too) is started through it.
     let jail_settings = sandbox_jail::Settings::from_env(&state_dir::jail_instance(&cfg.state_dir))
@@ -126,15 +130,7 @@ async fn run() -> Result<(), ServiceError> {
     tokio::spawn(lifecycle::sweep_forever(state.clone()));
     lifecycle::save_forever(state.clone());
     let app = routes::app(state.clone());
-    // Each write goes out at once (an exec's lines are small): with Nagle's algorithm, a client
-    // that delays its acknowledgement (a fleet's gateway, on a kept connection) got each answer's
-    // next write 40 ms late.
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(dispose_on_signal(state, signals))
+    crate::tls::serve(listener, tls, app, dispose_on_signal(state, signals))
         .await
         .map_err(ServiceError::Http)
 }

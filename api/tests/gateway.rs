@@ -354,3 +354,151 @@ async fn a_gateway_places_a_run_on_a_host_of_the_architecture_it_asks_for() {
         "{why}"
     );
 }
+
+/// TLS between a gateway and its hosts: a host serving https only (`SANDBOX_HOST_TLS_CERT`,
+/// `SANDBOX_HOST_TLS_KEY`), a gateway reaching it at its address with the certificate checked
+/// against the name it is issued for (`SANDBOX_HOST_TLS_NAME`) and an authority of
+/// `SANDBOX_HOST_CA_FILE`: a sandbox made, used and deleted through it. A gateway trusting
+/// another authority, or expecting another name, never sends it a request (the host is down,
+/// with the certificate's reason); a client that opens connections and never finishes its
+/// handshake holds nothing up; the operator commands reach an https host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_reaches_its_hosts_over_tls() {
+    use std::os::unix::fs::PermissionsExt;
+    if stock_image_missing() {
+        return;
+    }
+    let certs = tempfile::Builder::new()
+        .prefix("sbx-tls")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let (ours, other) = (certs.path().join("ours"), certs.path().join("other"));
+    for d in [&ours, &other] {
+        std::fs::create_dir(d).unwrap();
+    }
+    common::let_service_pass(certs.path());
+    common::make_certs(&ours, &["hosts.test", "localhost"]);
+    common::make_certs(&other, &["hosts.test"]);
+    // The service's user reads the key (an operator gives it the file; here, the world may).
+    std::fs::set_permissions(ours.join("srv.key"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (cert, key) = (path(&ours.join("srv.pem")), path(&ours.join("srv.key")));
+    let host = start(&[
+        ("SANDBOX_HOST_NAME", "t1"),
+        ("SANDBOX_HOST_TLS_CERT", cert.as_str()),
+        ("SANDBOX_HOST_TLS_KEY", key.as_str()),
+    ]);
+    // Connections that never finish their handshake, held open all along.
+    let idle: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", host.port)).unwrap())
+        .collect();
+    // Plain http to it gets no HTTP answer.
+    let plain = common::raw_http(
+        host.port,
+        "GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        vec![],
+    );
+    assert!(!plain.starts_with("HTTP/1.1 200"), "{plain}");
+
+    let hosts = format!("t1=https://127.0.0.1:{}", host.port);
+    let gateway = |ca: &std::path::Path, name: &str| {
+        start_gateway(&[
+            ("SANDBOX_HOST_GATEWAY_HOSTS", hosts.as_str()),
+            ("SANDBOX_HOST_GATEWAY_POLL_MS", "300"),
+            ("SANDBOX_HOST_TLS_NAME", name),
+            ("SANDBOX_HOST_CA_FILE", ca.to_str().unwrap()),
+        ])
+    };
+    let gw = gateway(&ours.join("ca.pem"), "hosts.test");
+    let (_, health) = gw.json("GET", "/v1/health", None).await;
+    assert_eq!(health["hosts"][0]["up"], true, "{health}");
+    let (s, v) = gw
+        .json("POST", "/v1/sandboxes", Some(common::small_run("run-tls")))
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().unwrap().to_string();
+    let (out, _, last) = gw.exec(&id, "echo over-tls").await;
+    assert_eq!(
+        (String::from_utf8_lossy(&out).trim(), &last["exit_code"]),
+        ("over-tls", &json!(0))
+    );
+    let data: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 + i / 4099) as u8).collect();
+    let (s, _) = gw
+        .req(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/blob"),
+            data.clone(),
+            &[("content-type", "application/octet-stream")],
+        )
+        .await;
+    assert_eq!(s, 204);
+    let (s, back) = gw
+        .req(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/blob"),
+            vec![],
+            &[],
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert!(back == data, "8 MiB back over TLS differ");
+
+    // Another authority, or another name: no request reaches the host.
+    for (ca, name, why) in [
+        (
+            other.join("ca.pem"),
+            "hosts.test",
+            "invalid peer certificate",
+        ),
+        (
+            ours.join("ca.pem"),
+            "elsewhere.test",
+            "certificate not valid for name",
+        ),
+    ] {
+        let bad = gateway(&ca, name);
+        let (_, health) = bad.json("GET", "/v1/health", None).await;
+        let row = &health["hosts"][0];
+        assert_eq!(row["up"], false, "{health}");
+        assert!(
+            row["reason"].as_str().unwrap_or_default().contains(why),
+            "{health}"
+        );
+        let (s, v) = bad.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(
+            (s, v["code"].as_str()),
+            (503, Some("host_unavailable")),
+            "{v}"
+        );
+    }
+
+    // The operator commands over https: by the name the certificate has, or at an address with
+    // that name given (as the Helm chart's probe does); another name is refused.
+    for (url, name, ok) in [
+        ("localhost", "", true),
+        ("127.0.0.1", "hosts.test", true),
+        ("127.0.0.1", "", false),
+    ] {
+        let out = common::bin()
+            .arg("health")
+            .env("SANDBOX_HOST_URL", format!("https://{url}:{}", host.port))
+            .env("SANDBOX_HOST_TLS_NAME", name)
+            .env("SANDBOX_HOST_CA_FILE", ours.join("ca.pem"))
+            .env("SANDBOX_HOST_TOKEN", common::TOKEN)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{url} {name}: {said} {err}");
+        if ok {
+            assert!(said.contains("\"available\""), "{said}");
+        } else {
+            assert!(err.contains("SANDBOX_HOST_CA_FILE and the name"), "{err}");
+        }
+    }
+    let (s, _) = gw
+        .req("DELETE", &format!("/v1/sandboxes/{id}"), vec![], &[])
+        .await;
+    assert_eq!(s, 204);
+    drop(idle);
+}

@@ -113,6 +113,19 @@ if [ "$1" = serve ]; then
   fi
 fi
 
+# TLS (SANDBOX_HOST_TLS_CERT and SANDBOX_HOST_TLS_KEY, the Helm chart's `tls`): a key the
+# service's user cannot read (a Secret mounted root's, 0400) is copied for it, readable by it
+# alone; one root cannot read either is left for the service to name.
+if [ -n "${SANDBOX_HOST_TLS_KEY:-}" ] && [ -n "${SANDBOX_HOST_TLS_CERT:-}" ] &&
+   [ -r "$SANDBOX_HOST_TLS_KEY" ] && [ -r "$SANDBOX_HOST_TLS_CERT" ] &&
+   ! setpriv --reuid "$user" --regid "$user" --clear-groups test -r "$SANDBOX_HOST_TLS_KEY"; then
+  tls=/run/sandbox-host-tls
+  install -d -m 0700 -o "$user" -g "$user" "$tls"
+  install -m 0400 -o "$user" -g "$user" "$SANDBOX_HOST_TLS_KEY" "$tls/key.pem"
+  install -m 0444 -o "$user" -g "$user" "$SANDBOX_HOST_TLS_CERT" "$tls/cert.pem"
+  export SANDBOX_HOST_TLS_KEY=$tls/key.pem SANDBOX_HOST_TLS_CERT=$tls/cert.pem
+fi
+
 # Only the service's own settings reach it (SANDBOX_HOST_*, and PATH, LANG, LC_ALL, TZ, RUST_LOG,
 # RUST_BACKTRACE, HOME): none of root's environment. Values are passed exactly as they are.
 keep=()

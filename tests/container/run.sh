@@ -51,7 +51,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/container-test.XXXXXX")
 cleanup() {
   # By label and name, not through compose: a stale project from a run that died is removed too.
   podman ps -aq --filter "label=io.podman.compose.project=$project" | xargs -r podman rm -f -t 5 >/dev/null 2>&1 || true
-  podman rm -f -t 5 "$project-nokvm" >/dev/null 2>&1 || true
+  podman rm -f -t 5 "$project-nokvm" "$project-gw" >/dev/null 2>&1 || true
   podman volume rm -f "${project}_sandbox-images" "${project}_sandbox-state" \
     "$project-nokvm-state" "$project-nokvm-images" >/dev/null 2>&1 || true
   podman pod rm -f "pod_$project" >/dev/null 2>&1 || true
@@ -176,7 +176,7 @@ server=$(podman ps -q --filter "label=io.podman.compose.project=$project" --filt
 for _ in $(seq 1 30); do podman exec "$server" test -s /tmp/auth && break; sleep 1; done
 network=$(podman inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' "$server")
 podman run -d --name "$project-nokvm" --network "$network" --network-alias sandbox-host-nokvm \
-  --env-file "$work/.env" -v "$project-nokvm-images:/var/lib/sandbox-host/images" \
+  --env-file "$work/.env" -e SANDBOX_HOST_NODE_NAME=NoKVM.example -v "$project-nokvm-images:/var/lib/sandbox-host/images" \
   -v "$project-nokvm-state:/var/lib/sandbox-host/state" -v /sys/fs/cgroup:/sys/fs/cgroup:rw \
   --security-opt systempaths=unconfined --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,SETPCAP,KILL \
   --init --stop-signal SIGTERM --stop-timeout 60 "$image" >/dev/null
@@ -187,6 +187,39 @@ echo "$line" | grep -q '"available":true' || fail "not available without /dev/kv
 echo "$line" | grep -q 'No /dev/kvm in this container' || fail "the Listening line does not say why it emulates: $line"
 SANDBOX_HOST_URL=http://sandbox-host-nokvm:3004
 kept=$(exercise "$project-nokvm")
+
+# A fleet's gateway in the same image (`gateway`), in front of that host, serving https with a
+# key only root can read (as the Helm chart mounts its Secret): the entrypoint gives the service's
+# user a copy of its own, and the operator command reaches it over https, checking the
+# certificate against the authority's file.
+mkdir -m 0755 "$work/certs"
+(
+  cd "$work/certs"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout ca.key -out ca.pem \
+    -days 2 -subj "/CN=container test CA" 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout srv.key -out srv.csr \
+    -subj /CN=localhost 2>/dev/null
+  echo "subjectAltName=DNS:localhost" > ext.cnf
+  openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out srv.pem -days 2 \
+    -extfile ext.cnf 2>/dev/null
+  chmod 0400 srv.key ca.key; chmod 0444 srv.pem ca.pem
+)
+podman run -d --name "$project-gw" --network "$network" --env-file "$work/.env" \
+  -e SANDBOX_HOST_GATEWAY_HOSTS=nokvm=http://sandbox-host-nokvm:3004 -e SANDBOX_HOST_BIND=0.0.0.0 \
+  -e SANDBOX_HOST_TLS_CERT=/certs/srv.pem -e SANDBOX_HOST_TLS_KEY=/certs/srv.key \
+  -v "$work/certs:/certs:ro" --cap-drop ALL --cap-add CHOWN,DAC_OVERRIDE,FOWNER,SETUID,SETGID,SETPCAP \
+  --init "$image" gateway >/dev/null
+wait_log "$project-gw" 'Listening on 0.0.0.0:3004' 60 >&2
+gw_health=$(podman exec -e SANDBOX_HOST_URL=https://localhost:3004 -e SANDBOX_HOST_CA_FILE=/certs/ca.pem \
+  "$project-gw" /opt/sandbox-host/bin/sandbox-host health) || fail "the gateway's health over https failed: $gw_health"
+echo "$gw_health" >&2
+tr -d ' \n' <<<"$gw_health" | grep -q '"available":true.*"role":"gateway"' \
+  || fail "the gateway over https does not serve its host: $gw_health"
+podman top "$project-gw" user comm | awk '$2 == "sandbox-host" && $1 != "sandbox-host" { bad = 1 } END { exit bad }' \
+  || fail "the gateway does not run as sandbox-host: $(podman top "$project-gw" user comm)"
+podman rm -f -t 5 "$project-gw" >/dev/null
+log "gateway: https with a root-only key, its host served through it"
+
 check_stop "$project-nokvm" "$kept" podman stop -t 60 "$project-nokvm"
 
 # 2. The guide's command, with /dev/kvm mapped.

@@ -27,7 +27,8 @@ fail() { echo "helm chart: $*" >&2; exit 1; }
 helm lint --strict --kube-version "$kube" "$chart" --set token.value=$token >&2
 for args in "--set token.value=$token" \
             "--set token.value=$token --set host.kvm.mode=hostpath" \
-            "--set token.existingSecret=their-secret"; do
+            "--set token.existingSecret=their-secret" \
+            "--set token.value=$token --set tls.existingSecret=their-tls"; do
   # shellcheck disable=SC2086
   helm template t "$chart" --namespace sbx --kube-version "$kube" $args > "$work/out.yaml"
   kubernetes-validate --strict --quiet -k "$kube" "$work/out.yaml" > "$work/v.log" 2>&1 || true
@@ -43,6 +44,16 @@ for want in 'sandbox-host/kvm: "true"' 'devices.kubevirt.io/kvm: "1"' 'terminati
             'value: "http://t-hosts.sbx.svc:3004"' 'procMount: Unmasked' 'kind: Secret'; do
   grep -qF "$want" "$work/out.yaml" || fail "the rendering lacks \`$want\`"
 done
+# With TLS: the gateway finds the hosts over https and checks them against their Service's name,
+# both serve https, the probes check a host by that name at 127.0.0.1, the key is root's alone.
+helm template t "$chart" --namespace sbx --kube-version "$kube" --set token.value=$token \
+  --set tls.existingSecret=their-tls > "$work/out.yaml"
+for want in 'value: "https://t-hosts.sbx.svc:3004"' 'SANDBOX_HOST_TLS_NAME=t-hosts.sbx.svc' \
+            'SANDBOX_HOST_URL=https://127.0.0.1:3004' 'secretName: their-tls' 'mode: 0400' \
+            'value: /etc/sandbox-host/tls/tls.key' 'value: /etc/sandbox-host/tls/ca.crt'; do
+  grep -qF "$want" "$work/out.yaml" || fail "the TLS rendering lacks \`$want\`"
+done
+[ "$(grep -c 'secretName: their-tls' "$work/out.yaml")" = 2 ] || fail "the TLS Secret is not mounted in both kinds of pod"
 # The chart's refusals, each with its reason.
 if out=$(helm template t "$chart" 2>&1); then fail "rendered without a token"; fi
 grep -q "set token.existingSecret" <<< "$out" || fail "no reason without a token: $out"
@@ -52,4 +63,4 @@ grep -q "at least 24 characters" <<< "$out" || fail "no reason for a short token
 sed 's/^  replicas: 2$/  replicas: 2\n  replicaz: 2/' "$work/out.yaml" > "$work/bad.yaml"
 kubernetes-validate --strict --quiet -k "$kube" "$work/bad.yaml" > "$work/v.log" 2>&1 || true
 grep -q "replicaz" "$work/v.log" || fail "the validator let an unknown field through"
-echo "helm chart: lint, 3 renderings valid for Kubernetes $kube, refusals as expected"
+echo "helm chart: lint, 4 renderings valid for Kubernetes $kube, refusals as expected"

@@ -32,8 +32,16 @@ pub enum GatewayConfigError {
         why: String,
     },
     /// The DNS setting does not parse.
-    #[error("SANDBOX_HOST_GATEWAY_DNS is `{0}`: it takes http://a-dns-name:port")]
+    #[error(
+        "SANDBOX_HOST_GATEWAY_DNS is `{0}`: it takes http://a-dns-name:port or https://a-dns-name:port"
+    )]
     BadDns(String),
+    /// The name hosts' certificates are checked against is not a DNS name or address.
+    #[error(
+        "SANDBOX_HOST_TLS_NAME is `{0}`: it takes the DNS name (or address) the hosts' \
+         certificates are issued for"
+    )]
+    BadTlsName(String),
 }
 
 /// Where the hosts are.
@@ -44,7 +52,7 @@ pub enum Hosts {
     /// A DNS name (a headless Kubernetes Service) whose addresses are the hosts, all on one port;
     /// each host's name is what its `/v1/health` says.
     Dns {
-        /// `http`.
+        /// `http` or `https`.
         scheme: String,
         /// The name looked up.
         name: String,
@@ -72,6 +80,20 @@ pub struct GatewayConfig {
     pub hosts: Hosts,
     /// How often each host's `/v1/health` is asked (`SANDBOX_HOST_GATEWAY_POLL_MS`, 2000).
     pub poll: Duration,
+    /// The name every host's certificate is checked against over https
+    /// (`SANDBOX_HOST_TLS_NAME`; else, for hosts found by DNS, that DNS name: one
+    /// certificate of the headless Service's name serves every host; else each URL's host).
+    pub tls_name: Option<String>,
+}
+
+impl GatewayConfig {
+    /// Whether any host is reached over https (then the gateway needs authorities to trust).
+    pub fn uses_https(&self) -> bool {
+        match &self.hosts {
+            Hosts::Static(list) => list.iter().any(|(_, u)| u.scheme_str() == Some("https")),
+            Hosts::Dns { scheme, .. } => scheme == "https",
+        }
+    }
 }
 
 impl std::fmt::Debug for GatewayConfig {
@@ -117,19 +139,11 @@ fn read_token(
     Ok(Some(t))
 }
 
-/// An `http` URL with a host and a port, and nothing after them.
+/// An `http` or `https` URL with a host and a port, and nothing after them.
 fn base_url(s: &str) -> Result<Uri, String> {
     let uri: Uri = s.parse().map_err(|e| format!("not a URL ({e})"))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(
-                "https to hosts is not supported yet: put the gateway and the hosts on \
-                        one private network and use http"
-                    .into(),
-            );
-        }
-        _ => return Err("the URL must start with http://".into()),
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err("the URL must start with http:// or https://".into());
     }
     if uri.host().is_none() || uri.port_u16().is_none() {
         return Err("the URL needs an address and a port".into());
@@ -204,6 +218,16 @@ impl GatewayConfig {
             (None, Some(dns)) => dns_hosts(&dns)?,
             _ => return Err(GatewayConfigError::NoHosts),
         };
+        let tls_name = match (get(crate::tls::NAME_VAR), &hosts) {
+            (Some(n), _) => {
+                let n = n.trim().to_string();
+                rustls::pki_types::ServerName::try_from(n.as_str())
+                    .map_err(|_| GatewayConfigError::BadTlsName(n.clone()))?;
+                Some(n)
+            }
+            (None, Hosts::Dns { name, .. }) => Some(name.clone()),
+            (None, Hosts::Static(_)) => None,
+        };
         Ok(GatewayConfig {
             token,
             host_token,
@@ -213,6 +237,7 @@ impl GatewayConfig {
             max_body_mb,
             hosts,
             poll: Duration::from_millis(poll_ms),
+            tls_name,
         })
     }
 }
@@ -247,7 +272,7 @@ fn static_hosts(list: &str) -> Result<Vec<(String, Uri)>, GatewayConfigError> {
 fn dns_hosts(v: &str) -> Result<Hosts, GatewayConfigError> {
     let uri = base_url(v.trim()).map_err(|_| GatewayConfigError::BadDns(v.to_string()))?;
     Ok(Hosts::Dns {
-        scheme: "http".into(),
+        scheme: uri.scheme_str().unwrap_or("http").into(),
         name: uri.host().unwrap_or_default().to_string(),
         port: uri.port_u16().unwrap_or(80),
     })
@@ -290,6 +315,30 @@ mod tests {
         assert!(
             matches!(c.hosts, Hosts::Dns { ref name, port: 3004, .. } if name == "hosts.ns.svc")
         );
+        assert!(!c.uses_https());
+        // Over https, hosts found by DNS are checked against that name, unless one is given.
+        let c = cfg(&[
+            TOKEN,
+            ("SANDBOX_HOST_GATEWAY_DNS", "https://hosts.ns.svc:3004"),
+        ])
+        .unwrap();
+        assert!(c.uses_https());
+        assert_eq!(c.tls_name.as_deref(), Some("hosts.ns.svc"));
+        let c = cfg(&[
+            TOKEN,
+            ("SANDBOX_HOST_GATEWAY_HOSTS", "a=https://10.0.0.1:3004"),
+            ("SANDBOX_HOST_TLS_NAME", "hosts.example"),
+        ])
+        .unwrap();
+        assert_eq!(c.tls_name.as_deref(), Some("hosts.example"));
+        let e = cfg(&[
+            TOKEN,
+            ("SANDBOX_HOST_GATEWAY_HOSTS", "a=https://10.0.0.1:3004"),
+            ("SANDBOX_HOST_TLS_NAME", "not a name"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("SANDBOX_HOST_TLS_NAME is `not a name`"), "{e}");
     }
 
     #[test]
@@ -298,7 +347,7 @@ mod tests {
             ("a=http://h:1,a=http://h:2", "named twice"),
             ("A=http://h:1", "not a host name"),
             ("a", "no `=`"),
-            ("a=https://h:1", "https to hosts"),
+            ("a=ftp://h:1", "http:// or https://"),
             ("a=http://h", "a port"),
             ("a=http://h:1/v1", "no path"),
         ] {

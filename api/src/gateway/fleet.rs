@@ -234,10 +234,17 @@ async fn health(client: &Client, url: &Uri, token: &str) -> Result<Value, String
         .body(axum::body::Body::empty())
         .map_err(|e| e.to_string())?;
     let answer = tokio::time::timeout(HEALTH_TIMEOUT, async {
-        let res = client
-            .request(req)
-            .await
-            .map_err(|e| format!("did not answer ({e})"))?;
+        let res = client.request(req).await.map_err(|e| {
+            let why = super::proxy::causes(&e);
+            let hint = if why.contains("certificate") {
+                "; the gateway checks it against SANDBOX_HOST_CA_FILE's authorities (else \
+                     the system's) and SANDBOX_HOST_TLS_NAME (else the URL's or the DNS \
+                     name)"
+            } else {
+                ""
+            };
+            format!("did not answer ({why}){hint}")
+        })?;
         let status = res.status();
         let body = http_body_util::Limited::new(res.into_body(), HEALTH_MAX)
             .collect()

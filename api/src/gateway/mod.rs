@@ -13,6 +13,8 @@ pub mod config;
 mod fleet;
 mod place;
 mod proxy;
+
+pub use proxy::causes;
 mod routes;
 
 use std::net::SocketAddr;
@@ -33,6 +35,13 @@ pub async fn run() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let (tls, client) = match (crate::tls::server_from_env(), proxy::client(&cfg)) {
+        (Ok(t), Ok(c)) => (t, c),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
     let addr = SocketAddr::new(cfg.bind, cfg.port);
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
@@ -41,7 +50,7 @@ pub async fn run() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let fleet = fleet::Fleet::new(&cfg, proxy::client());
+    let fleet = fleet::Fleet::new(&cfg, client);
     // The first poll before serving: a gateway that answers knows its hosts.
     fleet.poll().await;
     fleet.watch(cfg.poll);
@@ -50,17 +59,11 @@ pub async fn run() -> ExitCode {
         address = %listener.local_addr().unwrap_or(addr),
         hosts = fleet.all().len(),
         up,
+        https = tls.is_some(),
         "Listening on {}: the gateway of a fleet of sandbox hosts",
         listener.local_addr().unwrap_or(addr)
     );
     let app = routes::app(routes::Gateway::new(cfg, fleet));
-    // Each write passed on goes out at once: an exec's lines are small, and Nagle's algorithm
-    // against the client's delayed acknowledgement held each for up to 40 ms (31.6 ms added to
-    // an exec round trip, measured by benches/gateway.rs, before this).
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     let stop = async {
         use tokio::signal::unix::{SignalKind, signal};
         match (
@@ -76,10 +79,7 @@ pub async fn run() -> ExitCode {
             _ => std::future::pending::<()>().await,
         }
     };
-    match axum::serve(listener, app)
-        .with_graceful_shutdown(stop)
-        .await
-    {
+    match crate::tls::serve(listener, tls, app, stop).await {
         Ok(()) => {
             tracing::info!("Stopped");
             ExitCode::SUCCESS

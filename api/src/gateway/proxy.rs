@@ -7,22 +7,49 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Request, Response, header};
 use hyper::Uri;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 
-/// The client the gateway reaches hosts with: keep-alive connections, a bounded connect.
-pub type Client = hyper_util::client::legacy::Client<HttpConnector, Body>;
+use super::config::GatewayConfig;
+use crate::tls::TlsError;
+
+/// The client the gateway reaches hosts with: http or https by each host's URL, keep-alive
+/// connections, a bounded connect.
+pub type Client = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Body>;
 
 /// How long a host has to accept a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// The client of [`Client`]'s kind.
-pub fn client() -> Client {
+/// The client of [`Client`]'s kind for `config`: over https, hosts' certificates are checked
+/// against the authorities of `SANDBOX_HOST_CA_FILE` (else the system's), and against the name
+/// of `tls_name` when there is one.
+pub fn client(config: &GatewayConfig) -> Result<Client, TlsError> {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_nodelay(true);
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build(http)
+    http.enforce_http(false);
+    let tls = if config.uses_https() {
+        crate::tls::client_config()?
+    } else {
+        crate::tls::no_authorities()?
+    };
+    let builder = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    let builder = match &config.tls_name {
+        Some(name) => {
+            let name = rustls::pki_types::ServerName::try_from(name.clone())
+                .map_err(|e| TlsError::Client(format!("`{name}`: {e}")))?;
+            builder.with_server_name_resolver(FixedServerNameResolver::new(name))
+        }
+        None => builder,
+    };
+    let connector = builder.enable_http1().wrap_connector(http);
+    Ok(
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector),
+    )
 }
 
 /// Headers that belong to one connection, never passed on (RFC 9110, 7.6.1), and the ones the
@@ -64,6 +91,23 @@ fn local(why: String) -> Unreachable {
     }
 }
 
+/// An error and its causes, in one line: a TLS failure is the connection error's cause's cause
+/// (`client error (Connect): invalid peer certificate: UnknownIssuer`).
+pub fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    for _ in 0..8 {
+        let Some(c) = next else { break };
+        let said = c.to_string();
+        if !out.contains(&said) {
+            out.push_str(": ");
+            out.push_str(&said);
+        }
+        next = c.source();
+    }
+    out
+}
+
 /// Sends `req` (its path and query as they came) to the host at `base`, with the host token,
 /// and gives back the host's answer as it streams.
 pub async fn forward(
@@ -96,10 +140,7 @@ pub async fn forward(
     out.headers_mut().insert(header::AUTHORIZATION, bearer);
     let res = client.request(out).await.map_err(|e| Unreachable {
         before_sending: e.is_connect(),
-        why: match std::error::Error::source(&e) {
-            Some(cause) => format!("{e}: {cause}"),
-            None => e.to_string(),
-        },
+        why: causes(&e),
     })?;
     let (parts, incoming) = res.into_parts();
     let mut back = Response::builder()
