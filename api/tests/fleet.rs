@@ -122,38 +122,6 @@ fn resolver(addrs: Arc<Mutex<Vec<Ipv4Addr>>>) {
     });
 }
 
-/// Resident memory of process `pid`, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// The pid of the gateway process under `h` (its wrappers exec into it, or fork it last).
-fn gateway_pid(h: &Host) -> u32 {
-    let mut pid = h.child.id();
-    for _ in 0..8 {
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        if comm.trim() == "sandbox-host" {
-            return pid;
-        }
-        let children =
-            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        match children
-            .split_whitespace()
-            .next()
-            .and_then(|c| c.parse().ok())
-        {
-            Some(c) => pid = c,
-            None => break,
-        }
-    }
-    pid
-}
-
 async fn hosts_up(gw: &Host, want: usize, within: Duration) {
     let t = Instant::now();
     loop {
@@ -279,24 +247,12 @@ async fn a_fleet_in_namespaces_behind_two_gateways_found_by_dns() {
         )
         .await;
     assert_eq!(last["exit_code"], 0, "{last}");
-    let pid = gateway_pid(&gw2);
-    let before = rss_kib(pid);
-    let peak = Arc::new(std::sync::atomic::AtomicU64::new(before));
-    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let (p, w) = (peak.clone(), watching.clone());
-    let sampler = std::thread::spawn(move || {
-        while w.load(std::sync::atomic::Ordering::SeqCst) {
-            p.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::SeqCst);
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    });
+    let rss = common::PeakRss::watch(common::service_pid(&gw2));
     let got = stream_len(&gw2.url(&format!(
         "/v1/sandboxes/{id}/files?path=/workspace/big/zeros"
     )))
     .await;
-    watching.store(false, std::sync::atomic::Ordering::SeqCst);
-    sampler.join().unwrap();
-    let peak = peak.load(std::sync::atomic::Ordering::SeqCst);
+    let (before, peak) = rss.stop();
     eprintln!(
         "1 GiB through the gateway: {got} bytes; gateway RSS {before} KiB before, {peak} KiB at most"
     );

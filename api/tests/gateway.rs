@@ -383,10 +383,12 @@ async fn a_gateway_reaches_its_hosts_over_tls() {
     std::fs::set_permissions(ours.join("srv.key"), std::fs::Permissions::from_mode(0o644)).unwrap();
     let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
     let (cert, key) = (path(&ours.join("srv.pem")), path(&ours.join("srv.key")));
+    // Bodies up to 2 GB: the gigabyte's archive below.
     let host = start(&[
         ("SANDBOX_HOST_NAME", "t1"),
         ("SANDBOX_HOST_TLS_CERT", cert.as_str()),
         ("SANDBOX_HOST_TLS_KEY", key.as_str()),
+        ("SANDBOX_HOST_MAX_BODY_MB", "2000"),
     ]);
     // Connections that never finish their handshake, held open all along.
     let idle: Vec<std::net::TcpStream> = (0..4)
@@ -407,6 +409,7 @@ async fn a_gateway_reaches_its_hosts_over_tls() {
             ("SANDBOX_HOST_GATEWAY_POLL_MS", "300"),
             ("SANDBOX_HOST_TLS_NAME", name),
             ("SANDBOX_HOST_CA_FILE", ca.to_str().unwrap()),
+            ("SANDBOX_HOST_MAX_BODY_MB", "2000"),
         ])
     };
     let gw = gateway(&ours.join("ca.pem"), "hosts.test");
@@ -442,6 +445,62 @@ async fn a_gateway_reaches_its_hosts_over_tls() {
         .await;
     assert_eq!(s, 200);
     assert!(back == data, "8 MiB back over TLS differ");
+
+    // A gigabyte's archive into a guest through the gateway, over TLS both ways: the client sends
+    // as fast as it can, the guest takes it at its pace (emulated: tens of MB/s), and the gateway
+    // holds none of the difference (its resident memory sampled throughout).
+    let (s, v) = gw
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(
+                json!({"run_id": "run-gigabyte", "time_limit_ms": 600000, "review": false,
+                        "memory_mib": 1536, "vcpus": 1}),
+            ),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let big = v["id"].as_str().unwrap().to_string();
+    let rss = common::PeakRss::watch(common::service_pid(&gw));
+    let t = std::time::Instant::now();
+    let (s, body) = put_streamed(
+        &gw.url(&format!("/v1/sandboxes/{big}/archive?path=/workspace/big")),
+        GigabyteTar::new(),
+    )
+    .await;
+    let secs = t.elapsed().as_secs_f64();
+    let (before, peak) = rss.stop();
+    assert_eq!(s, 204, "{body}");
+    eprintln!(
+        "a 1 GiB archive through the gateway over TLS in {secs:.1} s ({:.0} MiB/s); gateway RSS \
+         {before} KiB before, {peak} KiB at most",
+        1024.0 / secs
+    );
+    assert!(
+        peak < before + 64 * 1024,
+        "the gateway held the stream: {before} KiB -> {peak} KiB"
+    );
+    let (out, _, last) = gw
+        .exec(
+            &big,
+            "stat -c %s /workspace/big/gigabyte; tail -c 1048576 /workspace/big/gigabyte | sha256sum",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    let out = String::from_utf8_lossy(&out).to_string();
+    let chunk_sum = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(GigabyteTar::chunk(1023));
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    assert!(
+        out.starts_with("1073741824\n") && out.contains(&chunk_sum),
+        "{out} (want the last MiB's sum {chunk_sum})"
+    );
+    let (s, _) = gw
+        .req("DELETE", &format!("/v1/sandboxes/{big}"), vec![], &[])
+        .await;
+    assert_eq!(s, 204);
 
     // Another authority, or another name: no request reaches the host.
     for (ca, name, why) in [
@@ -501,4 +560,80 @@ async fn a_gateway_reaches_its_hosts_over_tls() {
         .await;
     assert_eq!(s, 204);
     drop(idle);
+}
+
+/// A tar stream of one file of 1 GiB (`gigabyte`), made as it is read: 1024 chunks of 1 MiB,
+/// each its own bytes.
+struct GigabyteTar {
+    next: u32,
+    done: bool,
+}
+
+impl GigabyteTar {
+    const CHUNKS: u32 = 1024;
+
+    fn new() -> GigabyteTar {
+        GigabyteTar {
+            next: 0,
+            done: false,
+        }
+    }
+
+    fn chunk(i: u32) -> Vec<u8> {
+        (0..1u32 << 20)
+            .map(|j| (j.wrapping_mul(31) ^ i.wrapping_mul(131)) as u8)
+            .collect()
+    }
+}
+
+impl http_body::Body for GigabyteTar {
+    type Data = hyper::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let data = if self.done {
+            return std::task::Poll::Ready(None);
+        } else if self.next == 0 {
+            let mut h = tar::Header::new_gnu();
+            h.set_path("gigabyte").unwrap();
+            h.set_size(u64::from(Self::CHUNKS) << 20);
+            h.set_mode(0o644);
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_cksum();
+            let mut first = h.as_bytes().to_vec();
+            first.extend(Self::chunk(0));
+            first
+        } else if self.next < Self::CHUNKS {
+            Self::chunk(self.next)
+        } else {
+            self.done = true;
+            vec![0u8; 1024]
+        };
+        self.next += 1;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(data.into()))))
+    }
+}
+
+/// A PUT of `body` (streamed, no length) with the test token; the status and the answer.
+async fn put_streamed(url: &str, body: GigabyteTar) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<GigabyteTar>();
+    let req = hyper::Request::put(url)
+        .header("authorization", format!("Bearer {}", common::TOKEN))
+        .header("content-type", "application/x-tar")
+        .body(body)
+        .unwrap();
+    let res = client.request(req).await.unwrap();
+    let status = res.status().as_u16();
+    let body = res
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    (status, String::from_utf8_lossy(&body).into_owned())
 }

@@ -868,3 +868,75 @@ pub fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
     .unwrap();
     tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg))
 }
+
+/// Resident memory of process `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The pid of the `sandbox-host` process under `h` (its wrappers exec into it, or fork it last).
+pub fn service_pid(h: &Host) -> u32 {
+    let mut pid = h.child.id();
+    for _ in 0..8 {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.trim() == "sandbox-host" {
+            return pid;
+        }
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        match children
+            .split_whitespace()
+            .next()
+            .and_then(|c| c.parse().ok())
+        {
+            Some(c) => pid = c,
+            None => break,
+        }
+    }
+    pid
+}
+
+/// The resident memory of a process sampled every 50 ms while something runs: what it had
+/// before, and the most it had since.
+pub struct PeakRss {
+    before: u64,
+    peak: Arc<std::sync::atomic::AtomicU64>,
+    watching: Arc<std::sync::atomic::AtomicBool>,
+    sampler: std::thread::JoinHandle<()>,
+}
+
+impl PeakRss {
+    /// Starts sampling `pid`.
+    pub fn watch(pid: u32) -> PeakRss {
+        use std::sync::atomic::Ordering::SeqCst;
+        let before = rss_kib(pid);
+        let peak = Arc::new(std::sync::atomic::AtomicU64::new(before));
+        let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (p, w) = (peak.clone(), watching.clone());
+        let sampler = std::thread::spawn(move || {
+            while w.load(SeqCst) {
+                p.fetch_max(rss_kib(pid), SeqCst);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        PeakRss {
+            before,
+            peak,
+            watching,
+            sampler,
+        }
+    }
+
+    /// Stops; (before, peak) in KiB.
+    pub fn stop(self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.watching.store(false, SeqCst);
+        let _ = self.sampler.join();
+        (self.before, self.peak.load(SeqCst))
+    }
+}
