@@ -19,6 +19,8 @@ use common::{Host, start_gateway_wrapped, start_in_wrapped, stock_image_missing}
 
 /// The name the gateways resolve, and the resolver's address.
 const NAME: &str = "hosts.fleet.test";
+/// Its SRV name: a record per host (the gateway's other way of finding hosts).
+const SRV_NAME: &str = "_api._tcp.hosts.fleet.test";
 const RESOLVER: &str = "127.0.0.53";
 
 fn sh(args: &[&str]) {
@@ -73,7 +75,7 @@ impl Drop for Namespaces {
 }
 
 /// A DNS server for one name on RESOLVER:53, answering its A records (`addrs`, changed as the
-/// test goes) and NXDOMAIN for anything else.
+/// test goes), its SRV records and their targets' A records, and NXDOMAIN for anything else.
 fn resolver(addrs: Arc<Mutex<Vec<Ipv4Addr>>>) {
     let sock = std::net::UdpSocket::bind((RESOLVER, 53)).expect("port 53 of 127.0.0.53 (root)");
     std::thread::spawn(move || {
@@ -99,23 +101,52 @@ fn resolver(addrs: Arc<Mutex<Vec<Ipv4Addr>>>) {
             }
             let qtype = u16::from_be_bytes([q[i + 1], q[i + 2]]);
             let question = &q[12..i + 5];
-            let ours = labels.join(".") == NAME;
-            let answers: Vec<Ipv4Addr> = if ours && qtype == 1 {
-                addrs.lock().unwrap().clone()
+            let asked = labels.join(".");
+            let now = addrs.lock().unwrap().clone();
+            // NAME: the hosts' addresses (A); SRV_NAME: a record per host, `h<i>.NAME` port
+            // 3004 (SRV); `h<i>.NAME`: that host's address (A).
+            let target = |i: usize| format!("h{i}.{NAME}");
+            let mut records: Vec<(u16, Vec<u8>)> = vec![];
+            let known = if asked == NAME {
+                if qtype == 1 {
+                    records.extend(now.iter().map(|a| (1, a.octets().to_vec())));
+                }
+                true
+            } else if asked == SRV_NAME {
+                if qtype == 33 {
+                    for i in 0..now.len() {
+                        let mut rdata = vec![0, 0, 0, 10, 0x0b, 0xbc]; // priority, weight, 3004
+                        for l in target(i).split('.') {
+                            rdata.push(l.len() as u8);
+                            rdata.extend_from_slice(l.as_bytes());
+                        }
+                        rdata.push(0);
+                        records.push((33, rdata));
+                    }
+                }
+                true
+            } else if let Some(i) = (0..now.len()).find(|i| target(*i) == asked) {
+                if qtype == 1 {
+                    records.push((1, now[i].octets().to_vec()));
+                }
+                true
             } else {
-                vec![]
+                false
             };
             let mut r = Vec::with_capacity(512);
             r.extend_from_slice(&q[0..2]); // id
-            let rcode = if ours { 0 } else { 3 };
+            let rcode = if known { 0 } else { 3 };
             r.extend_from_slice(&[0x84 | (q[2] & 0x01), 0x80 | rcode]);
             r.extend_from_slice(&1u16.to_be_bytes());
-            r.extend_from_slice(&(answers.len() as u16).to_be_bytes());
+            r.extend_from_slice(&(records.len() as u16).to_be_bytes());
             r.extend_from_slice(&[0, 0, 0, 0]);
             r.extend_from_slice(question);
-            for a in answers {
-                r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4]);
-                r.extend_from_slice(&a.octets());
+            for (t, rdata) in records {
+                r.extend_from_slice(&[0xc0, 0x0c]);
+                r.extend_from_slice(&t.to_be_bytes());
+                r.extend_from_slice(&[0, 1, 0, 0, 0, 1]);
+                r.extend_from_slice(&(rdata.len() as u16).to_be_bytes());
+                r.extend_from_slice(&rdata);
             }
             let _ = sock.send_to(&r, peer);
         }
@@ -199,8 +230,35 @@ async fn a_fleet_in_namespaces_behind_two_gateways_found_by_dns() {
     ];
     let mut gw1 = start_gateway_wrapped(&env, &wrapper);
     let gw2 = start_gateway_wrapped(&env, &wrapper);
+    // A third finds them by their SRV records (each a name and a port).
+    let srv = format!("http://{SRV_NAME}");
+    let gw3 = start_gateway_wrapped(
+        &[
+            ("SANDBOX_HOST_GATEWAY_DNS", srv.as_str()),
+            ("SANDBOX_HOST_GATEWAY_POLL_MS", "300"),
+        ],
+        &wrapper,
+    );
     hosts_up(&gw1, 3, Duration::from_secs(30)).await;
     hosts_up(&gw2, 3, Duration::from_secs(30)).await;
+    hosts_up(&gw3, 3, Duration::from_secs(30)).await;
+    let (_, health) = gw3.json("GET", "/v1/health", None).await;
+    let urls: BTreeSet<&str> = health["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|h| h["url"].as_str())
+        .collect();
+    assert_eq!(
+        urls,
+        (0..3)
+            .map(|i| format!("http://h{i}.{NAME}:3004/"))
+            .collect::<BTreeSet<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect(),
+        "{health}"
+    );
 
     // Sandboxes spread over the hosts (one's room each).
     let mut ids = vec![];
@@ -262,9 +320,15 @@ async fn a_fleet_in_namespaces_behind_two_gateways_found_by_dns() {
         "the gateway held the stream: {before} KiB -> {peak} KiB"
     );
 
-    // A host taken out of the DNS name leaves the gateway's hosts.
+    // Through the SRV gateway too, a sandbox is served by the host its id names.
+    let (out, _, last) = gw3.exec(&ids[1], "echo by-srv").await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    assert_eq!(String::from_utf8_lossy(&out), "by-srv\n");
+
+    // A host taken out of the DNS name (and of its SRV records) leaves the gateways' hosts.
     served.lock().unwrap().pop();
     hosts_up(&gw2, 2, Duration::from_secs(30)).await;
+    hosts_up(&gw3, 2, Duration::from_secs(30)).await;
     drop(hosts);
 }
 

@@ -33,7 +33,9 @@ pub enum GatewayConfigError {
     },
     /// The DNS setting does not parse.
     #[error(
-        "SANDBOX_HOST_GATEWAY_DNS is `{0}`: it takes http://a-dns-name:port or https://a-dns-name:port"
+        "SANDBOX_HOST_GATEWAY_DNS is `{0}`: it takes http://a-dns-name:port (its A/AAAA records \
+         are the hosts) or http://_service._tcp.a-dns-name (its SRV records are), or the same \
+         with https"
     )]
     BadDns(String),
     /// The name hosts' certificates are checked against is not a DNS name or address.
@@ -50,14 +52,17 @@ pub enum Hosts {
     /// Named hosts at fixed URLs.
     Static(Vec<(String, Uri)>),
     /// A DNS name (a headless Kubernetes Service) whose addresses are the hosts, all on one port;
-    /// each host's name is what its `/v1/health` says.
+    /// or, for a name that starts with `_` (`_api._tcp.<service>`), whose SRV records name each
+    /// host and its port. Each host's name is what its `/v1/health` says.
     Dns {
         /// `http` or `https`.
         scheme: String,
         /// The name looked up.
         name: String,
-        /// The hosts' port.
+        /// The hosts' port (none for SRV: each record has its own).
         port: u16,
+        /// The name's SRV records are the hosts.
+        srv: bool,
     },
 }
 
@@ -225,7 +230,14 @@ impl GatewayConfig {
                     .map_err(|_| GatewayConfigError::BadTlsName(n.clone()))?;
                 Some(n)
             }
-            (None, Hosts::Dns { name, .. }) => Some(name.clone()),
+            (
+                None,
+                Hosts::Dns {
+                    name, srv: false, ..
+                },
+            ) => Some(name.clone()),
+            // SRV targets have names of their own, which their certificates carry.
+            (None, Hosts::Dns { srv: true, .. }) => None,
             (None, Hosts::Static(_)) => None,
         };
         Ok(GatewayConfig {
@@ -270,11 +282,29 @@ fn static_hosts(list: &str) -> Result<Vec<(String, Uri)>, GatewayConfigError> {
 }
 
 fn dns_hosts(v: &str) -> Result<Hosts, GatewayConfigError> {
-    let uri = base_url(v.trim()).map_err(|_| GatewayConfigError::BadDns(v.to_string()))?;
+    let bad = || GatewayConfigError::BadDns(v.to_string());
+    let srv = v
+        .trim()
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.starts_with('_'));
+    let uri = if srv {
+        // No port: each SRV record has its own.
+        let uri: Uri = v.trim().parse().map_err(|_| bad())?;
+        if !matches!(uri.scheme_str(), Some("http" | "https"))
+            || uri.port().is_some()
+            || uri.path_and_query().is_some_and(|p| p.as_str() != "/")
+        {
+            return Err(bad());
+        }
+        uri
+    } else {
+        base_url(v.trim()).map_err(|_| bad())?
+    };
     Ok(Hosts::Dns {
         scheme: uri.scheme_str().unwrap_or("http").into(),
         name: uri.host().unwrap_or_default().to_string(),
-        port: uri.port_u16().unwrap_or(80),
+        port: uri.port_u16().unwrap_or(0),
+        srv,
     })
 }
 
@@ -324,6 +354,26 @@ mod tests {
         .unwrap();
         assert!(c.uses_https());
         assert_eq!(c.tls_name.as_deref(), Some("hosts.ns.svc"));
+        // SRV: no port (each record has its own), and each target checked by its own name.
+        let c = cfg(&[
+            TOKEN,
+            ("SANDBOX_HOST_GATEWAY_DNS", "https://_api._tcp.hosts.ns.svc"),
+        ])
+        .unwrap();
+        assert!(
+            matches!(c.hosts, Hosts::Dns { ref name, srv: true, .. } if name == "_api._tcp.hosts.ns.svc")
+        );
+        assert_eq!(c.tls_name, None);
+        for bad in [
+            "http://_api._tcp.hosts:3004",
+            "ftp://_api._tcp.h",
+            "http://_a._tcp.h/x",
+        ] {
+            let e = cfg(&[TOKEN, ("SANDBOX_HOST_GATEWAY_DNS", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("SRV records"), "{bad}: {e}");
+        }
         let c = cfg(&[
             TOKEN,
             ("SANDBOX_HOST_GATEWAY_HOSTS", "a=https://10.0.0.1:3004"),

@@ -169,8 +169,21 @@ impl Fleet {
     /// One poll: the DNS name looked up again (its addresses are the hosts), then every host
     /// asked at once.
     pub async fn poll(&self) {
-        if let Hosts::Dns { scheme, name, port } = &self.source {
-            self.resolve(scheme, name, *port).await;
+        if let Hosts::Dns {
+            scheme,
+            name,
+            port,
+            srv,
+        } = &self.source
+        {
+            let urls = if *srv {
+                srv_urls(scheme, name).await
+            } else {
+                address_urls(scheme, name, *port).await
+            };
+            if let Some(urls) = urls {
+                self.replace(urls);
+            }
         }
         let named = matches!(self.source, Hosts::Static(_));
         let mut asks = tokio::task::JoinSet::new();
@@ -186,22 +199,9 @@ impl Fleet {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    async fn resolve(&self, scheme: &str, name: &str, port: u16) {
-        let Ok(Ok(addrs)) =
-            tokio::time::timeout(HEALTH_TIMEOUT, tokio::net::lookup_host((name, port))).await
-        else {
-            // A name that does not resolve now keeps the hosts it had: a DNS server's hiccup
-            // must not take the fleet away.
-            tracing::warn!(
-                name,
-                "the hosts' DNS name did not resolve; keeping the hosts known"
-            );
-            return;
-        };
-        let mut urls: Vec<Uri> = addrs
-            .take(256)
-            .filter_map(|a| format!("{scheme}://{a}").parse().ok())
-            .collect();
+    /// The hosts become those at `urls` (a DNS server's hiccup never gets here: the fleet keeps
+    /// what it had); the ones still there keep what the gateway knows of them.
+    fn replace(&self, mut urls: Vec<Uri>) {
         urls.sort_by_key(|u| u.to_string());
         urls.dedup();
         let mut hosts = self.hosts.lock().unwrap_or_else(|e| e.into_inner());
@@ -216,6 +216,52 @@ impl Fleet {
                     }),
                 }));
             }
+        }
+    }
+}
+
+/// The hosts at the addresses of `name`; `None` when it does not resolve now (a DNS server's
+/// hiccup must not take the fleet away).
+async fn address_urls(scheme: &str, name: &str, port: u16) -> Option<Vec<Uri>> {
+    let Ok(Ok(addrs)) =
+        tokio::time::timeout(HEALTH_TIMEOUT, tokio::net::lookup_host((name, port))).await
+    else {
+        tracing::warn!(
+            name,
+            "the hosts' DNS name did not resolve; keeping the hosts known"
+        );
+        return None;
+    };
+    Some(
+        addrs
+            .take(256)
+            .filter_map(|a| format!("{scheme}://{a}").parse().ok())
+            .collect(),
+    )
+}
+
+/// The hosts the SRV records of `name` name; `None` when they cannot be had now.
+async fn srv_urls(scheme: &str, name: &str) -> Option<Vec<Uri>> {
+    match tokio::time::timeout(HEALTH_TIMEOUT * 2, super::srv::lookup(name)).await {
+        Ok(Ok(targets)) => Some(
+            targets
+                .iter()
+                .filter_map(|t| format!("{scheme}://{}:{}", t.host, t.port).parse().ok())
+                .collect(),
+        ),
+        Ok(Err(e)) => {
+            tracing::warn!(
+                name,
+                "the hosts' SRV records could not be had ({e}); keeping the hosts known"
+            );
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                name,
+                "the hosts' SRV records did not come in time; keeping the hosts known"
+            );
+            None
         }
     }
 }

@@ -16,6 +16,7 @@ mod proxy;
 
 pub use proxy::causes;
 mod routes;
+mod srv;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
