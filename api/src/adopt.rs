@@ -797,4 +797,99 @@ mod tests {
             Err(AdoptError::Record { .. })
         ));
     }
+
+    /// A record of format 2 whose VM and pause are `vm` and `pause` (JSON), the rest valid.
+    fn record(id: &str, vm: serde_json::Value, pause: serde_json::Value) -> Vec<u8> {
+        serde_json::json!({
+            "version": 2, "id": id, "run_id": "r", "image": "stock", "stock_image": true,
+            "harness_version_match": null, "disk_limit_mib": 1024, "memory_mib": 256, "vcpus": 1,
+            "env": {}, "egress": {"allow": [], "meter": [], "intercept_all": false,
+                                  "meter_strict": false, "secrets": []},
+            "created_at_ms": 1, "expires_at_ms": 2, "counters": [0, 0, 0],
+            "reservation": [256, 96, 1024], "boot_id": "b", "vm": vm,
+            "net": {"pid": 2, "start_time": 3, "uid": null, "cgroup": [], "memory_mib": 32,
+                    "token": "t"},
+            "pause": pause,
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    /// The checks of a record's VM and pause: a paused sandbox names no VM, a running one names
+    /// its VM in the sandbox's own directory, and the snapshot set is 0 or 1.
+    #[test]
+    fn a_records_vm_and_pause_must_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = "sbx-0123456789abcdef-node-1";
+        let vm = |name: &str| {
+            serde_json::json!({"backend": "kvm", "pid": 1, "start_time": 1, "uid": null,
+                               "cgroup": [], "memory_mib": 320,
+                               "state_dir": dir.path().join(name), "token": "t"})
+        };
+        let pause = |paused: bool, slot: u8| {
+            serde_json::json!({"paused": paused, "slot": slot, "resumes": 3,
+                               "mac": [2, 0, 0, 0, 0, 1], "image_dir": "/images/stock"})
+        };
+        let null = serde_json::Value::Null;
+        let cases = [
+            // Valid: running (format 1's shape, and with its pause state), resumed, paused.
+            (vm(id), null.clone(), None),
+            (vm(id), pause(false, 1), None),
+            (vm(&format!("{id}-r3")), pause(false, 0), None),
+            (null.clone(), pause(true, 0), None),
+            // Not: a paused sandbox that names a VM, a running one that names none, a third set,
+            // a VM's directory elsewhere or of another name.
+            (
+                vm(id),
+                pause(true, 0),
+                Some("names a VM of a paused sandbox"),
+            ),
+            (null.clone(), null.clone(), Some("names no VM and no pause")),
+            (
+                null.clone(),
+                pause(false, 0),
+                Some("names no VM and no pause"),
+            ),
+            (vm(id), pause(false, 2), Some("neither 0 nor 1")),
+            (
+                vm("sbx-0123456789abcdef-node-2"),
+                null.clone(),
+                Some("not the sandbox's"),
+            ),
+            (
+                vm(&format!("{id}-rx")),
+                null.clone(),
+                Some("not the sandbox's"),
+            ),
+            (
+                serde_json::json!({"backend": "kvm", "pid": 1, "start_time": 1, "uid": null,
+                                   "cgroup": [], "memory_mib": 1, "state_dir": "/tmp"}),
+                null.clone(),
+                Some("not the sandbox's"),
+            ),
+        ];
+        for (vm, pause, want) in cases {
+            let text = record(id, vm.clone(), pause.clone());
+            std::fs::write(record_path(dir.path(), id), &text).unwrap();
+            match (read(dir.path(), id), want) {
+                (Ok(_), None) => {}
+                (Err(e), Some(why)) => {
+                    assert!(e.to_string().contains(why), "{vm} {pause}: {e}")
+                }
+                (got, want) => panic!("{vm} {pause}: {got:?}, want {want:?}"),
+            }
+        }
+        // Format 3 is a later host's; another id is another sandbox's.
+        let mut later: serde_json::Value =
+            serde_json::from_slice(&record(id, vm(id), null.clone())).unwrap();
+        later["version"] = 3.into();
+        std::fs::write(record_path(dir.path(), id), later.to_string()).unwrap();
+        let e = read(dir.path(), id).unwrap_err().to_string();
+        assert!(e.contains("format 3 (this host reads 2)"), "{e}");
+        later["version"] = 2.into();
+        later["id"] = "sbx-fedcba9876543210".into();
+        std::fs::write(record_path(dir.path(), id), later.to_string()).unwrap();
+        let e = read(dir.path(), id).unwrap_err().to_string();
+        assert!(e.contains("names another sandbox"), "{e}");
+    }
 }
