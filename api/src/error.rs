@@ -116,6 +116,13 @@ impl ApiError {
                     ApiError::BadRequest(m.message.clone())
                 }
                 "no_space" => ApiError::NoSpace(m.message.clone()),
+                // An agent older than the host (an image or template built before a request
+                // kind such as file events existed).
+                "unknown_kind" => ApiError::Conflict(format!(
+                    "this sandbox's guest agent does not know the request ({}): its image was \
+                     built by an older sandbox host; rebuild the image, then make a new sandbox",
+                    m.message
+                )),
                 _ => ApiError::Internal(format!("the guest agent failed: {}", m.message)),
             },
             ClientError::Closed(why) => {

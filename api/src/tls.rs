@@ -3,9 +3,9 @@
 //! (a gateway its hosts, the operator commands `SANDBOX_HOST_URL`) trusts the authorities of
 //! `SANDBOX_HOST_CA_FILE`, else the system's. rustls on ring, as the egress crate's interception.
 //!
-//! A client's handshake runs in a task of its own, bounded in time and in number, so a client
-//! that opens a connection and never finishes its handshake holds neither the accept loop nor
-//! more than one slot.
+//! A client's handshake runs in a task of its own, bounded in time (10 s) and in number (1024
+//! at once, 8 from one address), so a client that opens connections and never finishes their
+//! handshakes holds neither the accept loop nor more than a few slots.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -35,8 +35,12 @@ pub const NAME_VAR: &str = "SANDBOX_HOST_TLS_NAME";
 
 /// How long a client has to finish its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes under way at once; past it, connections wait in the kernel's backlog.
-const HANDSHAKES: usize = 256;
+/// Handshakes under way at once; past it, connections wait in the kernel's backlog (one costs
+/// a task and a few KiB).
+const HANDSHAKES: usize = 1024;
+/// Handshakes under way at once from one address: past it, its connections are closed at once,
+/// so one peer holding handshakes open holds a few slots, not the listener.
+const HANDSHAKES_PER_PEER: usize = 8;
 
 /// A TLS setting that cannot be used; each message names the variable and what to do.
 #[derive(Debug, Error)]
@@ -223,6 +227,7 @@ impl TlsListener {
         let (tx, done) = mpsc::channel(64);
         let acceptor = TlsAcceptor::from(config);
         let slots = Arc::new(Semaphore::new(HANDSHAKES));
+        let per_peer: Peers = Arc::default();
         let accepting = tokio::spawn(async move {
             loop {
                 let Ok(slot) = slots.clone().acquire_owned().await else {
@@ -230,6 +235,7 @@ impl TlsListener {
                 };
                 let (tcp, peer) = match listener.accept().await {
                     Ok(c) => c,
+                    Err(e) if is_connection_error(&e) => continue,
                     Err(e) => {
                         // Out of descriptors, mostly: wait rather than spin.
                         tracing::warn!("accepting a connection failed: {e}");
@@ -237,12 +243,17 @@ impl TlsListener {
                         continue;
                     }
                 };
+                let Some(peer_slot) = PeerSlot::take(&per_peer, peer.ip()) else {
+                    tracing::debug!(%peer, "too many TLS handshakes from one address; closed");
+                    continue;
+                };
                 let _ = tcp.set_nodelay(true);
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     let shaken =
                         tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
                     drop(slot);
+                    drop(peer_slot);
                     match shaken {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, peer)).await;
@@ -257,6 +268,52 @@ impl TlsListener {
             done,
             local,
             accepting,
+        }
+    }
+}
+
+/// Errors of one connection, not of the listener: the next accept goes on at once.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Handshakes under way, by address.
+type Peers = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
+/// One of an address's handshake slots, given back when dropped.
+struct PeerSlot {
+    map: Peers,
+    ip: std::net::IpAddr,
+}
+
+impl PeerSlot {
+    fn take(map: &Peers, ip: std::net::IpAddr) -> Option<PeerSlot> {
+        let mut m = map.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_default();
+        if *n >= HANDSHAKES_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot {
+            map: map.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
         }
     }
 }

@@ -721,3 +721,119 @@ async fn fuzz_api_requests_a_bad_method_or_id_is_a_json_error() {
         assert!(body["code"].is_string(), "{path}: {resp}");
     }
 }
+
+/// The lines of an NDJSON stream read as they come, until one holds `want` (or `within` passes).
+async fn lines_until(
+    body: &mut hyper::body::Incoming,
+    text: &mut String,
+    want: &str,
+    within: std::time::Duration,
+) {
+    use http_body_util::BodyExt;
+    let until = tokio::time::Instant::now() + within;
+    while !text.contains(want) {
+        let frame = tokio::time::timeout_at(until, body.frame())
+            .await
+            .unwrap_or_else(|_| panic!("no `{want}` within {within:?}; the stream said:\n{text}"));
+        let Some(frame) = frame else {
+            panic!("the stream ended before `{want}`:\n{text}")
+        };
+        if let Ok(d) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+}
+
+/// File events from a real guest (issue 35): a watch of /workspace, recursive, sees a build
+/// write files into directories it makes, rename one and delete another, as NDJSON lines the
+/// client reads as they come; what cannot be watched is refused in words; a watch the client
+/// drops ends in the guest, and the sandbox goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_streams_the_file_events_of_a_guest() {
+    if stock_image_missing() {
+        return;
+    }
+    let h = start(&[]);
+    let id = h.create(json!({})).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<hyper::body::Bytes>>();
+    let watch = |path: &str| {
+        hyper::Request::get(h.url(&format!("/v1/sandboxes/{id}/watch?{path}")))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(Default::default())
+            .unwrap()
+    };
+    let res = client
+        .request(watch("path=/workspace&recursive=true"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "application/x-ndjson");
+    let mut body = res.into_body();
+    let mut text = String::new();
+    let patience = std::time::Duration::from_secs(30);
+    lines_until(&mut body, &mut text, "\"event\":\"ready\"", patience).await;
+
+    // The build's directories first: inotify's own race leaves what happens in a directory
+    // before its watch is added to the scan that follows it (creates only).
+    let (_, _, last) = h.exec(&id, "mkdir -p /workspace/build/obj").await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    lines_until(
+        &mut body,
+        &mut text,
+        "\"path\":\"/workspace/build/obj\"",
+        patience,
+    )
+    .await;
+    let (_, _, last) = h
+        .exec(
+            &id,
+            "for i in 1 2 3; do echo $i > /workspace/build/obj/f$i.o; done \
+             && mv /workspace/build/obj/f1.o /workspace/build/out.o && rm /workspace/build/obj/f2.o",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    lines_until(
+        &mut body,
+        &mut text,
+        "\"event\":\"delete\",\"path\":\"/workspace/build/obj/f2.o\"",
+        patience,
+    )
+    .await;
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for want in [
+        json!({"event": "create", "path": "/workspace/build", "dir": true}),
+        json!({"event": "create", "path": "/workspace/build/obj", "dir": true}),
+        json!({"event": "create", "path": "/workspace/build/obj/f3.o", "dir": false}),
+        json!({"event": "rename", "from": "/workspace/build/obj/f1.o", "to": "/workspace/build/out.o", "dir": false}),
+    ] {
+        assert!(lines.contains(&want), "no {want} in:\n{text}");
+    }
+    // Dropped by the client: the guest's watch ends, the sandbox goes on.
+    drop(body);
+    let (out, _, last) = h.exec(&id, "echo still").await;
+    assert_eq!(
+        (String::from_utf8_lossy(&out).trim(), &last["exit_code"]),
+        ("still", &json!(0))
+    );
+
+    // What cannot be watched, in words.
+    for (q, status, words) in [
+        ("path=/nowhere", 404, "/nowhere does not exist"),
+        ("path=/workspace/build/out.o", 400, "is not a directory"),
+        ("path=/proc/self", 400, "the kernel's file systems"),
+        ("path=workspace", 400, "not an absolute path"),
+        ("path=/workspace&recursive=maybe", 400, "recursive"),
+    ] {
+        let res = client.request(watch(q)).await.unwrap();
+        let s = res.status().as_u16();
+        use http_body_util::BodyExt;
+        let b = res.into_body().collect().await.unwrap().to_bytes();
+        let b = String::from_utf8_lossy(&b);
+        assert_eq!(s, status, "{q}: {b}");
+        assert!(b.contains(words), "{q}: {b}");
+    }
+}

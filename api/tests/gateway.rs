@@ -390,10 +390,30 @@ async fn a_gateway_reaches_its_hosts_over_tls() {
         ("SANDBOX_HOST_TLS_KEY", key.as_str()),
         ("SANDBOX_HOST_MAX_BODY_MB", "2000"),
     ]);
-    // Connections that never finish their handshake, held open all along.
-    let idle: Vec<std::net::TcpStream> = (0..4)
-        .map(|_| std::net::TcpStream::connect(("127.0.0.1", host.port)).unwrap())
-        .collect();
+    // Connections from another address that never finish their handshake, held open all
+    // along: eight hold a slot each, the host closes the ones past them at once.
+    let mut idle = vec![];
+    for _ in 0..12 {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        idle.push(
+            sock.connect(format!("127.0.0.1:{}", host.port).parse().unwrap())
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut closed = 0;
+    for c in &idle {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(200), c.peek(&mut b)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(
+        closed, 4,
+        "the connections past eight from one address are closed at once"
+    );
     // Plain http to it gets no HTTP answer.
     let plain = common::raw_http(
         host.port,

@@ -116,7 +116,8 @@ fi
 # TLS (SANDBOX_HOST_TLS_CERT and SANDBOX_HOST_TLS_KEY, the Helm chart's `tls`): a key the
 # service's user cannot read (a Secret mounted root's, 0400) is copied for it, readable by it
 # alone; one root cannot read either is left for the service to name.
-if [ -n "${SANDBOX_HOST_TLS_KEY:-}" ] && [ -n "${SANDBOX_HOST_TLS_CERT:-}" ] &&
+if { [ "$1" = serve ] || [ "$1" = gateway ]; } &&
+   [ -n "${SANDBOX_HOST_TLS_KEY:-}" ] && [ -n "${SANDBOX_HOST_TLS_CERT:-}" ] &&
    [ -r "$SANDBOX_HOST_TLS_KEY" ] && [ -r "$SANDBOX_HOST_TLS_CERT" ] &&
    ! setpriv --reuid "$user" --regid "$user" --clear-groups test -r "$SANDBOX_HOST_TLS_KEY"; then
   tls=/run/sandbox-host-tls

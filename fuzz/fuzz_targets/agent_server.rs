@@ -74,6 +74,8 @@ fn dangerous(kind: u8) -> bool {
                 // It reseeds the kernel's random generator and sets the clock of the machine
                 // the fuzzer runs on.
                 | Kind::Identity
+                // It watches the fuzzer machine's directories (up to 8192 inotify watches each).
+                | Kind::Watch
         )
     )
 }

@@ -270,6 +270,24 @@ impl Client {
         })
     }
 
+    /// Streams the file events of a directory of the guest as NDJSON lines (its first line says
+    /// the watch is set), until dropped.
+    pub async fn watch(&self, path: &str, recursive: bool) -> Result<Download, ClientError> {
+        let s = self
+            .open(
+                Kind::Watch,
+                to_json(&crate::message::WatchRequest {
+                    path: path.into(),
+                    recursive,
+                }),
+            )
+            .await?;
+        Ok(Download {
+            stream: s,
+            finished: false,
+        })
+    }
+
     /// Asks the agent to sync and power the guest off. Returns once the agent acknowledged it
     /// or the channel closed.
     pub async fn shutdown(&self) -> Result<(), ClientError> {

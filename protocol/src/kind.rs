@@ -34,6 +34,9 @@ pub enum Kind {
     /// share; make it a machine of its own (reseed the kernel's random generator with the
     /// host's bytes, set the clock). Payload: `Identity` JSON; answered with `Done`.
     Identity = 0x0d,
+    /// Host → agent, new stream: send the file events of a directory as NDJSON lines until the
+    /// host cancels the stream. Payload: `WatchRequest` JSON.
+    Watch = 0x0e,
     /// Agent → host: the agent is up. Payload: `Ready` JSON. Sent unsolicited on stream 0 at
     /// start, and in answer to `Ping`.
     Ready = 0x81,
@@ -70,6 +73,7 @@ impl Kind {
             0x0b => Shutdown,
             0x0c => Cancel,
             0x0d => Identity,
+            0x0e => Watch,
             0x81 => Ready,
             0x82 => Stdout,
             0x83 => Stderr,
@@ -101,6 +105,6 @@ mod tests {
                 known += 1;
             }
         }
-        assert_eq!(known, 20);
+        assert_eq!(known, 21);
     }
 }

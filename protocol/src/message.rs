@@ -29,6 +29,17 @@ pub struct ExecRequest {
     pub timeout_ms: Option<u64>,
 }
 
+/// Payload of `Watch`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchRequest {
+    /// The directory watched (absolute).
+    pub path: String,
+    /// Its subdirectories too, and each one made later.
+    #[serde(default)]
+    pub recursive: bool,
+}
+
 /// Payload of `Exit`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -44,16 +44,27 @@ for want in 'sandbox-host/kvm: "true"' 'devices.kubevirt.io/kvm: "1"' 'terminati
             'value: "http://t-hosts.sbx.svc:3004"' 'procMount: Unmasked' 'kind: Secret'; do
   grep -qF "$want" "$work/out.yaml" || fail "the rendering lacks \`$want\`"
 done
-# With TLS: the gateway finds the hosts over https and checks them against their Service's name,
-# both serve https, the probes check a host by that name at 127.0.0.1, the key is root's alone.
+# With TLS: the gateway finds the hosts over https and checks them against their Service's name
+# and the Secret's authority (its key is the hosts' alone), the hosts serve https, their probes
+# check them by that name at 127.0.0.1, the key is root's alone and the service's copy in memory;
+# the gateway serves https only with a Secret of its own.
 helm template t "$chart" --namespace sbx --kube-version "$kube" --set token.value=$token \
   --set tls.existingSecret=their-tls > "$work/out.yaml"
 for want in 'value: "https://t-hosts.sbx.svc:3004"' 'SANDBOX_HOST_TLS_NAME=t-hosts.sbx.svc' \
             'SANDBOX_HOST_URL=https://127.0.0.1:3004' 'secretName: their-tls' 'mode: 0400' \
-            'value: /etc/sandbox-host/tls/tls.key' 'value: /etc/sandbox-host/tls/ca.crt'; do
+            'value: /etc/sandbox-host/tls/tls.key' 'value: /etc/sandbox-host/tls/ca.crt' 'medium: Memory'; do
   grep -qF "$want" "$work/out.yaml" || fail "the TLS rendering lacks \`$want\`"
 done
-[ "$(grep -c 'secretName: their-tls' "$work/out.yaml")" = 2 ] || fail "the TLS Secret is not mounted in both kinds of pod"
+[ "$(grep -c 'secretName: their-tls' "$work/out.yaml")" = 2 ] || fail "the hosts' Secret is not mounted in both kinds of pod"
+[ "$(grep -c 'path: tls.key' "$work/out.yaml")" = 1 ] || fail "the hosts' key reaches the gateway"
+[ "$(grep -c 'value: /etc/sandbox-host/tls/tls.key' "$work/out.yaml")" = 1 ] || fail "the gateway serves with the hosts' key"
+helm template t "$chart" --namespace sbx --kube-version "$kube" --set token.value=$token \
+  --set tls.existingSecret=their-tls --set tls.gatewaySecret=gw-tls > "$work/out.yaml"
+kubernetes-validate --strict --quiet -k "$kube" "$work/out.yaml" > "$work/v.log" 2>&1 || true
+[ ! -s "$work/v.log" ] || { cat "$work/v.log" >&2; fail "the rendering with a gateway Secret is not valid Kubernetes $kube"; }
+for want in 'secretName: gw-tls' 'value: /etc/sandbox-host/gateway-tls/tls.crt'; do
+  grep -qF "$want" "$work/out.yaml" || fail "the gateway's TLS rendering lacks \`$want\`"
+done
 # The chart's refusals, each with its reason.
 if out=$(helm template t "$chart" 2>&1); then fail "rendered without a token"; fi
 grep -q "set token.existingSecret" <<< "$out" || fail "no reason without a token: $out"
@@ -63,4 +74,4 @@ grep -q "at least 24 characters" <<< "$out" || fail "no reason for a short token
 sed 's/^  replicas: 2$/  replicas: 2\n  replicaz: 2/' "$work/out.yaml" > "$work/bad.yaml"
 kubernetes-validate --strict --quiet -k "$kube" "$work/bad.yaml" > "$work/v.log" 2>&1 || true
 grep -q "replicaz" "$work/v.log" || fail "the validator let an unknown field through"
-echo "helm chart: lint, 4 renderings valid for Kubernetes $kube, refusals as expected"
+echo "helm chart: lint, 5 renderings valid for Kubernetes $kube, refusals as expected"

@@ -38,6 +38,13 @@ pub enum GatewayConfigError {
          with https"
     )]
     BadDns(String),
+    /// SRV discovery over https that would trust any public certificate.
+    #[error(
+        "SANDBOX_HOST_GATEWAY_DNS names SRV records over https: set SANDBOX_HOST_CA_FILE (the \
+         authority of the hosts' certificates) or SANDBOX_HOST_TLS_NAME (the name they are issued \
+         for), since the hosts' names come from DNS answers and the gateway sends them its token"
+    )]
+    SrvTrust,
     /// The name hosts' certificates are checked against is not a DNS name or address.
     #[error(
         "SANDBOX_HOST_TLS_NAME is `{0}`: it takes the DNS name (or address) the hosts' \
@@ -240,12 +247,21 @@ impl GatewayConfig {
             (None, Hosts::Dns { srv: true, .. }) => None,
             (None, Hosts::Static(_)) => None,
         };
+        // Hosts whose names come from DNS answers, over https checked only against the system's
+        // authorities, would be any name's holder of a public certificate: the gateway's token
+        // goes to them. An authority of the operator's, or a name of the operator's, is needed.
+        if matches!(&hosts, Hosts::Dns { scheme, srv: true, .. } if scheme == "https")
+            && get(crate::tls::CA_VAR).is_none()
+            && tls_name.is_none()
+        {
+            return Err(GatewayConfigError::SrvTrust);
+        }
         Ok(GatewayConfig {
             token,
             host_token,
             bind,
             port,
-            max_body: max_body_mb * 1_000_000,
+            max_body: max_body_mb * 1024 * 1024,
             max_body_mb,
             hosts,
             poll: Duration::from_millis(poll_ms),
@@ -355,9 +371,17 @@ mod tests {
         assert!(c.uses_https());
         assert_eq!(c.tls_name.as_deref(), Some("hosts.ns.svc"));
         // SRV: no port (each record has its own), and each target checked by its own name.
+        let e = cfg(&[
+            TOKEN,
+            ("SANDBOX_HOST_GATEWAY_DNS", "https://_api._tcp.hosts.ns.svc"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("set SANDBOX_HOST_CA_FILE"), "{e}");
         let c = cfg(&[
             TOKEN,
             ("SANDBOX_HOST_GATEWAY_DNS", "https://_api._tcp.hosts.ns.svc"),
+            ("SANDBOX_HOST_CA_FILE", "/etc/sandbox-host/ca.pem"),
         ])
         .unwrap();
         assert!(

@@ -73,6 +73,13 @@ impl Host {
         s.sandboxes += 1;
     }
 
+    /// Marks it draining at once (the next poll says the same).
+    pub fn draining(&self) {
+        let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        s.takes_sandboxes = false;
+        s.reason = Some("it is draining".into());
+    }
+
     /// Marks it down after a request to it failed.
     pub fn failed(&self, why: String) {
         let mut s = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -90,10 +97,23 @@ pub struct Fleet {
     host_token: String,
     /// Every poll so far (for the tests' waits and `/metrics`).
     pub polls: std::sync::atomic::AtomicU64,
-    /// Held while a poll asked for by a request runs: requests that come meanwhile wait for it
-    /// rather than ask every host again.
-    asking: tokio::sync::Mutex<()>,
+    /// Polls asked for, started and done: one runner at a time, each request served by the
+    /// first poll that starts after it (a burst shares one).
+    rounds: Mutex<Rounds>,
+    done: tokio::sync::Notify,
 }
+
+/// The generations of polls (see [`Fleet::poll_now`]).
+#[derive(Default)]
+struct Rounds {
+    wanted: u64,
+    started: u64,
+    finished: u64,
+    running: bool,
+}
+
+/// How long a request waits for its poll before it answers with what the last one saw.
+const POLL_WAIT: Duration = Duration::from_secs(2);
 
 impl Fleet {
     /// The fleet `config` names; nothing is asked yet.
@@ -120,7 +140,8 @@ impl Fleet {
             client,
             host_token: config.host_token.clone(),
             polls: Default::default(),
-            asking: tokio::sync::Mutex::new(()),
+            rounds: Mutex::default(),
+            done: tokio::sync::Notify::new(),
         })
     }
 
@@ -151,18 +172,63 @@ impl Fleet {
         let fleet = self.clone();
         tokio::spawn(async move {
             loop {
-                fleet.poll().await;
+                fleet.poll_now().await;
                 tokio::time::sleep(every).await;
             }
         });
     }
 
-    /// A poll for a request that needs the hosts' figures of now; when one is under way, its
-    /// end is enough (so a burst of requests asks each host once).
-    pub async fn poll_now(&self) {
-        match self.asking.try_lock() {
-            Ok(_held) => self.poll().await,
-            Err(_) => drop(self.asking.lock().await),
+    /// Waits (at most [`POLL_WAIT`]) for a poll that starts after this call: what it then knows
+    /// is the hosts' own figures of now. Polls run one at a time, in a task of their own (a
+    /// request that goes away cancels none), and the requests that come while one waits to
+    /// start share it: a burst of health requests asks each host once or twice, not once each.
+    pub async fn poll_now(self: &Arc<Self>) {
+        let want = {
+            let mut r = self.rounds.lock().unwrap_or_else(|e| e.into_inner());
+            r.wanted = r.started + 1;
+            let want = r.wanted;
+            if !r.running {
+                r.running = true;
+                let fleet = self.clone();
+                tokio::spawn(async move { fleet.run_polls().await });
+            }
+            want
+        };
+        let _ = tokio::time::timeout(POLL_WAIT, async {
+            loop {
+                let notified = self.done.notified();
+                if self
+                    .rounds
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .finished
+                    >= want
+                {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+    }
+
+    async fn run_polls(&self) {
+        loop {
+            let round = {
+                let mut r = self.rounds.lock().unwrap_or_else(|e| e.into_inner());
+                if r.started >= r.wanted {
+                    r.running = false;
+                    return;
+                }
+                r.started += 1;
+                r.started
+            };
+            self.poll().await;
+            self.rounds
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .finished = round;
+            self.done.notify_waiters();
         }
     }
 
@@ -232,17 +298,23 @@ async fn address_urls(scheme: &str, name: &str, port: u16) -> Option<Vec<Uri>> {
         );
         return None;
     };
-    Some(
-        addrs
-            .take(256)
-            .filter_map(|a| format!("{scheme}://{a}").parse().ok())
-            .collect(),
-    )
+    let urls: Vec<Uri> = addrs
+        .take(256)
+        .filter_map(|a| format!("{scheme}://{a}").parse().ok())
+        .collect();
+    (!urls.is_empty()).then_some(urls)
 }
 
 /// The hosts the SRV records of `name` name; `None` when they cannot be had now.
 async fn srv_urls(scheme: &str, name: &str) -> Option<Vec<Uri>> {
     match tokio::time::timeout(HEALTH_TIMEOUT * 2, super::srv::lookup(name)).await {
+        Ok(Ok(targets)) if targets.is_empty() => {
+            tracing::warn!(
+                name,
+                "the hosts' SRV records name no host of their zone; keeping the hosts known"
+            );
+            None
+        }
         Ok(Ok(targets)) => Some(
             targets
                 .iter()

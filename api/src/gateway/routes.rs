@@ -10,7 +10,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get, post};
+use axum::routing::{get, post};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use sha2::Digest;
@@ -52,14 +52,36 @@ impl Gateway {
 
 /// The whole application.
 pub fn app(gw: Gateway) -> Router {
-    Router::new()
+    let mut router = Router::new()
         .route("/v1/health", get(health))
         .route("/v1/hosts/{name}/drain", axum::routing::put(drain))
         .route("/v1/sandboxes", post(create).get(list))
-        .route("/v1/sandboxes/{id}", any(by_id))
-        .route("/v1/sandboxes/{id}/{*rest}", any(by_id_rest))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    // A sandbox's routes, each with the methods a host takes on it (its own table): another
+    // method is the host's `405` with its `Allow`, not a trip to the host.
+    let mut by_path: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (method, path) in crate::routes::ROUTES {
+        if path.starts_with("/v1/sandboxes/{id}") {
+            by_path.entry(path).or_default().push(method);
+        }
+    }
+    for (path, methods) in by_path {
+        let mut on = axum::routing::MethodRouter::new();
+        for m in methods {
+            let filter = match m {
+                "GET" => axum::routing::MethodFilter::GET,
+                "POST" => axum::routing::MethodFilter::POST,
+                "PUT" => axum::routing::MethodFilter::PUT,
+                "DELETE" => axum::routing::MethodFilter::DELETE,
+                _ => continue,
+            };
+            on = on.on(filter, by_id);
+        }
+        router = router.route(path, on);
+    }
+    router
         .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .layer(middleware::from_fn(crate::routes::json_405))
         .layer(middleware::from_fn_with_state(gw.clone(), declared_length))
         .layer(middleware::from_fn_with_state(gw.clone(), require_token))
         .with_state(gw)
@@ -102,13 +124,9 @@ fn host_down(name: &str, id: &str, why: &str) -> ApiError {
     ))
 }
 
-async fn by_id(State(gw): State<Gateway>, Path(id): Path<String>, req: Request) -> Response {
-    route(&gw, &id, req).await
-}
-
-async fn by_id_rest(
+async fn by_id(
     State(gw): State<Gateway>,
-    Path((id, _rest)): Path<(String, String)>,
+    crate::routes::SandboxId(id): crate::routes::SandboxId,
     req: Request,
 ) -> Response {
     route(&gw, &id, req).await
@@ -136,6 +154,18 @@ async fn route(gw: &Gateway, id: &str, req: Request) -> Response {
 /// `PUT /v1/hosts/{name}/drain`: to the host named, which then takes no new sandboxes (the next
 /// poll sees it; the gateway stops placing on it at once).
 async fn drain(State(gw): State<Gateway>, Path(name): Path<String>, req: Request) -> Response {
+    // The body as a host checks it, before the host is looked for (a host's order).
+    let (parts, body) = req.into_parts();
+    let bytes = match http_body_util::Limited::new(body, 64 << 10).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => return ApiError::BadRequest(format!("the body: {e}")).into_response(),
+    };
+    if let Err(e) =
+        crate::routes::json_body::<crate::routes::health::DrainRequest>(&parts.headers, &bytes)
+    {
+        return e.into_response();
+    }
+    let req = Request::from_parts(parts, Body::from(bytes));
     let Some(host) = gw.0.fleet.by_name(&name) else {
         return ApiError::NotFound(format!(
             "no host `{}` in this fleet (GET /v1/health lists its hosts)",
@@ -144,12 +174,23 @@ async fn drain(State(gw): State<Gateway>, Path(name): Path<String>, req: Request
         .into_response();
     };
     match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), req).await {
-        Ok(res) => {
-            if res.status().is_success() {
-                gw.0.fleet.poll_now().await;
+        Ok(res) if res.status().is_success() => {
+            // The host's answer says what it is now; a draining host gets no create from here
+            // on, whatever a poll under way saw before.
+            let (parts, body) = res.into_parts();
+            let body = http_body_util::Limited::new(body, 64 << 10)
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            let said: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            if said["draining"] == true {
+                host.draining();
             }
-            res
+            gw.0.fleet.poll_now().await;
+            Response::from_parts(parts, Body::from(body))
         }
+        Ok(res) => res,
         Err(e) => ApiError::HostDown(format!(
             "The sandbox host {name} did not answer ({}); retry later",
             e.why

@@ -52,11 +52,22 @@ pub struct Target {
     pub port: u16,
 }
 
-/// The servers and search domains of a `resolv.conf`.
-#[derive(Debug, Default, PartialEq, Eq)]
+/// The servers, search domains and `ndots` of a `resolv.conf`.
+#[derive(Debug, PartialEq, Eq)]
 struct Conf {
     servers: Vec<SocketAddr>,
     search: Vec<String>,
+    ndots: usize,
+}
+
+impl Default for Conf {
+    fn default() -> Conf {
+        Conf {
+            servers: vec![],
+            search: vec![],
+            ndots: 1,
+        }
+    }
 }
 
 fn parse_conf(text: &str) -> Conf {
@@ -77,6 +88,13 @@ fn parse_conf(text: &str) -> Conf {
                     .map(|w| w.trim_end_matches('.').to_string())
                     .collect();
             }
+            Some("options") => {
+                for w in words {
+                    if let Some(n) = w.strip_prefix("ndots:").and_then(|n| n.parse().ok()) {
+                        conf.ndots = std::cmp::min(n, 15);
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -88,8 +106,27 @@ fn parse_conf(text: &str) -> Conf {
     conf
 }
 
-/// The SRV records of `name`, with `/etc/resolv.conf`'s search domains tried after the name
-/// as given when it does not end with a dot; sorted, at most 256.
+/// The names to ask for `name`, in the C library's order: as given first only when it ends
+/// with a dot or has at least `ndots` dots; else the search domains' first (a short name such
+/// as `_api._tcp.hosts.prod` must not go to the public DNS, where `prod` is a real domain,
+/// before the cluster's).
+fn candidates(name: &str, conf: &Conf) -> Vec<String> {
+    let bare = name.trim_end_matches('.');
+    if name.ends_with('.') {
+        return vec![bare.to_string()];
+    }
+    let searched = conf.search.iter().map(|d| format!("{bare}.{d}"));
+    if bare.matches('.').count() >= conf.ndots {
+        std::iter::once(bare.to_string()).chain(searched).collect()
+    } else {
+        searched.chain(std::iter::once(bare.to_string())).collect()
+    }
+}
+
+/// The SRV records of `name` (with `/etc/resolv.conf`'s search domains, as the C library
+/// orders them): sorted, at most 256, each target a host name under the zone the records are
+/// of (`_api._tcp.<zone>`), since the gateway sends those hosts its token. `Ok` with none is
+/// an answer that names no host: the caller keeps the hosts it had.
 pub async fn lookup(name: &str) -> Result<Vec<Target>, SrvError> {
     let conf = parse_conf(
         &tokio::fs::read_to_string("/etc/resolv.conf")
@@ -97,10 +134,7 @@ pub async fn lookup(name: &str) -> Result<Vec<Target>, SrvError> {
             .unwrap_or_default(),
     );
     let bare = name.trim_end_matches('.');
-    let mut names = vec![bare.to_string()];
-    if !name.ends_with('.') {
-        names.extend(conf.search.iter().map(|d| format!("{bare}.{d}")));
-    }
+    let names = candidates(name, &conf);
     let mut why = String::from("no server");
     for candidate in &names {
         for server in &conf.servers {
@@ -131,9 +165,8 @@ async fn ask(server: SocketAddr, name: &str) -> Result<Option<Vec<Target>>, Stri
     let answer = tokio::time::timeout(ANSWER_TIMEOUT, over_udp(server, &query, id))
         .await
         .map_err(|_| format!("no answer within {ANSWER_TIMEOUT:?}"))??;
-    let truncated = Packet::parse(&answer)
-        .map(|p| p.has_flags(PacketFlag::TRUNCATION))
-        .unwrap_or(false);
+    // From the header itself: a truncated answer may not parse whole.
+    let truncated = answer.get(2).is_some_and(|b| b & 0x02 != 0);
     let answer = if truncated {
         tokio::time::timeout(ANSWER_TIMEOUT, over_tcp(server, &query))
             .await
@@ -141,7 +174,7 @@ async fn ask(server: SocketAddr, name: &str) -> Result<Option<Vec<Target>>, Stri
     } else {
         answer
     };
-    targets(&answer, id)
+    targets(&answer, id, name)
 }
 
 fn query(id: u16, name: &str) -> Result<Vec<u8>, SrvError> {
@@ -207,12 +240,26 @@ async fn over_tcp(server: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
     Ok(buf)
 }
 
-/// The SRV records of an answer to query `id`: `None` for NXDOMAIN.
-fn targets(answer: &[u8], id: u16) -> Result<Option<Vec<Target>>, String> {
+/// The SRV records of an answer to query `id` for `name`: `None` for NXDOMAIN. Only records
+/// of `name` whose target is a host name under `name`'s zone (what follows `_service._proto.`)
+/// count.
+fn targets(answer: &[u8], id: u16, name: &str) -> Result<Option<Vec<Target>>, String> {
     let p = Packet::parse(answer).map_err(|e| format!("an answer that is not DNS ({e})"))?;
-    if p.id() != id {
-        return Err("an answer to another query".into());
+    if p.id() != id || !p.has_flags(PacketFlag::RESPONSE) {
+        return Err("not an answer to this query".into());
     }
+    let asked = |n: &Name| {
+        n.to_string()
+            .trim_end_matches('.')
+            .eq_ignore_ascii_case(name)
+    };
+    if p.questions.len() != 1
+        || !asked(&p.questions[0].qname)
+        || p.questions[0].qtype != QTYPE::TYPE(TYPE::SRV)
+    {
+        return Err("an answer to another question".into());
+    }
+    let zone = zone_of(name);
     match p.rcode() {
         RCODE::NoError => {}
         RCODE::NameError => return Ok(None),
@@ -222,19 +269,33 @@ fn targets(answer: &[u8], id: u16) -> Result<Option<Vec<Target>>, String> {
         .answers
         .iter()
         .take(RECORDS)
+        .filter(|rr| asked(&rr.name))
         .filter_map(|rr| match &rr.rdata {
-            RData::SRV(srv) if srv.port != 0 => Some(Target {
+            RData::SRV(srv) if srv.port != 0 && srv.target.is_valid_hostname() => Some(Target {
                 host: srv.target.to_string().trim_end_matches('.').to_lowercase(),
                 port: srv.port,
             }),
             _ => None,
         })
-        // "." is RFC 2782's "no such service here".
-        .filter(|t| !t.host.is_empty())
+        // "." is RFC 2782's "no such service here"; a target elsewhere is not this fleet's.
+        .filter(|t| {
+            !t.host.is_empty() && t.host.len() > zone.len() && t.host.ends_with(&format!(".{zone}"))
+        })
         .collect();
     out.sort();
     out.dedup();
     Ok(Some(out))
+}
+
+/// The zone of an SRV name: what follows its `_service._proto.` labels, lowercase.
+fn zone_of(name: &str) -> String {
+    let mut labels = name.trim_end_matches('.').splitn(3, '.');
+    match (labels.next(), labels.next(), labels.next()) {
+        (Some(s), Some(p), Some(zone)) if s.starts_with('_') && p.starts_with('_') => {
+            zone.to_lowercase()
+        }
+        _ => name.trim_end_matches('.').to_lowercase(),
+    }
 }
 
 #[cfg(test)]
@@ -258,12 +319,20 @@ mod tests {
         );
     }
 
+    const ASKED: &str = "_api._tcp.hosts.test";
+
     fn answer(id: u16, rcode: RCODE, records: &[(&str, u16)]) -> Vec<u8> {
         let mut p = Packet::new_reply(id);
         *p.rcode_mut() = rcode;
+        p.questions.push(Question::new(
+            Name::new_unchecked(ASKED),
+            QTYPE::TYPE(TYPE::SRV),
+            QCLASS::CLASS(CLASS::IN),
+            false,
+        ));
         for (target, port) in records {
             p.answers.push(ResourceRecord::new(
-                Name::new_unchecked("_api._tcp.hosts.test"),
+                Name::new_unchecked(ASKED),
                 CLASS::IN,
                 30,
                 RData::SRV(SRV {
@@ -285,7 +354,7 @@ mod tests {
             &[("h1.hosts.test", 3004), ("H0.Hosts.Test.", 3005)],
         );
         assert_eq!(
-            targets(&a, 7).unwrap().unwrap(),
+            targets(&a, 7, ASKED).unwrap().unwrap(),
             vec![
                 Target {
                     host: "h0.hosts.test".into(),
@@ -297,23 +366,66 @@ mod tests {
                 },
             ]
         );
-        // Another query's id, NXDOMAIN, a refusal, port 0, and bytes that are not DNS.
-        assert!(targets(&a, 8).is_err());
-        assert_eq!(targets(&answer(7, RCODE::NameError, &[]), 7), Ok(None));
-        assert!(targets(&answer(7, RCODE::Refused, &[]), 7).is_err());
+        // Another query's id or question, NXDOMAIN, a refusal, port 0, and bytes that are not
+        // DNS.
+        assert!(targets(&a, 8, ASKED).is_err());
+        assert!(targets(&a, 7, "_api._tcp.other.test").is_err());
         assert_eq!(
-            targets(&answer(7, RCODE::NoError, &[("h.test", 0)]), 7),
+            targets(&answer(7, RCODE::NameError, &[]), 7, ASKED),
+            Ok(None)
+        );
+        assert!(targets(&answer(7, RCODE::Refused, &[]), 7, ASKED).is_err());
+        assert_eq!(
+            targets(&answer(7, RCODE::NoError, &[("h.hosts.test", 0)]), 7, ASKED),
             Ok(Some(vec![]))
         );
+        // Targets outside the zone asked, or that are not host names, are not the fleet's.
+        for bad in [
+            "evil.example",
+            "hosts.test",
+            "a@b.hosts.test",
+            "xhosts.test",
+        ] {
+            assert_eq!(
+                targets(&answer(7, RCODE::NoError, &[(bad, 3004)]), 7, ASKED),
+                Ok(Some(vec![])),
+                "{bad}"
+            );
+        }
+        // Our own query echoed back is no answer.
+        assert!(targets(&query(7, ASKED).unwrap(), 7, ASKED).is_err());
         for junk in [&b""[..], &[0u8; 11], &[0xff; 40]] {
-            assert!(targets(junk, 0).is_err() || targets(junk, 0) == Ok(Some(vec![])));
+            assert!(targets(junk, 0, ASKED).is_err());
         }
         // A name whose compression pointer points at itself.
-        let mut looped = answer(7, RCODE::NoError, &[("h.test", 1)]);
+        let mut looped = answer(7, RCODE::NoError, &[("h.hosts.test", 1)]);
         let at = looped.len() - 2;
         looped[at] = 0xc0;
         looped[at + 1] = at as u8;
-        let _ = targets(&looped, 7);
+        let _ = targets(&looped, 7, ASKED);
+    }
+
+    #[test]
+    fn short_names_go_to_the_search_domains_first() {
+        let conf = parse_conf("search ns.svc.cluster.local\noptions ndots:5\n");
+        assert_eq!(conf.ndots, 5);
+        assert_eq!(
+            candidates("_api._tcp.hosts.prod", &conf),
+            [
+                "_api._tcp.hosts.prod.ns.svc.cluster.local",
+                "_api._tcp.hosts.prod"
+            ]
+        );
+        assert_eq!(
+            candidates("_a._tcp.h.example.", &conf),
+            ["_a._tcp.h.example"]
+        );
+        let conf = parse_conf("search example\n");
+        assert_eq!(
+            candidates("_api._tcp.hosts.test", &conf),
+            ["_api._tcp.hosts.test", "_api._tcp.hosts.test.example"]
+        );
+        assert_eq!(zone_of("_api._tcp.Hosts.Test."), "hosts.test");
     }
 
     #[test]

@@ -14,9 +14,10 @@ pub fn router() -> Router<AppState> {
         .route("/v1/hosts/{name}/drain", put(drain))
 }
 
+/// The body of a drain (a gateway checks it too, before it picks the host).
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct DrainRequest {
+pub(crate) struct DrainRequest {
     draining: bool,
 }
 

@@ -19,8 +19,9 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 /// Every (method, path) the API serves; `docs/openapi.json` must list exactly these (tested
-/// here, and the end-to-end tests request every documented route on the real binary).
-#[cfg(test)]
+/// here, and the end-to-end tests request every documented route on the real binary). A
+/// fleet's gateway serves the routes of one sandbox from this list, so a method a route does
+/// not take is its `405`, as on a host.
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/health"),
     ("PUT", "/v1/hosts/{name}/drain"),
@@ -35,6 +36,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/archive"),
     ("PUT", "/v1/sandboxes/{id}/files"),
     ("GET", "/v1/sandboxes/{id}/files"),
+    ("GET", "/v1/sandboxes/{id}/watch"),
     ("POST", "/v1/sandboxes/{id}/exec"),
     ("GET", "/v1/sandboxes/{id}/egress"),
     ("GET", "/v1/sandboxes/{id}/usage"),
@@ -69,7 +71,7 @@ pub fn app(state: AppState) -> Router {
 
 /// axum answers a known route asked with a method it does not take with a bare 405 (and adds
 /// the `Allow` header outside this layer); this gives that answer the API's JSON error.
-async fn json_405(req: Request, next: Next) -> Response {
+pub(crate) async fn json_405(req: Request, next: Next) -> Response {
     let method = req.method().to_string();
     let res = next.run(req).await;
     if res.status() != axum::http::StatusCode::METHOD_NOT_ALLOWED {
@@ -126,6 +128,22 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxId {
             ))),
         }
     }
+}
+
+/// A small JSON body already read, checked as [`ApiJson`] checks one (its type, then its
+/// fields), for a fleet's gateway, which must refuse what a host refuses in the same words.
+pub(crate) fn json_body<T: DeserializeOwned>(
+    headers: &axum::http::HeaderMap,
+    bytes: &[u8],
+) -> Result<T, ApiError> {
+    if !json_content_type(headers) {
+        return Err(ApiError::BadRequest(
+            "send the body as JSON with Content-Type: application/json".into(),
+        ));
+    }
+    axum::Json::<T>::from_bytes(bytes)
+        .map(|axum::Json(v)| v)
+        .map_err(|e| ApiError::BadRequest(e.body_text()))
 }
 
 /// A JSON body whose rejections come back as this API's errors (400 naming the field, 413).

@@ -24,6 +24,7 @@ pub fn router() -> Router<AppState> {
             put(put_archive).get(get_archive),
         )
         .route("/v1/sandboxes/{id}/files", put(put_file).get(get_file))
+        .route("/v1/sandboxes/{id}/watch", axum::routing::get(watch))
 }
 
 #[derive(Debug, Deserialize)]
@@ -40,6 +41,18 @@ struct FileQuery {
     /// Permission bits in octal, e.g. `755`.
     #[serde(default)]
     mode: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WatchQuery {
+    #[serde(default = "workspace")]
+    path: String,
+    #[serde(default)]
+    recursive: bool,
+    /// Ends the stream after this long.
+    #[serde(default)]
+    timeout_ms: Option<u64>,
 }
 
 fn workspace() -> String {
@@ -256,6 +269,100 @@ async fn get_file(
         .check(entry.sandbox().client.get_file(absolute(&q.path)?).await)
         .await?;
     stream_out(state, entry, dl, "application/octet-stream").await
+}
+
+/// `GET /v1/sandboxes/{id}/watch`: the file events of a guest's directory as NDJSON, from the
+/// agent's inotify (issue 35), for as long as the client reads or until `timeout_ms`; the first
+/// line says the watch is set. The stream keeps the sandbox from being idle, as a running
+/// command does.
+async fn watch(
+    State(state): State<AppState>,
+    SandboxId(id): SandboxId,
+    q: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let q = query(q)?;
+    let deadline = match q.timeout_ms {
+        None => None,
+        Some(ms @ 1..=86_400_000) => {
+            Some(tokio::time::Instant::now() + std::time::Duration::from_millis(ms))
+        }
+        Some(ms) => {
+            return Err(ApiError::BadRequest(format!(
+                "timeout_ms must be between 1 and 86400000, not {ms}"
+            )));
+        }
+    };
+    let path = watchable(absolute(&q.path)?)?;
+    let entry = state.registry().get(&id)?;
+    let _entered = entry.enter()?;
+    let mut dl = entry
+        .check(entry.sandbox().client.watch(path, q.recursive).await)
+        .await?;
+    // The first line (`ready`) before the answer: a path that cannot be watched is its error.
+    let first = match dl.next_chunk().await {
+        Some(Ok(b)) => b,
+        Some(Err(e)) => return Err(explain(&entry, e).await),
+        None => return Err(ApiError::Internal("the watch ended before it began".into())),
+    };
+    let (tx, body) = channel_body(4);
+    let busy = entry.busy();
+    tokio::spawn(async move {
+        let _busy = busy;
+        let mut next = Some(first);
+        while let Some(chunk) = next.take() {
+            if tx.send(Ok(chunk.to_vec())).await.is_err() {
+                return;
+            }
+            let more = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, dl.next_chunk()).await {
+                    Ok(more) => more,
+                    Err(_) => {
+                        let end = b"{\"event\":\"end\",\"reason\":\"timeout\"}\n".to_vec();
+                        let _ = tx.send(Ok(end)).await;
+                        return;
+                    }
+                },
+                None => dl.next_chunk().await,
+            };
+            match more {
+                Some(Ok(b)) => next = Some(b),
+                Some(Err(e)) => {
+                    tracing::warn!(id = %entry.id, error = %e, "a watch of a guest failed midway");
+                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    return;
+                }
+                None => return,
+            }
+        }
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::new(body),
+    )
+        .into_response())
+}
+
+/// A directory that can be watched: nothing in /proc, /sys or /dev (the path taken as written,
+/// `.` and `..` resolved), whose files the kernel makes and changes without telling inotify.
+fn watchable(path: &str) -> Result<&str, ApiError> {
+    let mut names: Vec<&str> = vec![];
+    for n in path.split('/') {
+        match n {
+            "" | "." => {}
+            ".." => {
+                names.pop();
+            }
+            n => names.push(n),
+        }
+    }
+    if matches!(names.first(), Some(&"proc") | Some(&"sys") | Some(&"dev")) {
+        return Err(ApiError::BadRequest(format!(
+            "`{}` is in /proc, /sys or /dev, the kernel's file systems, whose changes inotify \
+             does not see; watch a directory such as /workspace",
+            path.chars().take(200).collect::<String>()
+        )));
+    }
+    Ok(path)
 }
 
 /// Waits for the first chunk (so a missing path is a 404, not a broken 200), then streams.

@@ -28,6 +28,10 @@ with open(_DOC, encoding="utf-8") as f:
 _EXEC_LINE = jsonschema_rs.validator_for(
     {"$ref": "#/components/schemas/ExecLine", "components": _COMPONENTS},
 )
+# And its WatchEvent, a watch's lines.
+_WATCH_EVENT = jsonschema_rs.validator_for(
+    {"$ref": "#/components/schemas/WatchEvent", "components": _COMPONENTS},
+)
 
 
 def _raw(value):
@@ -82,12 +86,22 @@ def ndjson_outcome(ctx, response):
 
 @schemathesis.check
 def ndjson_lines_conform(ctx, response, case):
-    """Every line of an exec's stream is an ExecLine; output lines come first, one outcome last."""
+    """Every line of an exec's stream is an ExecLine; output lines come first, one outcome last.
+    Every line of a watch is a WatchEvent, `ready` first."""
     if response.status_code != 200 or not response.headers.get("content-type", [""])[0].startswith(
         "application/x-ndjson"
     ):
         return None
     lines = _ndjson_lines(response)
+    if case.operation.path.endswith("/watch"):
+        # A watch: every line a WatchEvent, `ready` first, `end` last when it has a timeout.
+        for i, line in enumerate(lines):
+            errors = [e.message for e in _WATCH_EVENT.iter_errors(line)]
+            assert not errors, f"NDJSON line {i + 1} does not match WatchEvent: {errors}: {line}"
+        assert lines and lines[0]["event"] == "ready", f"a watch's first line is ready: {lines[:1]}"
+        if "timeout_ms" in (case.query or {}):
+            assert lines[-1]["event"] == "end", f"a watch with timeout_ms ends with end: {lines[-1]}"
+        return None
     assert lines, "an empty NDJSON stream: an exec always ends with its outcome line"
     for i, line in enumerate(lines):
         errors = [e.message for e in _EXEC_LINE.iter_errors(line)]

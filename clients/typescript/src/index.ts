@@ -12,6 +12,7 @@ export {
   type PutArchiveOptions,
   type GetArchiveOptions,
   type WriteFileOptions,
+  type WatchOptions,
 } from './sandbox.js';
 export { Execution, type OutputChunk, type ExecResult } from './exec.js';
 export { KeepaliveLoop, KEEPALIVE_INTERVAL_MS, type KeepaliveOptions } from './keepalive.js';

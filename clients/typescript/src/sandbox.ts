@@ -26,7 +26,8 @@ import {
 import { Execution } from './exec.js';
 import { KeepaliveLoop, type KeepaliveOptions } from './keepalive.js';
 import { readBody, rethrowIfAborted, type Answer, type Transport } from './transport.js';
-import type { Created, Egress, Paused, Resumed, SandboxDetail, Usage } from './types.js';
+import type { Created, Egress, Paused, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
+import { lines } from './ndjson.js';
 
 /** Options every call takes. */
 export interface CallOptions {
@@ -62,6 +63,14 @@ export interface WriteFileOptions extends CallOptions {
 }
 
 /** A sandbox on the host. */
+/** Options of `Sandbox.watch`. */
+export interface WatchOptions extends CallOptions {
+  /** Its subdirectories too, and each one made later (default false). */
+  recursive?: boolean;
+  /** End the watch after this long (its last event is `end`). */
+  timeoutMs?: number;
+}
+
 export class Sandbox {
   /** Its id (`sbx-…`). */
   readonly id: string;
@@ -208,6 +217,34 @@ export class Sandbox {
       data = await readBody(body, options.maxBytes ?? Number.MAX_SAFE_INTEGER, false);
     });
     return data;
+  }
+
+  /**
+   * `GET /v1/sandboxes/{id}/watch`: the file events of the guest's directory `path` (default
+   * `/workspace`) as they happen, the first one `ready` once the watch is set. Read with
+   * `for await`; leaving the loop (or aborting `signal`) ends the watch in the guest. An
+   * `overflow` event says events were lost (the reader fell behind): read the tree again.
+   */
+  async watch(path = '/workspace', options: WatchOptions = {}): Promise<AsyncGenerator<WatchEvent, void, undefined>> {
+    const query: Record<string, string> = { path, recursive: String(options.recursive ?? false) };
+    if (options.timeoutMs !== undefined) query.timeout_ms = String(options.timeoutMs);
+    const answer = await this.#guard(() =>
+      this.#transport.call({ method: 'GET', path: this.#path('/watch'), query, idempotent: true, signal: options.signal }, [200]),
+    );
+    const body = answer.body;
+    const explain = (e: unknown) => this.explain(e);
+    return (async function* events(): AsyncGenerator<WatchEvent, void, undefined> {
+      try {
+        for await (const line of lines(body)) {
+          if (line.length > 0) yield JSON.parse(line.toString('utf8')) as WatchEvent;
+        }
+      } catch (err) {
+        rethrowIfAborted(options.signal, err);
+        throw explain(err);
+      } finally {
+        body.destroy();
+      }
+    })();
   }
 
   /**

@@ -109,3 +109,16 @@ export type ContractErrorCode = Schemas['Error']['code'];
  * docs/api.md and the service (api/src/error.rs) have but docs/openapi.json's enum lacks.
  */
 export type ErrorCode = ContractErrorCode | 'method_not_allowed';
+
+/**
+ * One line of `GET /v1/sandboxes/{id}/watch` (`Sandbox.watch`): the watch is set (`ready`), a
+ * change, events lost because the reader fell behind (`overflow`: read the tree again), or the
+ * end of a watch with a `timeoutMs`.
+ */
+export type WatchEvent =
+  | { event: 'ready'; path: string; watches: number }
+  | { event: 'create' | 'delete'; path: string; dir: boolean }
+  | { event: 'modify'; path: string }
+  | { event: 'rename'; from: string; to: string; dir: boolean }
+  | { event: 'overflow'; reason: 'queue' | 'kernel' | 'watches'; dropped: number }
+  | { event: 'end'; reason: 'timeout' };

@@ -169,9 +169,19 @@ describe('the server\'s flow against the real sandbox host', () => {
     const placeholder = await run(sb, 'echo "$ANTHROPIC_API_KEY $CI"');
     assert.match(placeholder.out, /^vantik-placeholder-[0-9a-f]{32} 1\n$/, 'the key never enters the guest');
 
-    // The agent's work: change, add, remove; git sees it.
+    // The agent's work: change, add, remove; git sees it, and a watch of the checkout (issue 35)
+    // sees each change as it happens.
+    const events = await sb.watch('/workspace/repo', { recursive: true, timeoutMs: 60_000 });
+    const ready = await events.next();
+    assert.equal(ready.value?.event, 'ready', JSON.stringify(ready.value));
     const change = await run(sb, "sed -i 's/a + b/a - -b/' src/add.mjs && echo new > NEW.txt && rm README.md && git status --porcelain");
     assert.equal(change.code, 0, change.out);
+    const seen: string[] = [];
+    for await (const e of events) {
+      if (e.event === 'create' || e.event === 'delete') seen.push(`${e.event} ${e.path}`);
+      if (seen.includes('delete /workspace/repo/README.md')) break;
+    }
+    assert.ok(seen.includes('create /workspace/repo/NEW.txt'), seen.join('\n'));
     assert.deepEqual(change.out.trimEnd().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
 
     // A refused name, counted.

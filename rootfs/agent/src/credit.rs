@@ -2,6 +2,10 @@
 
 use std::sync::{Condvar, Mutex};
 
+/// The stream is over: no credit will come.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Closed;
+
 /// Credit granted by the host's `Window` frames, spent by the stream's senders.
 pub struct Credit {
     state: Mutex<State>,
@@ -39,6 +43,19 @@ impl Credit {
         self.cv.notify_all();
     }
 
+    /// Takes up to `want` bytes of the credit there is now, without waiting (0 when there is
+    /// none); `Err` once closed. For a sender that has other work while the host reads slowly
+    /// (a watch reads the kernel's events meanwhile).
+    pub fn try_take(&self, want: usize) -> Result<usize, Closed> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.closed {
+            return Err(Closed);
+        }
+        let n = (want as u64).min(s.avail);
+        s.avail -= n;
+        Ok(n as usize)
+    }
+
     /// Waits for credit and takes up to `want` bytes of it; `None` once closed.
     pub fn take(&self, want: usize) -> Option<usize> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -74,5 +91,8 @@ mod tests {
         let t = std::thread::spawn(move || c3.take(5));
         c.close();
         assert_eq!(t.join().unwrap(), None);
+        assert_eq!(c.try_take(1), Err(Closed));
+        let c = Credit::new(2);
+        assert_eq!((c.try_take(5), c.try_take(5)), (Ok(2), Ok(0)));
     }
 }

@@ -21,6 +21,7 @@ mod reaper;
 mod server;
 mod streams;
 mod transfer;
+mod watch;
 
 #[cfg(feature = "fuzzing")]
 pub use archive::unpack;

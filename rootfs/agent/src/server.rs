@@ -20,7 +20,7 @@ use crate::outbox::Outbox;
 use crate::reaper::Reaper;
 use crate::streams::{Entry, MAX_STREAMS, StreamCtx, Streams, kill_group};
 use crate::transfer::Upload;
-use crate::{archive, exec, files};
+use crate::{archive, exec, files, watch};
 
 /// Serves one connection until the host goes away. On a serial port the device stays open and
 /// EOF means "host disconnected for now", so this only returns for vsock. Streams still open
@@ -106,9 +106,12 @@ impl Server {
         };
         match kind {
             Kind::Ping => self.send_ready(f.stream),
-            Kind::Exec | Kind::ArchivePut | Kind::ArchiveGet | Kind::FilePut | Kind::FileGet => {
-                self.open_stream(kind, f)
-            }
+            Kind::Exec
+            | Kind::ArchivePut
+            | Kind::ArchiveGet
+            | Kind::FilePut
+            | Kind::FileGet
+            | Kind::Watch => self.open_stream(kind, f),
             Kind::Identity => crate::identity::handle(&self.out, f.stream, &f.payload),
             Kind::Stdin | Kind::Data => self.deliver(kind, f),
             Kind::Window => self.grant(f),
@@ -211,6 +214,7 @@ impl Server {
                 Kind::ArchiveGet => with_request(ctx, &payload, archive::get),
                 Kind::FilePut => with_request(ctx, &payload, files::put),
                 Kind::FileGet => with_request(ctx, &payload, files::get),
+                Kind::Watch => with_request(ctx, &payload, watch::run),
                 _ => unreachable!("open_stream is only called for request kinds"),
             });
         if let Err(e) = spawned {
@@ -681,6 +685,106 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
 
+        host.shutdown(Shutdown::Write).unwrap();
+        server.join().unwrap();
+        frames.rest();
+    }
+
+    /// The watch's output read as it comes, until a line holding `want` arrives.
+    fn watch_until(frames: &mut Frames, text: &mut String, want: &str) {
+        while !text.contains(want) {
+            let f = frames.until(want, |f| is(f, Kind::Output, 1) || is(f, Kind::Error, 1));
+            assert!(
+                is(&f, Kind::Output, 1),
+                "{}",
+                String::from_utf8_lossy(&f.payload)
+            );
+            text.push_str(&String::from_utf8_lossy(&f.payload));
+        }
+    }
+
+    /// A watch on a real directory (inotify): creates, a modify, a rename and a delete in a
+    /// subdirectory made after it started; then, with the host granting no more window, more
+    /// changes than its queue holds: they are dropped and counted, and once the host reads again
+    /// an `overflow` line says how many.
+    #[test]
+    fn a_watch_reports_changes_and_says_what_it_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let (mut host, server) = vsock();
+        let mut frames = Frames::read(host.try_clone().unwrap());
+        let req = serde_json::json!({"path": root, "recursive": true}).to_string();
+        host.write_all(&frame(Kind::Watch, 1, req)).unwrap();
+        let mut text = String::new();
+        watch_until(&mut frames, &mut text, "\"event\":\"ready\"");
+
+        std::fs::create_dir(root.join("sub")).unwrap();
+        let sub = root.join("sub").display().to_string();
+        // Its watch is set once its create is sent (inotify's own race: what happens in a new
+        // directory before its watch is added is found by the scan, as creates, and no more).
+        watch_until(&mut frames, &mut text, &format!("\"path\":\"{sub}\""));
+        std::fs::write(root.join("sub/x"), b"one").unwrap();
+        std::fs::write(root.join("sub/x"), b"two").unwrap();
+        std::fs::rename(root.join("sub/x"), root.join("sub/y")).unwrap();
+        std::fs::remove_file(root.join("sub/y")).unwrap();
+        watch_until(
+            &mut frames,
+            &mut text,
+            &format!("\"event\":\"delete\",\"path\":\"{sub}/y\""),
+        );
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let has = |want: serde_json::Value| {
+            assert!(lines.contains(&want), "no {want} in {lines:?}");
+        };
+        has(serde_json::json!({"event": "create", "path": sub, "dir": true}));
+        has(serde_json::json!({"event": "create", "path": format!("{sub}/x"), "dir": false}));
+        has(
+            serde_json::json!({"event": "rename", "from": format!("{sub}/x"),
+                               "to": format!("{sub}/y"), "dir": false}),
+        );
+
+        // The host stops granting window: past the first window and the queue, changes drop.
+        let many = root.join("many");
+        std::fs::create_dir(&many).unwrap();
+        // Its watch is set (and its first scan done) before anything is made in it.
+        watch_until(
+            &mut frames,
+            &mut text,
+            &format!("\"path\":\"{}\"", many.display()),
+        );
+        let n = 40_000;
+        for i in 0..n {
+            std::fs::write(
+                many.join(format!("a-long-name-to-fill-the-window-sooner-{i:06}")),
+                b"",
+            )
+            .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        host.write_all(&frame(Kind::Window, 1, message::window_payload(64 << 20)))
+            .unwrap();
+        watch_until(&mut frames, &mut text, "\"event\":\"overflow\"");
+        let overflow: serde_json::Value = text
+            .lines()
+            .find(|l| l.contains("\"overflow\""))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .unwrap();
+        let dropped = overflow["dropped"].as_u64().unwrap();
+        assert_eq!(overflow["reason"], "queue", "{overflow}");
+        assert!(dropped > 0 && dropped < n, "{overflow}");
+        // What was sent and what was dropped are every change (the creates; their writes of
+        // nothing made no modify): what the queue held comes after the overflow line.
+        while (text.matches("a-long-name-to-fill").count() as u64) + dropped < n {
+            let f = frames.until("the queued events", |f| is(f, Kind::Output, 1));
+            text.push_str(&String::from_utf8_lossy(&f.payload));
+        }
+        let sent = text.matches("a-long-name-to-fill").count() as u64;
+        assert_eq!(sent + dropped, n, "{sent} sent, {dropped} dropped");
+
+        host.write_all(&frame(Kind::Cancel, 1, Vec::new())).unwrap();
         host.shutdown(Shutdown::Write).unwrap();
         server.join().unwrap();
         frames.rest();

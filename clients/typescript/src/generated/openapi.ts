@@ -161,6 +161,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{id}/watch": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Stream the file events of a directory of the guest
+         * @description NDJSON, one event per line, for as long as the client reads (or until `timeout_ms`): first `{"event":"ready","path","watches"}` once the watch is set, then `create` and `delete` (`path`, `dir`), `modify` (`path`; one waiting to be read is folded into the next), `rename` (`from`, `to`, `dir`), and `overflow` (`reason`: `queue`, `kernel` or `watches`; `dropped`) when events were lost because the reader fell behind or a directory could not be watched: read the tree again. With `timeout_ms`, the last line is `{"event":"end","reason":"timeout"}`. The stream keeps the sandbox from being idle.
+         */
+        get: operations["watchSandbox"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes/{id}/exec": {
         parameters: {
             query?: never;
@@ -552,6 +572,39 @@ export interface components {
         };
         /** @description A host name, or `*.` and a name for its subdomains, optionally with `:port` (1-65535): at least two labels of letters, digits and hyphens (1-63 each, no hyphen first or last), the last one not all digits, at most 253 bytes without a final dot. No IP literals, no schemes. The pattern leaves the 253-byte bound to this sentence and asks a little less of the last label (a non-digit within its first 21 characters). */
         HostPattern: string;
+        /** @description One line of a watch (GET /v1/sandboxes/{id}/watch). */
+        WatchEvent: {
+            /** @constant */
+            event: "ready";
+            path: string;
+            watches: number;
+        } | {
+            /** @enum {unknown} */
+            event: "create" | "delete";
+            path: string;
+            dir: boolean;
+        } | {
+            /** @constant */
+            event: "modify";
+            path: string;
+        } | {
+            /** @constant */
+            event: "rename";
+            from: string;
+            to: string;
+            dir: boolean;
+        } | {
+            /** @constant */
+            event: "overflow";
+            /** @enum {unknown} */
+            reason: "queue" | "kernel" | "watches";
+            dropped: number;
+        } | {
+            /** @constant */
+            event: "end";
+            /** @constant */
+            reason: "timeout";
+        };
     };
     responses: {
         /** @description An error */
@@ -992,6 +1045,42 @@ export interface operations {
             410: components["responses"]["Error"];
             413: components["responses"]["Error"];
             507: components["responses"]["Error"];
+        };
+    };
+    watchSandbox: {
+        parameters: {
+            query?: {
+                /** @description The directory watched, absolute; default /workspace. Nothing in /proc, /sys or /dev, the kernel's file systems, whose changes inotify does not see (400). At most 4095 bytes, and at most 255 bytes in each name (UTF-8; the pattern counts characters). The service resolves `.` and `..` as written; the pattern leaves them out. */
+                path?: string;
+                /** @description Its subdirectories too, and each one made later (at most 8192 directories). */
+                recursive?: boolean;
+                /** @description End the stream after this long. */
+                timeout_ms?: number;
+            };
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description File events, one JSON object per line */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/x-ndjson": components["schemas"]["WatchEvent"];
+                };
+            };
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
         };
     };
     exec: {

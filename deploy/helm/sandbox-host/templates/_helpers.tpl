@@ -49,8 +49,10 @@ exec:
 {{- printf "%s-hosts.%s.svc" (include "sandbox-host.name" .) .Release.Namespace -}}
 {{- end -}}
 
-{{/* The environment of TLS (both kinds of pod serve https with the Secret's pair). */}}
-{{- define "sandbox-host.tlsEnv" -}}
+{{/* The hosts' TLS: they serve https with the Secret's pair (its key root's alone: the
+entrypoint gives the service's user a copy of its own, in memory), and their probes check it
+against its ca.crt. */}}
+{{- define "sandbox-host.hostTlsEnv" -}}
 {{- if .Values.tls.existingSecret }}
 - name: SANDBOX_HOST_TLS_CERT
   value: /etc/sandbox-host/tls/tls.crt
@@ -63,30 +65,40 @@ exec:
 {{- end }}
 {{- end -}}
 
-{{/* The Secret's files: the key root's alone (the entrypoint gives the service a copy of its
-own), the certificates readable by the probes, which run as the service's user. */}}
-{{- define "sandbox-host.tlsVolume" -}}
+{{/* The gateway's TLS: it checks the hosts against the hosts' Secret's ca.crt (their key is
+not mounted in it), and serves https only with a Secret of its own (a host runs guests' code:
+its key must not be able to pose as the gateway). */}}
+{{- define "sandbox-host.gatewayTlsEnv" -}}
 {{- if .Values.tls.existingSecret }}
-- name: tls
+- name: SANDBOX_HOST_CA_FILE
+  value: /etc/sandbox-host/tls/ca.crt
+- name: SANDBOX_HOST_TLS_NAME
+  value: {{ include "sandbox-host.hostsName" . | quote }}
+{{- end }}
+{{- if .Values.tls.gatewaySecret }}
+- name: SANDBOX_HOST_TLS_CERT
+  value: /etc/sandbox-host/gateway-tls/tls.crt
+- name: SANDBOX_HOST_TLS_KEY
+  value: /etc/sandbox-host/gateway-tls/tls.key
+{{- end }}
+{{- end -}}
+
+{{/* A Secret's files: the key root's alone, the certificates readable by the probes, which run
+as the service's user. `keys` false: the authority alone. */}}
+{{- define "sandbox-host.tlsVolume" -}}
+- name: {{ .name }}
   secret:
-    secretName: {{ .Values.tls.existingSecret }}
+    secretName: {{ .secret }}
     items:
+      {{- if .keys }}
       - key: tls.key
         path: tls.key
         mode: 0400
       - key: tls.crt
         path: tls.crt
         mode: 0444
+      {{- end }}
       - key: ca.crt
         path: ca.crt
         mode: 0444
-{{- end }}
-{{- end -}}
-
-{{- define "sandbox-host.tlsMount" -}}
-{{- if .Values.tls.existingSecret }}
-- name: tls
-  mountPath: /etc/sandbox-host/tls
-  readOnly: true
-{{- end }}
 {{- end -}}
