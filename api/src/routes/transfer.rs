@@ -106,11 +106,8 @@ async fn checked<T>(entry: &SandboxEntry, r: Result<T, ClientError>) -> Result<T
     }
 }
 
-/// A directory that can be read as a tar stream: not `/` and nothing in /proc or /sys (the path
-/// taken as written, `.` and `..` resolved). Those are the kernel's file systems: their files do
-/// not hold what their sizes say, and entries vanish while they are read, so the stream broke
-/// midway after its 200 (or, in /proc, never ended).
-fn archivable(path: &str) -> Result<&str, ApiError> {
+/// The first name of `path` taken as written, `.` and `..` resolved (`None` for `/`).
+fn first_name(path: &str) -> Option<&str> {
     let mut names: Vec<&str> = vec![];
     for n in path.split('/') {
         match n {
@@ -121,7 +118,15 @@ fn archivable(path: &str) -> Result<&str, ApiError> {
             n => names.push(n),
         }
     }
-    if matches!(names.first(), None | Some(&"proc") | Some(&"sys")) {
+    names.first().copied()
+}
+
+/// A directory that can be read as a tar stream: not `/` and nothing in /proc or /sys (the path
+/// taken as written, `.` and `..` resolved). Those are the kernel's file systems: their files do
+/// not hold what their sizes say, and entries vanish while they are read, so the stream broke
+/// midway after its 200 (or, in /proc, never ended).
+fn archivable(path: &str) -> Result<&str, ApiError> {
+    if matches!(first_name(path), None | Some("proc") | Some("sys")) {
         return Err(ApiError::BadRequest(format!(
             "`{}` is or holds /proc or /sys, the kernel's file systems, which cannot be read as \
              an archive (their files change while they are read); archive a directory below /, \
@@ -345,17 +350,7 @@ async fn watch(
 /// A directory that can be watched: nothing in /proc, /sys or /dev (the path taken as written,
 /// `.` and `..` resolved), whose files the kernel makes and changes without telling inotify.
 fn watchable(path: &str) -> Result<&str, ApiError> {
-    let mut names: Vec<&str> = vec![];
-    for n in path.split('/') {
-        match n {
-            "" | "." => {}
-            ".." => {
-                names.pop();
-            }
-            n => names.push(n),
-        }
-    }
-    if matches!(names.first(), Some(&"proc") | Some(&"sys") | Some(&"dev")) {
+    if matches!(first_name(path), Some("proc") | Some("sys") | Some("dev")) {
         return Err(ApiError::BadRequest(format!(
             "`{}` is in /proc, /sys or /dev, the kernel's file systems, whose changes inotify \
              does not see; watch a directory such as /workspace",
