@@ -1,4 +1,4 @@
-//! Operator subcommands (`health`, `ls`, `exec`, `rm`): talk to a running sandbox host over HTTP
+//! Operator subcommands (`health`, `ls`, `exec`, `rm`; `shell` is `shell.rs`): talk to a running sandbox host over HTTP
 //! with the token from the environment or `.env`.
 
 use std::io::Write;
@@ -103,10 +103,24 @@ impl Target {
         path: &str,
         body: Option<Value>,
     ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+        self.request_with(method, path, &[], body).await
+    }
+
+    /// A request with `headers` besides the token's (a WebSocket's handshake).
+    pub(crate) async fn request_with(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<Value>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
         let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("authorization", format!("Bearer {}", self.token));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
         let body = match body {
             Some(v) => {
                 req = req.header("content-type", "application/json");
@@ -155,13 +169,13 @@ impl Target {
     }
 }
 
-fn error_text(v: &Value) -> String {
+pub(crate) fn error_text(v: &Value) -> String {
     v.get("error")
         .and_then(Value::as_str)
         .map_or_else(|| v.to_string(), str::to_owned)
 }
 
-fn fail(msg: impl std::fmt::Display) -> ExitCode {
+pub(crate) fn fail(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("sandbox-host: {msg}");
     ExitCode::from(1)
 }

@@ -21,6 +21,7 @@ mod registry;
 mod routes;
 pub mod run;
 pub mod serve;
+pub mod shell;
 mod state;
 mod state_dir;
 mod templates;

@@ -37,6 +37,15 @@ enum Command {
         #[arg(last = true, required = true, num_args = 1..)]
         command: Vec<String>,
     },
+    /// Open a terminal in a sandbox of a running sandbox host: a login shell, or the command
+    /// given; exits with its exit code.
+    Shell {
+        /// Sandbox id.
+        id: String,
+        /// The command and its arguments (a login shell when none).
+        #[arg(last = true, num_args = 0..)]
+        command: Vec<String>,
+    },
     /// Serve the API in front of a fleet of sandbox hosts (SANDBOX_HOST_GATEWAY_HOSTS or
     /// SANDBOX_HOST_GATEWAY_DNS), keeping no sandbox of its own.
     Gateway,
@@ -93,6 +102,7 @@ fn main() -> ExitCode {
                 command,
             } => client::exec(id, command, timeout_ms).await,
             Command::Rm { ids } => client::rm(ids).await,
+            Command::Shell { id, command } => sandbox_host::shell::shell(id, command).await,
             Command::Gateway => sandbox_host::gateway::run().await,
         }
     })

@@ -107,6 +107,7 @@ async fn run_inner(args: RunArgs) -> Result<ExitCode, String> {
         cwd: Some(args.cwd),
         stdin: args.stdin,
         timeout_ms: args.timeout_ms,
+        pty: None,
     };
     let result = tokio::select! {
         r = exec(&sandbox.client, req) => r,

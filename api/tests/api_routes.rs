@@ -837,3 +837,188 @@ async fn a_watch_streams_the_file_events_of_a_guest() {
         assert!(b.contains(words), "{q}: {b}");
     }
 }
+
+/// A terminal's WebSocket to a sandbox (`GET /pty`), with the token.
+async fn terminal(
+    h: &common::Host,
+    id: &str,
+    query: &str,
+) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let url = h
+        .url(&format!("/v1/sandboxes/{id}/pty?{query}"))
+        .replacen("http://", "ws://", 1);
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    req.headers_mut().insert(
+        "sec-websocket-protocol",
+        "v4.channel.k8s.io".parse().unwrap(),
+    );
+    let (ws, res) = tokio_tungstenite::connect_async(req).await.unwrap();
+    assert_eq!(res.headers()["sec-websocket-protocol"], "v4.channel.k8s.io");
+    ws
+}
+
+/// A terminal's messages, the output (channel 1) gathered, until it holds `want`; the status
+/// (channel 3) if one comes first.
+async fn screen_until(
+    ws: &mut tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+    screen: &mut String,
+    want: &str,
+) -> Option<Value> {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !screen.contains(want) {
+        let msg = tokio::time::timeout_at(until, ws.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no `{want}` within a minute; the terminal showed:\n{screen}")
+            });
+        match msg {
+            Some(Ok(Message::Binary(b))) => match b.split_first() {
+                Some((1, out)) => screen.push_str(&String::from_utf8_lossy(out)),
+                Some((3, status)) => return Some(serde_json::from_slice(status).unwrap()),
+                other => panic!("a message on no known channel: {other:?}"),
+            },
+            other => panic!("{other:?} before `{want}`; the terminal showed:\n{screen}"),
+        }
+    }
+    None
+}
+
+/// Sends `bytes` on `channel`.
+async fn send_on(
+    ws: &mut tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+    channel: u8,
+    bytes: &[u8],
+) {
+    use futures_util::SinkExt;
+    let mut m = vec![channel];
+    m.extend_from_slice(bytes);
+    ws.send(tokio_tungstenite::tungstenite::Message::Binary(m.into()))
+        .await
+        .unwrap();
+}
+
+/// A terminal in a real guest (issue 35) over the WebSocket, framed as Kubernetes' exec: the
+/// login shell's `stty size` is the size asked and follows a resize; a foreground job gets
+/// SIGWINCH and is ended by Ctrl-C; Ctrl-Z stops a job the shell then lists and kills (job
+/// control); `exit 7` ends the session with its status and a normal close. What is not a
+/// terminal's request is refused in words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_in_a_guest_has_a_size_job_control_and_an_exit_status() {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    if stock_image_missing() {
+        return;
+    }
+    let h = start(&[]);
+    let id = h.create(json!({})).await;
+    let mut ws = terminal(&h, &id, "rows=24&cols=80").await;
+    let mut screen = String::new();
+    send_on(&mut ws, 0, b"stty size; echo mark-$((6*7))\r").await;
+    assert_eq!(screen_until(&mut ws, &mut screen, "mark-42").await, None);
+    assert!(screen.contains("24 80"), "{screen}");
+
+    send_on(&mut ws, 4, br#"{"Width": 120, "Height": 40}"#).await;
+    send_on(&mut ws, 0, b"stty size; echo mark-$((6*8))\r").await;
+    screen_until(&mut ws, &mut screen, "mark-48").await;
+    assert!(screen.contains("40 120"), "{screen}");
+
+    // A foreground job: SIGWINCH on a resize, SIGINT from Ctrl-C.
+    send_on(
+        &mut ws,
+        0,
+        b"sh -c 'trap \"echo winched \\$(stty size)\" WINCH; echo looping; while :; do sleep 0.1; done'\r",
+    )
+    .await;
+    screen_until(&mut ws, &mut screen, "looping\r\n").await;
+    send_on(&mut ws, 4, br#"{"Width": 100, "Height": 50}"#).await;
+    screen_until(&mut ws, &mut screen, "winched 50 100").await;
+    send_on(&mut ws, 0, b"\x03").await;
+    send_on(&mut ws, 0, b"echo rc=$?\r").await;
+    screen_until(&mut ws, &mut screen, "rc=130").await;
+
+    // Job control: Ctrl-Z stops the foreground job; the shell lists it and kills it.
+    send_on(&mut ws, 0, b"sleep 300\r").await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    send_on(&mut ws, 0, b"\x1a").await;
+    screen_until(&mut ws, &mut screen, "Stopped").await;
+    send_on(&mut ws, 0, b"jobs; kill -9 %1; echo killed-$((1+1))\r").await;
+    screen_until(&mut ws, &mut screen, "killed-2").await;
+    assert!(screen.contains("sleep 300"), "{screen}");
+
+    send_on(&mut ws, 0, b"exit 7\r").await;
+    let status = screen_until(&mut ws, &mut screen, "never printed").await;
+    let status = status.expect("a status message");
+    assert_eq!(status["status"], "Failure", "{status}");
+    assert_eq!(status["exit_code"], 7, "{status}");
+    match ws.next().await {
+        Some(Ok(Message::Close(Some(f)))) => assert_eq!(u16::from(f.code), 1000),
+        other => panic!("no normal close after the status: {other:?}"),
+    }
+
+    // A command of its own, and a message on a channel a client does not send.
+    let mut ws = terminal(&h, &id, "command=stty%20size%3B%20cat&rows=3&cols=9").await;
+    let mut screen = String::new();
+    screen_until(&mut ws, &mut screen, "3 9").await;
+    send_on(&mut ws, 2, b"x").await;
+    let status = screen_until(&mut ws, &mut screen, "never printed")
+        .await
+        .unwrap();
+    assert_eq!(status["code"], "bad_request", "{status}");
+    assert!(
+        status["error"].as_str().unwrap().contains("channel 2"),
+        "{status}"
+    );
+    match ws.next().await {
+        Some(Ok(Message::Close(Some(f)))) => assert_eq!(u16::from(f.code), 1008),
+        other => panic!("no policy close: {other:?}"),
+    }
+
+    // Not a WebSocket, or not a terminal's size, in words; the sandbox goes on.
+    for (q, upgrade, status, words) in [
+        ("", false, 400, "this route is a WebSocket"),
+        ("rows=0", true, 400, "rows must be 1 to 4096, not 0"),
+        ("cols=70000", true, 400, "cols"),
+        ("cwd=tmp", true, 400, "not an absolute path"),
+        ("shell=bash", true, 400, "unknown field"),
+    ] {
+        let mut req = hyper::Request::get(h.url(&format!("/v1/sandboxes/{id}/pty?{q}")))
+            .header("authorization", format!("Bearer {TOKEN}"));
+        if upgrade {
+            req = req
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-version", "13")
+                .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==");
+        }
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<hyper::body::Bytes>>();
+        let res = client
+            .request(req.body(Default::default()).unwrap())
+            .await
+            .unwrap();
+        let s = res.status().as_u16();
+        use http_body_util::BodyExt;
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        assert_eq!(s, status, "{q}: {v}");
+        assert!(
+            v["error"].as_str().unwrap_or("").contains(words),
+            "{q}: {v}"
+        );
+    }
+    let (out, _, last) = h.exec(&id, "echo still").await;
+    assert_eq!(
+        (String::from_utf8_lossy(&out).trim(), &last["exit_code"]),
+        ("still", &json!(0))
+    );
+}

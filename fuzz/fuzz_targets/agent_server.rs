@@ -36,6 +36,7 @@ use sandbox_agent::{ChannelSpec, Conn, Reaper};
 use sandbox_fuzz::Input;
 use sandbox_protocol::message::{
     Done, ErrorMessage, ExecRequest, ExitStatus, FilePut, PathRequest, Ready, SignalRequest,
+    TermSize,
 };
 use sandbox_protocol::{Decoder, Frame, INITIAL_WINDOW, Kind};
 
@@ -272,6 +273,13 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
                         }
                     }
                 }
+                // On a terminal, now and then; a size of 0 rows is refused.
+                if w.len() % 3 == 1 {
+                    req.pty = Some(TermSize {
+                        rows: u16::from(how & 0x0f),
+                        cols: 80,
+                    });
+                }
                 if how & 0x40 != 0 && how >> 6 < 2 {
                     req.env.insert("FUZZ_WORD".into(), w.clone());
                     // A working directory that may not exist.
@@ -294,7 +302,15 @@ fn session(input: &mut Input, scratch: &Path) -> Session {
             }
             4 => {
                 let id = stream(input);
-                let sig = match input.byte().unwrap_or(0) {
+                let b = input.byte().unwrap_or(0);
+                if b == 203 {
+                    // A terminal's new size (0 and over 4096 refused).
+                    let rows = u16::from(input.byte().unwrap_or(0)) * 20;
+                    let cols = u16::from(input.byte().unwrap_or(0)) * 20;
+                    s.json(Kind::Resize, id, &TermSize { rows, cols });
+                    continue;
+                }
+                let sig = match b {
                     b @ 0..=100 => i32::from(b) - 10,
                     200 => i32::MIN,
                     201 => i32::MAX,

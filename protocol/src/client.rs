@@ -17,7 +17,7 @@ use tokio::sync::{Semaphore, broadcast, mpsc, watch};
 
 use crate::message::{
     Done, ErrorMessage, ExecRequest, ExitStatus, FilePut, PathRequest, Ready, SignalRequest,
-    parse_window, window_payload,
+    TermSize, parse_window, window_payload,
 };
 use crate::{DATA_CHUNK, Decoder, Frame, INITIAL_WINDOW, Kind};
 
@@ -662,9 +662,34 @@ impl ExecOutput {
 
     /// Sends a signal to the process group.
     pub async fn signal(&self, signal: i32) -> Result<(), ClientError> {
+        self.control().signal(signal).await
+    }
+
+    /// A handle that signals the process or resizes its terminal while another task waits
+    /// for its output.
+    pub fn control(&self) -> ExecControl {
+        ExecControl {
+            stream: self.stream.sender(),
+        }
+    }
+}
+
+/// Signals and terminal sizes for a running process, apart from its output.
+pub struct ExecControl {
+    stream: StreamSender,
+}
+
+impl ExecControl {
+    /// Sends a signal to the process group.
+    pub async fn signal(&self, signal: i32) -> Result<(), ClientError> {
         self.stream
             .send(Kind::Signal, to_json(&SignalRequest { signal }))
             .await
+    }
+
+    /// Gives the terminal of a process started with a `pty` a new size.
+    pub async fn resize(&self, size: TermSize) -> Result<(), ClientError> {
+        self.stream.send(Kind::Resize, to_json(&size)).await
     }
 }
 

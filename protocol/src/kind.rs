@@ -37,6 +37,9 @@ pub enum Kind {
     /// Host → agent, new stream: send the file events of a directory as NDJSON lines until the
     /// host cancels the stream. Payload: `WatchRequest` JSON.
     Watch = 0x0e,
+    /// Host → agent: the terminal of an exec started with a `pty` has a new size (its
+    /// foreground process group gets SIGWINCH). Payload: `TermSize` JSON.
+    Resize = 0x0f,
     /// Agent → host: the agent is up. Payload: `Ready` JSON. Sent unsolicited on stream 0 at
     /// start, and in answer to `Ping`.
     Ready = 0x81,
@@ -74,6 +77,7 @@ impl Kind {
             0x0c => Cancel,
             0x0d => Identity,
             0x0e => Watch,
+            0x0f => Resize,
             0x81 => Ready,
             0x82 => Stdout,
             0x83 => Stderr,
@@ -105,6 +109,6 @@ mod tests {
                 known += 1;
             }
         }
-        assert_eq!(known, 21);
+        assert_eq!(known, 22);
     }
 }

@@ -27,6 +27,40 @@ pub struct ExecRequest {
     /// Kill the whole process group after this many milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Run it on a pseudo terminal of this size instead of pipes: it is the controlling
+    /// terminal of a new session (job control, `stty size`, SIGWINCH on `Resize`), stdin and
+    /// the output both go through it (all output comes as `Stdout`), and `stdin` must be set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<TermSize>,
+}
+
+/// A terminal's size, in character cells: the payload of `Resize` and an exec's `pty`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TermSize {
+    /// Lines.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+impl TermSize {
+    /// The largest side either way: far beyond any screen, small enough that a program sizing
+    /// a buffer by the terminal's cells (rows × cols) stays within memory.
+    pub const MAX: u16 = 4096;
+
+    /// Why this size cannot be a terminal's, if it cannot (a side of 0, or over [`Self::MAX`]).
+    pub fn check(&self) -> Result<(), String> {
+        for (what, n) in [("rows", self.rows), ("cols", self.cols)] {
+            if n == 0 || n > Self::MAX {
+                return Err(format!(
+                    "a terminal's {what} must be 1 to {}, not {n}",
+                    Self::MAX
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Payload of `Watch`.

@@ -1,11 +1,15 @@
 //! Requests passed on to a host: the method, the path and query, the headers a host reads, and
 //! the body, streamed both ways (an exec's NDJSON, an archive of any size): nothing is buffered
 //! here, so a slow reader on either side slows the other (hyper's flow control end to end).
+//!
+//! A request to switch protocols (a terminal's WebSocket) is passed on as one: when the host
+//! agrees (101), the two connections are joined and their bytes copied both ways, unread, until
+//! either side closes.
 
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderValue, Request, Response, header};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use hyper::Uri;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -116,6 +120,8 @@ pub async fn forward(
     token: &str,
     req: Request<Body>,
 ) -> Result<Response<Body>, Unreachable> {
+    let mut req = req;
+    let upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
     let path = parts
         .uri
@@ -138,15 +144,58 @@ pub async fn forward(
     let bearer = HeaderValue::from_str(&format!("Bearer {token}"))
         .map_err(|_| local("the host token is not a header value".into()))?;
     out.headers_mut().insert(header::AUTHORIZATION, bearer);
-    let res = client.request(out).await.map_err(|e| Unreachable {
+    if upgrade.is_some() {
+        for h in [header::CONNECTION, header::UPGRADE] {
+            if let Some(v) = parts.headers.get(&h) {
+                out.headers_mut().insert(h, v.clone());
+            }
+        }
+    }
+    let mut res = client.request(out).await.map_err(|e| Unreachable {
         before_sending: e.is_connect(),
         why: causes(&e),
     })?;
+    let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
+    let host_side = switched.then(|| hyper::upgrade::on(&mut res));
     let (parts, incoming) = res.into_parts();
     let mut back = Response::builder()
         .status(parts.status)
         .body(Body::new(incoming))
         .map_err(|e| local(format!("its answer could not be passed on ({e})")))?;
     pass_on(&parts.headers, back.headers_mut());
+    if let (Some(client_side), Some(host_side)) = (upgrade, host_side) {
+        for h in [header::CONNECTION, header::UPGRADE] {
+            if let Some(v) = parts.headers.get(&h) {
+                back.headers_mut().insert(h, v.clone());
+            }
+        }
+        tokio::spawn(join(client_side, host_side));
+    }
     Ok(back)
+}
+
+/// Whether a request asks to switch protocols (`Connection: upgrade` with an `Upgrade`).
+fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Copies bytes both ways between a client's connection and its host's once both have switched
+/// protocols, until either side closes.
+async fn join(client_side: hyper::upgrade::OnUpgrade, host_side: hyper::upgrade::OnUpgrade) {
+    let (client_side, host_side) = match tokio::try_join!(client_side, host_side) {
+        Ok(both) => both,
+        Err(e) => {
+            tracing::info!(error = %e, "A switch of protocols did not complete");
+            return;
+        }
+    };
+    let mut client_side = hyper_util::rt::TokioIo::new(client_side);
+    let mut host_side = hyper_util::rt::TokioIo::new(host_side);
+    let _ = tokio::io::copy_bidirectional(&mut client_side, &mut host_side).await;
 }

@@ -133,6 +133,7 @@ async fn exec(
         cwd: body.cwd,
         stdin: stdin.is_some(),
         timeout_ms: body.timeout_ms,
+        pty: None,
     };
     let exec = entry.check(entry.sandbox().client.exec(&req).await).await?;
     count(&entry.counters.execs, &state.metrics().execs, 1);

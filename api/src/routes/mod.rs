@@ -4,8 +4,11 @@ mod exec;
 pub mod health;
 mod observe;
 mod pause;
+mod pty;
 pub mod sandboxes;
 mod transfer;
+
+pub use pty::MAX_MESSAGE as PTY_MAX_MESSAGE;
 
 use axum::Router;
 use axum::extract::rejection::JsonRejection;
@@ -38,6 +41,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/files"),
     ("GET", "/v1/sandboxes/{id}/watch"),
     ("POST", "/v1/sandboxes/{id}/exec"),
+    ("GET", "/v1/sandboxes/{id}/pty"),
     ("GET", "/v1/sandboxes/{id}/egress"),
     ("GET", "/v1/sandboxes/{id}/usage"),
     ("GET", "/metrics"),
@@ -51,6 +55,7 @@ pub fn app(state: AppState) -> Router {
         .merge(sandboxes::router())
         .merge(pause::router())
         .merge(exec::router())
+        .merge(pty::router())
         .merge(transfer::router())
         .merge(observe::router())
         .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })

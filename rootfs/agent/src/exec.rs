@@ -3,11 +3,16 @@
 //!
 //! An exec whose host goes away is abandoned, not ended: its process group runs on with stdin at
 //! EOF, its output read and dropped, its timeout still enforced, and its exit reported to no one.
+//!
+//! An exec may run on a pseudo terminal instead of pipes (`pty.rs`): then its processes are a
+//! session rather than a group, its output is the terminal's (all of it as stdout), and it ends
+//! when the session's leader exits.
 
 use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
@@ -15,8 +20,9 @@ use std::time::{Duration, Instant};
 use sandbox_protocol::Kind;
 use sandbox_protocol::message::{ExecRequest, ExitStatus, code};
 
+use crate::pty::{self, Pty};
 use crate::reaper::{Reaper, Status};
-use crate::streams::{StreamCtx, kill_group};
+use crate::streams::{StreamCtx, kill_job};
 use crate::transfer::Download;
 
 /// PATH of every exec unless the request sets its own.
@@ -33,8 +39,31 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
         Ok(c) => c,
         Err(msg) => return ctx.fail(code::BAD_REQUEST, msg),
     };
+    let master = match req.pty {
+        None => None,
+        Some(size) => {
+            if let Err(msg) = size.check() {
+                return ctx.fail(code::BAD_REQUEST, msg);
+            }
+            if !req.stdin {
+                return ctx.fail(
+                    code::BAD_REQUEST,
+                    "a terminal needs stdin: set stdin with pty",
+                );
+            }
+            match Pty::open(size).and_then(|p| p.attach(&mut cmd)) {
+                Ok(m) => Some(m),
+                Err(e) => return ctx.fail(code::IO, format!("cannot open a terminal: {e}")),
+            }
+        }
+    };
+    let session = master.is_some();
     let started = Instant::now();
-    let (mut child, status_rx) = match reaper.spawn(&mut cmd) {
+    let spawned = reaper.spawn(&mut cmd);
+    // The command holds the terminal's slave side until dropped: only the child may, or the
+    // master would never read the session's end.
+    drop(cmd);
+    let (mut child, status_rx) = match spawned {
         Ok(x) => x,
         Err(e) => {
             return ctx.fail(
@@ -45,35 +74,66 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     };
     let pgid = child.id() as i32;
     ctx.pgid.store(pgid, Ordering::SeqCst);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (stdin, outputs) = match master {
+        Some(master) => {
+            let (writer, resizer) = match (master.try_clone(), master.try_clone()) {
+                (Ok(w), Ok(r)) => (w, r),
+                (Err(e), _) | (_, Err(e)) => {
+                    kill_job(pgid, true, libc::SIGKILL);
+                    return ctx.fail(code::IO, format!("cannot share the terminal: {e}"));
+                }
+            };
+            *ctx.tty.lock().unwrap_or_else(|e| e.into_inner()) = Some(resizer);
+            let output = pty::Output::new(master, stop.clone());
+            (
+                Some(Box::new(writer) as Box<dyn Write + Send>),
+                [
+                    (Some(Box::new(output) as Box<dyn Read + Send>), Kind::Stdout),
+                    (None, Kind::Stderr),
+                ],
+            )
+        }
+        None => (
+            child
+                .stdin
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Write + Send>),
+            [
+                (
+                    child
+                        .stdout
+                        .take()
+                        .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                    Kind::Stdout,
+                ),
+                (
+                    child
+                        .stderr
+                        .take()
+                        .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                    Kind::Stderr,
+                ),
+            ],
+        ),
+    };
     if ctx.cancelled.load(Ordering::SeqCst) {
-        kill_group(pgid, libc::SIGKILL);
+        kill_job(pgid, session, libc::SIGKILL);
     }
-    if let (Some(stdin), Some(upload)) = (child.stdin.take(), ctx.take_upload()) {
+    if let (Some(stdin), Some(upload)) = (stdin, ctx.take_upload()) {
         std::thread::spawn(move || feed_stdin(stdin, upload));
     }
-    let outputs = [
-        (
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-            Kind::Stdout,
-        ),
-        (
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-            Kind::Stderr,
-        ),
-    ];
     let (done_rx, pumps) = start_pumps(&ctx, outputs);
     // The deadline holds whether or not the host is still there: an abandoned exec is killed at
     // its deadline like any other, by this same wait, which is simpler than a second mechanism.
     let deadline = req.timeout_ms.map(|ms| started + Duration::from_millis(ms));
-    let (status, timed_out) = wait_status(&status_rx, deadline, pgid);
+    let (status, timed_out) = wait_status(&status_rx, deadline, pgid, session);
     let duration_ms = started.elapsed().as_millis() as u64;
-    drain(&done_rx, pumps, deadline, timed_out, pgid);
+    // A terminal's session ends with its leader: what is left of its output is read, and a job
+    // left in the background does not hold the exec open.
+    stop.store(true, Ordering::SeqCst);
+    drain(&done_rx, pumps, deadline, timed_out, pgid, session);
+    *ctx.tty.lock().unwrap_or_else(|e| e.into_inner()) = None;
     let (exit_code, signal) = match status {
         Some(Status::Exited(c)) => (Some(c), None),
         Some(Status::Signaled(s)) => (None, Some(s)),
@@ -91,7 +151,7 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
 
 /// Copies the host's stdin stream into the process; once the process stops reading, keeps
 /// draining it so the host is never stuck.
-fn feed_stdin(mut stdin: impl Write, mut upload: impl Read) {
+fn feed_stdin(mut stdin: Box<dyn Write + Send>, mut upload: impl Read) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut open = true;
     loop {
@@ -133,6 +193,7 @@ fn wait_status(
     status_rx: &Receiver<Status>,
     deadline: Option<Instant>,
     pgid: i32,
+    session: bool,
 ) -> (Option<Status>, bool) {
     let mut timed_out = false;
     loop {
@@ -146,7 +207,7 @@ fn wait_status(
             Ok(s) => return (Some(s), timed_out),
             Err(RecvTimeoutError::Timeout) if !timed_out => {
                 timed_out = true;
-                kill_group(pgid, libc::SIGKILL);
+                kill_job(pgid, session, libc::SIGKILL);
             }
             Err(_) => return (None, timed_out),
         }
@@ -161,6 +222,7 @@ fn drain(
     deadline: Option<Instant>,
     timed_out: bool,
     pgid: i32,
+    session: bool,
 ) {
     let mut killed_at: Option<Instant> = timed_out.then(Instant::now);
     while pumps > 0 {
@@ -173,7 +235,7 @@ fn drain(
             Ok(()) => pumps -= 1,
             Err(RecvTimeoutError::Timeout) if killed_at.is_none() => {
                 if deadline.is_some() {
-                    kill_group(pgid, libc::SIGKILL);
+                    kill_job(pgid, session, libc::SIGKILL);
                     killed_at = Some(Instant::now());
                 }
             }
@@ -251,16 +313,27 @@ fn command(req: &ExecRequest) -> Result<Command, String> {
         .env("HOME", "/root")
         .env("USER", "root")
         .env("LANG", "C.UTF-8")
-        .env("TERM", "dumb")
+        .env(
+            "TERM",
+            if req.pty.is_some() {
+                "xterm-256color"
+            } else {
+                "dumb"
+            },
+        )
         .envs(&req.env)
-        .current_dir(cwd)
-        .process_group(0)
-        .stdin(if req.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .current_dir(cwd);
+    // On a terminal the process is a session's leader and the terminal is its stdio
+    // (`Pty::attach`); a group of its own would keep it from starting a session.
+    if req.pty.is_none() {
+        cmd.process_group(0)
+            .stdin(if req.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+    }
     Ok(cmd)
 }

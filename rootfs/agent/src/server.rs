@@ -18,7 +18,7 @@ use crate::channel::{ChannelSpec, Conn};
 use crate::credit::Credit;
 use crate::outbox::Outbox;
 use crate::reaper::Reaper;
-use crate::streams::{Entry, MAX_STREAMS, StreamCtx, Streams, kill_group};
+use crate::streams::{Entry, MAX_STREAMS, StreamCtx, Streams, Tty, kill_group};
 use crate::transfer::Upload;
 use crate::{archive, exec, files, watch};
 
@@ -116,6 +116,7 @@ impl Server {
             Kind::Stdin | Kind::Data => self.deliver(kind, f),
             Kind::Window => self.grant(f),
             Kind::Signal => self.signal(f),
+            Kind::Resize => self.resize(f),
             Kind::Cancel | Kind::Error => {
                 if let Some(e) = self.streams.lock().get_mut(&f.stream) {
                     e.cancel();
@@ -190,6 +191,7 @@ impl Server {
             pgid: Arc::new(AtomicI32::new(0)),
             cancelled: Arc::new(AtomicBool::new(false)),
             abandoned: abandoned.clone(),
+            tty: Tty::default(),
         };
         let ctx = StreamCtx {
             id,
@@ -197,6 +199,7 @@ impl Server {
             credit: entry.credit.clone(),
             pgid: entry.pgid.clone(),
             cancelled: entry.cancelled.clone(),
+            tty: entry.tty.clone(),
             abandoned,
             upload: upload_rx.map(|rx| Upload::new(rx, out, id, allowance)),
             streams: self.streams.clone(),
@@ -306,6 +309,40 @@ impl Server {
                     format!("no exec on stream {}", f.stream),
                 );
             }
+        }
+    }
+
+    /// A new size for the terminal of the exec on stream `f.stream`.
+    fn resize(&mut self, f: Frame) {
+        let size = match parse::<message::TermSize>(&f.payload).and_then(|s| s.check().map(|()| s))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.out.error(f.stream, code::BAD_REQUEST, e);
+                return;
+            }
+        };
+        let streams = self.streams.lock();
+        let tty = streams.get(&f.stream).map(|e| e.tty.clone());
+        drop(streams);
+        let Some(tty) = tty else {
+            self.out.error(
+                f.stream,
+                code::BAD_STREAM,
+                format!("no exec on stream {}", f.stream),
+            );
+            return;
+        };
+        // Not (or no longer) on a terminal: a resize racing the exec's end is harmless.
+        let guard = tty.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(master) = guard.as_ref()
+            && let Err(e) = crate::pty::set_size(master, size)
+        {
+            self.out.error(
+                f.stream,
+                code::IO,
+                format!("cannot resize the terminal: {e}"),
+            );
         }
     }
 }
@@ -684,6 +721,129 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+
+        host.shutdown(Shutdown::Write).unwrap();
+        server.join().unwrap();
+        frames.rest();
+    }
+
+    /// An exec on a terminal, with stdin, of the shell line `command` (`FILE` naming `file`).
+    fn exec_on_tty(stream: u32, command: &str, cwd: &Path, file: &Path) -> Vec<u8> {
+        let req = ExecRequest {
+            command: Some(command.into()),
+            env: [("FILE".to_owned(), file.display().to_string())].into(),
+            cwd: Some(cwd.display().to_string()),
+            stdin: true,
+            pty: Some(message::TermSize { rows: 24, cols: 80 }),
+            ..Default::default()
+        };
+        frame(Kind::Exec, stream, serde_json::to_vec(&req).unwrap())
+    }
+
+    /// A terminal's output read as it comes, until it holds `want`.
+    fn tty_until(frames: &mut Frames, stream: u32, text: &mut String, want: &str) {
+        while !text.contains(want) {
+            let f = frames.until(want, |f| {
+                is(f, Kind::Stdout, stream)
+                    || is(f, Kind::Error, stream)
+                    || is(f, Kind::Exit, stream)
+            });
+            assert!(
+                is(&f, Kind::Stdout, stream),
+                "{:?} before {want:?}; output so far: {text:?}",
+                String::from_utf8_lossy(&f.payload)
+            );
+            text.push_str(&String::from_utf8_lossy(&f.payload));
+        }
+    }
+
+    /// A real pseudo terminal: the process's controlling terminal (`tty`), of the size asked;
+    /// a `Resize` changes the size and delivers SIGWINCH; what the host types is echoed and
+    /// read, Ctrl-C interrupts the foreground process through the line discipline, and a job
+    /// left in the background does not hold the exec open. A cancel kills the whole session
+    /// (a job of its own group too).
+    #[test]
+    fn an_exec_on_a_terminal_is_a_session_with_a_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let (mut host, server) = vsock();
+        let mut frames = Frames::read(host.try_clone().unwrap());
+        let cmd = r#"stty size; tty -s && echo tty-ok; trap 'echo winch $(stty size)' WINCH; echo ready; while [ ! -e "$FILE" ]; do sleep 0.05; done; read line; echo "got $line"; sleep 30 & exit 5"#;
+        host.write_all(&exec_on_tty(1, cmd, dir.path(), &go))
+            .unwrap();
+        let mut text = String::new();
+        tty_until(&mut frames, 1, &mut text, "ready");
+        assert!(text.contains("24 80\r\n"), "{text:?}");
+        assert!(text.contains("tty-ok"), "{text:?}");
+        let size = serde_json::to_vec(&message::TermSize {
+            rows: 40,
+            cols: 120,
+        })
+        .unwrap();
+        host.write_all(&frame(Kind::Resize, 1, size)).unwrap();
+        tty_until(&mut frames, 1, &mut text, "winch 40 120");
+        std::fs::write(&go, "").unwrap();
+        host.write_all(&frame(Kind::Stdin, 1, *b"hello\n")).unwrap();
+        tty_until(&mut frames, 1, &mut text, "got hello");
+        let exit = frames.until("exit", |f| is(f, Kind::Exit, 1));
+        assert_eq!(exit_status(&exit).exit_code, Some(5), "{text:?}");
+        // The line discipline echoed what was typed, with the terminal's line ends.
+        assert!(text.contains("hello\r\n"), "{text:?}");
+
+        // Ctrl-C: SIGINT to the foreground group, from the terminal, not from the host.
+        host.write_all(&exec_on_tty(2, "echo up; exec sleep 30", dir.path(), &go))
+            .unwrap();
+        let mut text = String::new();
+        tty_until(&mut frames, 2, &mut text, "up");
+        host.write_all(&frame(Kind::Stdin, 2, *b"\x03")).unwrap();
+        let exit = frames.until("exit", |f| is(f, Kind::Exit, 2));
+        assert_eq!(exit_status(&exit).signal, Some(libc::SIGINT));
+
+        // A job in a group of its own (job control on), killed with the session on a cancel.
+        let cmd = "set -m; sleep 30 & echo \"pid $!\"; wait";
+        host.write_all(&exec_on_tty(3, cmd, dir.path(), &go))
+            .unwrap();
+        let mut text = String::new();
+        tty_until(&mut frames, 3, &mut text, "\r\n");
+        let pid: i32 = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {text:?}"));
+        // SAFETY: getpgid and getsid have no memory preconditions.
+        let (group, session) = unsafe { (libc::getpgid(pid), libc::getsid(pid)) };
+        assert_eq!(group, pid, "the job has a group of its own");
+        assert_ne!(session, group, "the job is in the shell's session");
+        host.write_all(&frame(Kind::Cancel, 3, [])).unwrap();
+        frames.until("exit", |f| is(f, Kind::Exit, 3));
+        let until = Instant::now() + PATIENCE;
+        while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        }) {
+            assert!(
+                Instant::now() < until,
+                "the session's job {pid} survived the cancel"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+
+        // A size of 0 is refused, for an exec and for a resize.
+        let req = ExecRequest {
+            command: Some("true".into()),
+            cwd: Some(dir.path().display().to_string()),
+            stdin: true,
+            pty: Some(message::TermSize { rows: 0, cols: 80 }),
+            ..Default::default()
+        };
+        host.write_all(&frame(Kind::Exec, 4, serde_json::to_vec(&req).unwrap()))
+            .unwrap();
+        let err = frames.until("an error", |f| is(f, Kind::Error, 4));
+        assert!(
+            String::from_utf8_lossy(&err.payload).contains("rows must be 1 to 4096, not 0"),
+            "{}",
+            String::from_utf8_lossy(&err.payload)
+        );
 
         host.shutdown(Shutdown::Write).unwrap();
         server.join().unwrap();

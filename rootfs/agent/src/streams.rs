@@ -6,6 +6,7 @@
 //! the host service may be restarted under a running command, but nothing more of it is sent).
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -28,6 +29,9 @@ pub struct StreamCtx {
     pub pgid: Arc<AtomicI32>,
     /// Set when the host cancelled the stream.
     pub cancelled: Arc<AtomicBool>,
+    /// The terminal of an exec run on one, while it runs: resized through it, and its presence
+    /// says that the exec's processes are a session (several groups), not one group.
+    pub tty: Tty,
     /// Set when the host that opened the stream went away: its work goes on where it can (an
     /// exec runs to its end, its output read and dropped), and nothing of it is sent any more.
     pub abandoned: Arc<AtomicBool>,
@@ -65,6 +69,15 @@ pub(crate) struct Entry {
     pub(crate) pgid: Arc<AtomicI32>,
     pub(crate) cancelled: Arc<AtomicBool>,
     pub(crate) abandoned: Arc<AtomicBool>,
+    pub(crate) tty: Tty,
+}
+
+/// The master side of an exec's terminal, shared by the exec and the reader (for `Resize`).
+pub type Tty = Arc<Mutex<Option<File>>>;
+
+/// Whether an exec with this terminal slot runs on a terminal.
+pub fn on_tty(tty: &Tty) -> bool {
+    tty.lock().unwrap_or_else(|e| e.into_inner()).is_some()
 }
 
 impl Entry {
@@ -72,7 +85,11 @@ impl Entry {
         self.cancelled.store(true, Ordering::SeqCst);
         self.credit.close();
         self.inbox = None;
-        kill_group(self.pgid.load(Ordering::SeqCst), libc::SIGKILL);
+        kill_job(
+            self.pgid.load(Ordering::SeqCst),
+            on_tty(&self.tty),
+            libc::SIGKILL,
+        );
     }
 
     /// The host that opened the stream went away. Unlike a cancel nothing is killed: an exec's
@@ -80,11 +97,17 @@ impl Entry {
     /// and its exit goes unreported, and it runs to its end (or its timeout). A transfer ends as
     /// on a cancel, its upload or its credit cut off; nothing runs beside it to kill (an archive
     /// get writes its tar in this process, with the tar crate, not with a tar process).
+    ///
+    /// An exec on a terminal is hung up instead (SIGHUP to its session), as a terminal whose
+    /// connection drops is: a shell waits for input no one will send, and would never end.
     pub(crate) fn abandon(&mut self) {
         // Before the credit closes: a sender that finds it closed must find the stream abandoned.
         self.abandoned.store(true, Ordering::SeqCst);
         self.credit.close();
         self.inbox = None;
+        if on_tty(&self.tty) {
+            crate::pty::kill_session(self.pgid.load(Ordering::SeqCst), libc::SIGHUP);
+        }
     }
 }
 
@@ -129,6 +152,16 @@ pub fn kill_group(pgid: i32, sig: i32) {
     }
 }
 
+/// Sends `sig` to an exec's processes: its group, or its whole session when it runs on a
+/// terminal (a shell's jobs are groups of their own).
+pub fn kill_job(pgid: i32, session: bool, sig: i32) {
+    if session {
+        crate::pty::kill_session(pgid, sig);
+    } else {
+        kill_group(pgid, sig);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +177,7 @@ mod tests {
             pgid: Arc::new(AtomicI32::new(0)),
             cancelled: Arc::new(AtomicBool::new(false)),
             abandoned: abandoned.clone(),
+            tty: Tty::default(),
         };
         let ctx = StreamCtx {
             id,
@@ -151,6 +185,7 @@ mod tests {
             credit: entry.credit.clone(),
             pgid: entry.pgid.clone(),
             cancelled: entry.cancelled.clone(),
+            tty: entry.tty.clone(),
             abandoned,
             upload: None,
             streams: streams.clone(),
