@@ -50,10 +50,13 @@ pub async fn shell(id: String, argv: Vec<String>) -> ExitCode {
     };
     if res.status() != StatusCode::SWITCHING_PROTOCOLS {
         let status = res.status();
-        let bytes = http_body_util::BodyExt::collect(res.into_body())
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
+        let bytes = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+            res.into_body(),
+            64 << 10,
+        ))
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
         let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if status == StatusCode::UNAUTHORIZED {
             return fail(
@@ -85,14 +88,27 @@ pub async fn shell(id: String, argv: Vec<String>) -> ExitCode {
     )
     .await;
     let raw = RawMode::enter();
-    let code = relay(ws).await;
+    let ended = relay(ws).await;
     drop(raw);
-    code
+    if std::io::stdout().is_terminal() {
+        // Modes the guest may have left on (the alternate screen, a hidden cursor, mouse
+        // reporting, bracketed paste, colours): off, so the local shell reads as before.
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout.write_all(RESET);
+        let _ = stdout.flush();
+    }
+    match ended {
+        Ok(code) => code,
+        Err(e) => fail(e),
+    }
 }
+
+/// What a terminal is reset with once the guest's session is over.
+const RESET: &[u8] = b"\x1b[?1049l\x1b[?25h\x1b[?1000l\x1b[?1002l\x1b[?1006l\x1b[?2004l\x1b[0m";
 
 /// Local input and window changes to the guest, the guest's output to the local terminal,
 /// until the status message (channel 3) or the end of the connection.
-async fn relay<S>(ws: WebSocketStream<S>) -> ExitCode
+async fn relay<S>(ws: WebSocketStream<S>) -> Result<ExitCode, String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -126,10 +142,10 @@ where
                 let bytes = match msg {
                     Some(Ok(Message::Binary(b))) => b,
                     Some(Ok(Message::Close(_))) | None => {
-                        return fail("the terminal closed without saying how its command ended");
+                        return Err("the terminal closed without saying how its command ended".into());
                     }
                     Some(Ok(_)) => continue,
-                    Some(Err(e)) => return fail(format!("the terminal's connection broke: {e}")),
+                    Some(Err(e)) => return Err(format!("the terminal's connection broke: {e}")),
                 };
                 match bytes.split_first() {
                     Some((1, out)) => {
@@ -144,7 +160,7 @@ where
             msg = input.recv(), if input_open => match msg {
                 Some(m) => {
                     if to_host.send(Message::Binary(m.into())).await.is_err() {
-                        return fail("the terminal's connection broke");
+                        return Err("the terminal's connection broke".into());
                     }
                 }
                 // Local input ended (a pipe): the session goes on until the command exits.
@@ -165,19 +181,20 @@ where
 
 /// The exit code a status message gives: the command's own, 128 plus its signal's number,
 /// 124 for a timeout (as `sandbox-host exec`), 1 with the error printed for a failed session.
-fn exit_code(status: &[u8]) -> ExitCode {
+fn exit_code(status: &[u8]) -> Result<ExitCode, String> {
     let v: Value = serde_json::from_slice(status).unwrap_or(Value::Null);
     if v.get("error").is_some() {
-        RawMode::restore_now();
-        return fail(error_text(&v));
+        return Err(error_text(&v));
     }
     if v["timed_out"] == Value::Bool(true) {
-        return ExitCode::from(124);
+        return Ok(ExitCode::from(124));
     }
     if let Some(c) = v["exit_code"].as_i64() {
-        return ExitCode::from(c.clamp(0, 255) as u8);
+        return Ok(ExitCode::from(c.clamp(0, 255) as u8));
     }
-    ExitCode::from((128 + v["signal"].as_i64().unwrap_or(0)).clamp(0, 255) as u8)
+    Ok(ExitCode::from(
+        (128 + v["signal"].as_i64().unwrap_or(0)).clamp(0, 255) as u8,
+    ))
 }
 
 /// The local terminal's size (rows, columns), from standard output; `None` when it is not a
@@ -211,7 +228,7 @@ impl RawMode {
         RawMode
     }
 
-    /// Restores the terminal (before an error is printed, so that it reads as a line).
+    /// Restores the terminal.
     fn restore_now() {
         let saved = SAVED.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(saved) = saved {
@@ -280,7 +297,7 @@ mod tests {
 
     #[test]
     fn the_exit_code_follows_the_status() {
-        let code = |s: &str| format!("{:?}", exit_code(s.as_bytes()));
+        let code = |s: &str| format!("{:?}", exit_code(s.as_bytes()).unwrap());
         assert_eq!(
             code(r#"{"status":"Failure","exit_code":3,"signal":null}"#),
             format!("{:?}", ExitCode::from(3))

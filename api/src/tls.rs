@@ -200,6 +200,7 @@ pub async fn serve(
         None => {
             let listener = listener.tap_io(|tcp| {
                 let _ = tcp.set_nodelay(true);
+                keepalive(tcp);
             });
             axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown)
@@ -211,6 +212,18 @@ pub async fn serve(
                 .await
         }
     }
+}
+
+/// TCP keepalive on a client's connection: a peer that vanished (a laptop closed on a
+/// terminal, a dropped network) is found within about 90 s, and what it held (a terminal's
+/// session in the guest, a gateway's joined connection) is let go. An idle but live connection
+/// is never ended by it.
+pub fn keepalive(tcp: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3);
+    let _ = socket2::SockRef::from(tcp).set_tcp_keepalive(&ka);
 }
 
 /// Connections whose handshake is done, from a task that accepts and hands each handshake to a
@@ -248,6 +261,7 @@ impl TlsListener {
                     continue;
                 };
                 let _ = tcp.set_nodelay(true);
+                keepalive(&tcp);
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     let shaken =

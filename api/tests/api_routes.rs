@@ -950,9 +950,21 @@ async fn a_terminal_in_a_guest_has_a_size_job_control_and_an_exit_status() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     send_on(&mut ws, 0, b"\x1a").await;
     screen_until(&mut ws, &mut screen, "Stopped").await;
-    send_on(&mut ws, 0, b"jobs; kill -9 %1; echo killed-$((1+1))\r").await;
+    send_on(
+        &mut ws,
+        0,
+        b"jobs; kill -9 %1; sleep 1; jobs; echo killed-$((1+1))\r",
+    )
+    .await;
     screen_until(&mut ws, &mut screen, "killed-2").await;
-    assert!(screen.contains("sleep 300"), "{screen}");
+    assert!(
+        screen.contains("Stopped                    sleep 300"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("Killed                     sleep 300"),
+        "{screen}"
+    );
 
     send_on(&mut ws, 0, b"exit 7\r").await;
     let status = screen_until(&mut ws, &mut screen, "never printed").await;
@@ -981,6 +993,20 @@ async fn a_terminal_in_a_guest_has_a_size_job_control_and_an_exit_status() {
         Some(Ok(Message::Close(Some(f)))) => assert_eq!(u16::from(f.code), 1008),
         other => panic!("no policy close: {other:?}"),
     }
+
+    // A command that cannot start: its reason as the status.
+    let mut ws = terminal(&h, &id, "cwd=/nowhere").await;
+    let status = screen_until(&mut ws, &mut String::new(), "never printed")
+        .await
+        .unwrap();
+    assert_eq!(status["code"], "bad_request", "{status}");
+    assert!(
+        status["error"]
+            .as_str()
+            .unwrap()
+            .contains("/nowhere does not exist"),
+        "{status}"
+    );
 
     // Not a WebSocket, or not a terminal's size, in words; the sandbox goes on.
     for (q, upgrade, status, words) in [

@@ -31,6 +31,8 @@ pub fn client(config: &GatewayConfig) -> Result<Client, TlsError> {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     http.set_nodelay(true);
+    // A host that vanished under a joined connection (a terminal) is found.
+    http.set_keepalive(Some(Duration::from_secs(60)));
     http.enforce_http(false);
     let tls = if config.uses_https() {
         crate::tls::client_config()?
@@ -71,8 +73,19 @@ const DROPPED: [header::HeaderName; 9] = [
 ];
 
 fn pass_on(from: &HeaderMap, to: &mut HeaderMap) {
+    // The headers `Connection` names are of this connection too (RFC 9110, 7.6.1).
+    let named: Vec<String> = from
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .collect();
     for (k, v) in from {
-        if !DROPPED.contains(k) && k.as_str() != "keep-alive" {
+        if !DROPPED.contains(k)
+            && k.as_str() != "keep-alive"
+            && !named.iter().any(|n| n == k.as_str())
+        {
             to.append(k.clone(), v.clone());
         }
     }
@@ -145,11 +158,10 @@ pub async fn forward(
         .map_err(|_| local("the host token is not a header value".into()))?;
     out.headers_mut().insert(header::AUTHORIZATION, bearer);
     if upgrade.is_some() {
-        for h in [header::CONNECTION, header::UPGRADE] {
-            if let Some(v) = parts.headers.get(&h) {
-                out.headers_mut().insert(h, v.clone());
-            }
-        }
+        out.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        out.headers_mut()
+            .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     }
     let mut res = client.request(out).await.map_err(|e| Unreachable {
         before_sending: e.is_connect(),
@@ -164,19 +176,23 @@ pub async fn forward(
         .map_err(|e| local(format!("its answer could not be passed on ({e})")))?;
     pass_on(&parts.headers, back.headers_mut());
     if let (Some(client_side), Some(host_side)) = (upgrade, host_side) {
-        for h in [header::CONNECTION, header::UPGRADE] {
-            if let Some(v) = parts.headers.get(&h) {
-                back.headers_mut().insert(h, v.clone());
-            }
-        }
+        back.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        back.headers_mut()
+            .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         tokio::spawn(join(client_side, host_side));
     }
     Ok(back)
 }
 
-/// Whether a request asks to switch protocols (`Connection: upgrade` with an `Upgrade`).
+/// Whether a request asks to switch to a WebSocket (`Connection: upgrade`, `Upgrade:
+/// websocket`), the one protocol the API switches to; any other is passed on as a plain request
+/// (which the host refuses).
 fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
+    headers
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("websocket"))
         && headers
             .get_all(header::CONNECTION)
             .iter()
@@ -186,7 +202,8 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
 }
 
 /// Copies bytes both ways between a client's connection and its host's once both have switched
-/// protocols, until either side closes.
+/// protocols. When either side is done, the other has [`JOIN_GRACE`] to finish (a WebSocket's
+/// closing handshake), then both are dropped: a peer that never closes its side holds nothing.
 async fn join(client_side: hyper::upgrade::OnUpgrade, host_side: hyper::upgrade::OnUpgrade) {
     let (client_side, host_side) = match tokio::try_join!(client_side, host_side) {
         Ok(both) => both,
@@ -195,7 +212,65 @@ async fn join(client_side: hyper::upgrade::OnUpgrade, host_side: hyper::upgrade:
             return;
         }
     };
-    let mut client_side = hyper_util::rt::TokioIo::new(client_side);
-    let mut host_side = hyper_util::rt::TokioIo::new(host_side);
-    let _ = tokio::io::copy_bidirectional(&mut client_side, &mut host_side).await;
+    let (mut from_client, mut to_client) =
+        tokio::io::split(hyper_util::rt::TokioIo::new(client_side));
+    let (mut from_host, mut to_host) = tokio::io::split(hyper_util::rt::TokioIo::new(host_side));
+    let up = async {
+        let _ = tokio::io::copy(&mut from_client, &mut to_host).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut to_host).await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut from_host, &mut to_client).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut to_client).await;
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        () = &mut up => {
+            let _ = tokio::time::timeout(JOIN_GRACE, down).await;
+        }
+        () = &mut down => {
+            let _ = tokio::time::timeout(JOIN_GRACE, up).await;
+        }
+    }
+}
+
+/// How long one side of a joined connection may go on once the other is done.
+const JOIN_GRACE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_websocket_switch_is_passed_on_and_named_headers_stay() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(wants_upgrade(&h));
+        h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        assert!(!wants_upgrade(&h));
+        h.remove(header::CONNECTION);
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(!wants_upgrade(&h));
+
+        // A header the client names in Connection is of its connection: not passed on.
+        let mut from = HeaderMap::new();
+        from.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("x-hop, Upgrade"),
+        );
+        from.insert("x-hop", HeaderValue::from_static("1"));
+        from.insert("x-end", HeaderValue::from_static("2"));
+        from.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer client"),
+        );
+        let mut to = HeaderMap::new();
+        pass_on(&from, &mut to);
+        assert_eq!(to.len(), 1, "{to:?}");
+        assert_eq!(to["x-end"], "2");
+    }
 }

@@ -22,7 +22,7 @@ use axum::response::Response;
 use axum::routing::get;
 use futures_util::{SinkExt, StreamExt};
 use sandbox_protocol::client::{ClientError, Exec, ExecEvent};
-use sandbox_protocol::message::{ExecRequest, ExitStatus, TermSize};
+use sandbox_protocol::message::{ExecRequest, ExitStatus, TermSize, code};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -34,6 +34,9 @@ use crate::state::{AppState, Ending};
 /// The largest message a client may send: typed input comes a few bytes at a time, and a paste
 /// of this much is passed on whole; more is refused (the connection closes with 1009).
 pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// The longest `command`: far beyond a command line, well within a request to the agent.
+pub const MAX_COMMAND: usize = 64 * 1024;
 
 /// The subprotocols of Kubernetes' exec streams; the first a client offers is taken (the
 /// framing is the same either way), and a client that offers none gets the same framing.
@@ -75,9 +78,19 @@ async fn pty(
     q: Result<Query<PtyQuery>, axum::extract::rejection::QueryRejection>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
+    // An unknown or dead sandbox is the answer before anything about the request.
+    let entry = state.registry().get(&id)?;
     let q = q
         .map(|Query(q)| q)
         .map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    if let Some(c) = &q.command
+        && c.len() > MAX_COMMAND
+    {
+        return Err(ApiError::BadRequest(format!(
+            "command is {} bytes; at most {MAX_COMMAND} (put a longer script in a file)",
+            c.len()
+        )));
+    }
     let size = TermSize {
         rows: q.rows,
         cols: q.cols,
@@ -91,7 +104,6 @@ async fn pty(
             cwd.chars().take(200).collect::<String>()
         )));
     }
-    let entry = state.registry().get(&id)?;
     let ws = ws.map_err(|e| {
         ApiError::BadRequest(format!(
             "this route is a WebSocket ({}): send GET with `Connection: Upgrade`, \
@@ -146,7 +158,16 @@ async fn session(socket: WebSocket, exec: Exec, entry: &SandboxEntry, state: &Ap
     };
     let control = output.control();
     let input = async {
-        while let Some(msg) = from_client.next().await {
+        // A message read while the guest was still taking input (below).
+        let mut held: Option<Message> = None;
+        loop {
+            let msg = match held.take() {
+                Some(m) => Ok(m),
+                None => match from_client.next().await {
+                    Some(m) => m,
+                    None => return End::ClientGone,
+                },
+            };
             let bytes = match msg {
                 Ok(Message::Binary(b)) => b,
                 Ok(Message::Close(_)) | Err(_) => return End::ClientGone,
@@ -172,10 +193,27 @@ async fn session(socket: WebSocket, exec: Exec, entry: &SandboxEntry, state: &Ap
                         &state.metrics().bytes_in,
                         data.len() as u64,
                     );
-                    stdin.write(data).await
+                    // The guest may not be reading (a program that ignores its input): while
+                    // it takes this, the client is still read, so that its close is seen; one
+                    // more message waits here, and the client waits for the rest.
+                    let write = stdin.write(data);
+                    tokio::pin!(write);
+                    loop {
+                        tokio::select! {
+                            r = &mut write => break r,
+                            m = from_client.next(), if held.is_none() => match m {
+                                Some(Ok(Message::Close(_)) | Err(_)) | None => {
+                                    return End::ClientGone;
+                                }
+                                Some(Ok(m)) => held = Some(m),
+                            },
+                        }
+                    }
                 }
                 4 => match resize(data) {
-                    Ok(size) => control.resize(size).await,
+                    Ok(Some(size)) => control.resize(size).await,
+                    // A browser's terminal sends 0 x 0 while its tab is hidden: not a size.
+                    Ok(None) => Ok(()),
                     Err(e) => return End::Failed(e, close_code::POLICY),
                 },
                 c => {
@@ -191,7 +229,6 @@ async fn session(socket: WebSocket, exec: Exec, entry: &SandboxEntry, state: &Ap
                 return failed(entry, e).await;
             }
         }
-        End::ClientGone
     };
     let relay_output = async {
         loop {
@@ -263,6 +300,23 @@ async fn session(socket: WebSocket, exec: Exec, entry: &SandboxEntry, state: &Ap
 
 /// A failure of the channel to the guest, as the API says it.
 async fn failed(entry: &SandboxEntry, e: ClientError) -> End {
+    if let ClientError::Agent(m) = &e {
+        // An agent from before terminals refuses the request's field.
+        if m.code == code::BAD_REQUEST && m.message.contains("unknown field `pty`") {
+            return End::Failed(
+                ApiError::Conflict(
+                    "this sandbox's guest agent has no terminals: its image was built by an \
+                     older sandbox host; rebuild the image, then make a new sandbox"
+                        .into(),
+                ),
+                close_code::ERROR,
+            );
+        }
+        // The command could not start (a cwd that is not a directory, no such program).
+        if m.code == code::BAD_REQUEST || m.code == code::SPAWN_FAILED {
+            return End::Failed(ApiError::BadRequest(m.message.clone()), close_code::POLICY);
+        }
+    }
     End::Failed(entry.explain(e).await, close_code::ERROR)
 }
 
@@ -279,8 +333,9 @@ fn exit_status(s: &ExitStatus) -> serde_json::Value {
     })
 }
 
-/// A resize message's size: Kubernetes' `{"Width": cols, "Height": rows}`.
-fn resize(data: &[u8]) -> Result<TermSize, ApiError> {
+/// A resize message's size: Kubernetes' `{"Width": cols, "Height": rows}`; `None` for 0 x 0,
+/// which a hidden browser terminal sends and which is no size to give a terminal.
+fn resize(data: &[u8]) -> Result<Option<TermSize>, ApiError> {
     #[derive(Deserialize)]
     struct Resize {
         #[serde(rename = "Width")]
@@ -293,12 +348,15 @@ fn resize(data: &[u8]) -> Result<TermSize, ApiError> {
             "a size message (channel 4) is JSON {{\"Width\": columns, \"Height\": rows}}: {e}"
         ))
     })?;
+    if r.width == 0 && r.height == 0 {
+        return Ok(None);
+    }
     let size = TermSize {
         rows: r.height,
         cols: r.width,
     };
     size.check().map_err(ApiError::BadRequest)?;
-    Ok(size)
+    Ok(Some(size))
 }
 
 #[cfg(test)]
@@ -309,11 +367,12 @@ mod tests {
     fn a_size_message_is_read_and_checked() {
         assert_eq!(
             resize(br#"{"Width": 120, "Height": 40}"#).unwrap(),
-            TermSize {
+            Some(TermSize {
                 rows: 40,
                 cols: 120
-            }
+            })
         );
+        assert_eq!(resize(br#"{"Width": 0, "Height": 0}"#).unwrap(), None);
         for (bad, why) in [
             (
                 &br#"{"Width": 0, "Height": 40}"#[..],

@@ -84,7 +84,12 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
                     return ctx.fail(code::IO, format!("cannot share the terminal: {e}"));
                 }
             };
-            *ctx.tty.lock().unwrap_or_else(|e| e.into_inner()) = Some(resizer);
+            let mut slot = ctx.tty.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(size) = slot.pending.take() {
+                let _ = pty::set_size(&resizer, size);
+            }
+            slot.master = Some(resizer);
+            drop(slot);
             let output = pty::Output::new(master, stop.clone());
             (
                 Some(Box::new(writer) as Box<dyn Write + Send>),
@@ -133,7 +138,7 @@ pub fn run(mut ctx: StreamCtx, req: ExecRequest, reaper: &Reaper) {
     // left in the background does not hold the exec open.
     stop.store(true, Ordering::SeqCst);
     drain(&done_rx, pumps, deadline, timed_out, pgid, session);
-    *ctx.tty.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    ctx.tty.lock().unwrap_or_else(|e| e.into_inner()).master = None;
     let (exit_code, signal) = match status {
         Some(Status::Exited(c)) => (Some(c), None),
         Some(Status::Signaled(s)) => (None, Some(s)),

@@ -12,6 +12,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use sandbox_protocol::message::TermSize;
 
@@ -20,8 +21,17 @@ use sandbox_protocol::message::TermSize;
 const POLL_MS: i32 = 200;
 /// Once the session's leader has exited: output that does not come within this is not waited
 /// for (what it wrote before exiting is already in the terminal's buffer; the kernel moves it
-/// to the master side within microseconds).
-const QUIET_MS: i32 = 50;
+/// to the master side within microseconds, or milliseconds in a loaded guest).
+const QUIET_MS: i32 = 100;
+/// Once the session's leader has exited, the most time spent reading what is left: a job in
+/// the background that keeps writing would otherwise never leave a quiet moment.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(1);
+/// A terminal whose host went away is hung up (SIGHUP); what of its session is still there
+/// this long after is killed.
+const HANG_UP_GRACE: Duration = Duration::from_secs(5);
+/// Passes over `/proc` a session's kill makes at most: a process forked during one pass is
+/// found by the next.
+const KILL_PASSES: usize = 5;
 
 /// Both ends of a new pseudo terminal.
 pub struct Pty {
@@ -117,12 +127,18 @@ pub fn set_size(master: &File, size: TermSize) -> io::Result<()> {
 pub struct Output {
     master: File,
     stop: Arc<AtomicBool>,
+    /// When the reader first saw `stop`.
+    stopped_at: Option<Instant>,
 }
 
 impl Output {
     /// Reads `master` until the hang-up or until `stop` and a quiet moment.
     pub fn new(master: File, stop: Arc<AtomicBool>) -> Output {
-        Output { master, stop }
+        Output {
+            master,
+            stop,
+            stopped_at: None,
+        }
     }
 }
 
@@ -130,6 +146,12 @@ impl Read for Output {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             let stopping = self.stop.load(Ordering::SeqCst);
+            if stopping {
+                let at = *self.stopped_at.get_or_insert_with(Instant::now);
+                if at.elapsed() >= DRAIN_AFTER_EXIT {
+                    return Ok(0);
+                }
+            }
             let mut pfd = libc::pollfd {
                 fd: self.master.as_raw_fd(),
                 events: libc::POLLIN,
@@ -170,28 +192,56 @@ pub fn kill_session(sid: i32, sig: i32) {
     if sid <= 0 {
         return;
     }
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for ent in dir.flatten() {
-        let Some(pid) = ent.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
+    // The leader's group first: it does not depend on /proc.
+    // SAFETY: killpg has no memory preconditions; a group gone is at worst ESRCH.
+    unsafe { libc::killpg(sid, sig) };
+    for _ in 0..KILL_PASSES {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return;
         };
-        if session_of(pid) == Some(sid) {
-            // SAFETY: kill has no memory preconditions; a pid gone since is at worst ESRCH.
-            unsafe { libc::kill(pid, sig) };
+        let mut found = false;
+        for ent in dir.flatten() {
+            let Some(pid) = ent.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            if session_of(pid) == Some(sid) {
+                found = true;
+                // SAFETY: kill has no memory preconditions; a pid gone since is at worst ESRCH.
+                unsafe { libc::kill(pid, sig) };
+            }
+        }
+        // A signal that does not end a process (SIGHUP caught) finds it again: one pass.
+        if !found || sig != libc::SIGKILL {
+            return;
         }
     }
 }
 
-/// The session of `pid`, from `/proc/<pid>/stat` (its sixth field; the second, the command's
-/// name in parentheses, may hold spaces and parentheses itself, so fields are counted from
-/// the last `)`).
+/// Hangs up a session whose host went away: SIGHUP now, as a terminal's hang-up sends, and
+/// SIGKILL to what is left of it after [`HANG_UP_GRACE`] (a process may ignore SIGHUP, and a
+/// terminal exec has no timeout to end it otherwise).
+pub fn hang_up(sid: i32) {
+    kill_session(sid, libc::SIGHUP);
+    let _ = std::thread::Builder::new()
+        .name("hang-up".into())
+        .spawn(move || {
+            std::thread::sleep(HANG_UP_GRACE);
+            kill_session(sid, libc::SIGKILL);
+        });
+}
+
+/// The session of `pid` while it runs (not of a zombie, which no signal reaches), from
+/// `/proc/<pid>/stat` (its sixth field; the second, the command's name in parentheses, may
+/// hold spaces and parentheses itself, so fields are counted from the last `)`).
 fn session_of(pid: i32) -> Option<i32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
     // state, ppid, pgrp, session
-    rest.split_whitespace().nth(3)?.parse().ok()
+    if fields.next()? == "Z" {
+        return None;
+    }
+    fields.nth(2)?.parse().ok()
 }
 
 #[cfg(test)]

@@ -333,16 +333,20 @@ impl Server {
             );
             return;
         };
-        // Not (or no longer) on a terminal: a resize racing the exec's end is harmless.
-        let guard = tty.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(master) = guard.as_ref()
-            && let Err(e) = crate::pty::set_size(master, size)
-        {
-            self.out.error(
-                f.stream,
-                code::IO,
-                format!("cannot resize the terminal: {e}"),
-            );
+        let mut slot = tty.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.master.as_ref() {
+            Some(master) => {
+                if let Err(e) = crate::pty::set_size(master, size) {
+                    self.out.error(
+                        f.stream,
+                        code::IO,
+                        format!("cannot resize the terminal: {e}"),
+                    );
+                }
+            }
+            // Before the terminal is open: applied when it is. After the exec's end, or on an
+            // exec without a terminal, it is never used.
+            None => slot.pending = Some(size),
         }
     }
 }
@@ -827,6 +831,30 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+
+        // A size sent right behind the request, before the terminal is open, is its size; a
+        // job left writing in the background does not hold the exec open past its leader.
+        let cmd = r#"stty size; set -m; yes > /dev/tty & echo "job $!"; sleep 0.2; exit 0"#;
+        host.write_all(&exec_on_tty(5, cmd, dir.path(), &go))
+            .unwrap();
+        let size = serde_json::to_vec(&message::TermSize { rows: 33, cols: 77 }).unwrap();
+        host.write_all(&frame(Kind::Resize, 5, size)).unwrap();
+        // A reader that keeps up (the job writes as fast as it can).
+        host.write_all(&frame(Kind::Window, 5, message::window_payload(u32::MAX)))
+            .unwrap();
+        let mut text = String::new();
+        tty_until(&mut frames, 5, &mut text, "job ");
+        assert!(text.starts_with("33 77\r\n"), "{text:?}");
+        let exit = frames.until("exit", |f| is(f, Kind::Exit, 5));
+        assert_eq!(exit_status(&exit).exit_code, Some(0));
+        let job: i32 = text
+            .split("job ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no job pid in {text:?}"));
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(job, libc::SIGKILL) };
 
         // A size of 0 is refused, for an exec and for a resize.
         let req = ExecRequest {

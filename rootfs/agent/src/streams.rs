@@ -72,12 +72,25 @@ pub(crate) struct Entry {
     pub(crate) tty: Tty,
 }
 
-/// The master side of an exec's terminal, shared by the exec and the reader (for `Resize`).
-pub type Tty = Arc<Mutex<Option<File>>>;
+/// An exec's terminal, shared by the exec and the reader (for `Resize`).
+pub type Tty = Arc<Mutex<TtySlot>>;
+
+/// What the reader knows of an exec's terminal.
+#[derive(Default)]
+pub struct TtySlot {
+    /// The master side, once the exec has opened it (and until it ends).
+    pub master: Option<File>,
+    /// A size that came before the terminal was open (a client's first resize follows its
+    /// connection at once): the exec applies it as it opens the terminal.
+    pub pending: Option<sandbox_protocol::message::TermSize>,
+}
 
 /// Whether an exec with this terminal slot runs on a terminal.
 pub fn on_tty(tty: &Tty) -> bool {
-    tty.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    tty.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .master
+        .is_some()
 }
 
 impl Entry {
@@ -106,7 +119,7 @@ impl Entry {
         self.credit.close();
         self.inbox = None;
         if on_tty(&self.tty) {
-            crate::pty::kill_session(self.pgid.load(Ordering::SeqCst), libc::SIGHUP);
+            crate::pty::hang_up(self.pgid.load(Ordering::SeqCst));
         }
     }
 }
