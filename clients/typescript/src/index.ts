@@ -13,8 +13,10 @@ export {
   type GetArchiveOptions,
   type WriteFileOptions,
   type WatchOptions,
+  type TerminalOptions,
 } from './sandbox.js';
 export { Execution, type OutputChunk, type ExecResult } from './exec.js';
+export { Terminal, MAX_INPUT_MESSAGE } from './terminal.js';
 export { KeepaliveLoop, KEEPALIVE_INTERVAL_MS, type KeepaliveOptions } from './keepalive.js';
 export { packDirectory, extractInto, type ByteSource, type ByteSink, type PackOptions, type ExtractOptions } from './archive.js';
 export { DEFAULT_RETRY, type RetryOptions } from './transport.js';

@@ -25,6 +25,7 @@ import {
 } from './errors.js';
 import { Execution } from './exec.js';
 import { KeepaliveLoop, type KeepaliveOptions } from './keepalive.js';
+import { Terminal } from './terminal.js';
 import { readBody, rethrowIfAborted, type Answer, type Transport } from './transport.js';
 import type { Created, Egress, Paused, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
 import { lines } from './ndjson.js';
@@ -62,7 +63,6 @@ export interface WriteFileOptions extends CallOptions {
   mode?: number | string | undefined;
 }
 
-/** A sandbox on the host. */
 /** Options of `Sandbox.watch`. */
 export interface WatchOptions extends CallOptions {
   /** Its subdirectories too, and each one made later (default false). */
@@ -70,6 +70,20 @@ export interface WatchOptions extends CallOptions {
   /** End the watch after this long (its last event is `end`). */
   timeoutMs?: number;
 }
+
+/** Options of `Sandbox.terminal`. */
+export interface TerminalOptions extends CallOptions {
+  /** A shell string; a login shell (bash if the image has it, else sh) when absent. */
+  command?: string;
+  /** Working directory, absolute; `/workspace` when absent. */
+  cwd?: string;
+  /** Lines at the start (default 24). */
+  rows?: number;
+  /** Columns at the start (default 80). */
+  cols?: number;
+}
+
+/** A sandbox on the host. */
 
 export class Sandbox {
   /** Its id (`sbx-…`). */
@@ -245,6 +259,24 @@ export class Sandbox {
         body.destroy();
       }
     })();
+  }
+
+  /**
+   * `GET /v1/sandboxes/{id}/pty`: a terminal in the guest (a real pseudo terminal: job control,
+   * Ctrl-C as `\x03`, `resize`), for a person's browser terminal or an interactive tool. Resolves
+   * once the WebSocket is open; a request the host refuses throws its error, as other calls do.
+   */
+  async terminal(options: TerminalOptions = {}): Promise<Terminal> {
+    const query: Record<string, string | undefined> = {
+      command: options.command,
+      cwd: options.cwd,
+      rows: options.rows === undefined ? undefined : String(options.rows),
+      cols: options.cols === undefined ? undefined : String(options.cols),
+    };
+    const ws = await this.#guard(() =>
+      this.#transport.websocket(this.#path('/pty'), query, 'v4.channel.k8s.io', 16 << 20, options.signal),
+    );
+    return new Terminal(ws);
   }
 
   /**

@@ -14,6 +14,8 @@ import https from 'node:https';
 import type { Readable } from 'node:stream';
 import { setTimeout as delay } from 'node:timers/promises';
 
+import WebSocket from 'ws';
+
 import { HostUnreachableError, NotConfiguredError, StreamCutError, errorFromAnswer, type HostAnswer } from './errors.js';
 
 /** How idempotent requests are retried when the connection is refused. */
@@ -201,6 +203,44 @@ export class Transport {
   async empty(call: Call, expected: readonly number[] = [204]): Promise<void> {
     const answer = await this.call(call, expected);
     answer.body.resume();
+  }
+
+  /**
+   * Opens a WebSocket to `path` (a terminal), with the token, offering `protocol`; resolves once
+   * the host has switched. A host that refuses (400, 404, 409) throws the error its answer means,
+   * as `call` does; a host that does not answer throws `HostUnreachableError`.
+   */
+  websocket(path: string, query: Record<string, string | undefined>, protocol: string, maxPayload: number, signal?: AbortSignal): Promise<WebSocket> {
+    const target = new URL(this.#base.href.replace(/\/+$/, '') + path);
+    for (const [k, v] of Object.entries(query)) if (v !== undefined) target.searchParams.set(k, v);
+    target.protocol = target.protocol === 'https:' ? 'wss:' : 'ws:';
+    return new Promise<WebSocket>((resolve, reject) => {
+      if (signal?.aborted) return reject(abortReason(signal));
+      const ws = new WebSocket(target, [protocol], {
+        headers: { authorization: `Bearer ${this.#token}` },
+        handshakeTimeout: this.#connectTimeoutMs,
+        maxPayload,
+        perMessageDeflate: false,
+      });
+      const onAbort = () => {
+        ws.terminate();
+        reject(abortReason(signal as AbortSignal));
+      };
+      signal?.addEventListener('abort', onAbort, { once: true });
+      ws.once('open', () => {
+        signal?.removeEventListener('abort', onAbort);
+        resolve(ws);
+      });
+      ws.once('unexpected-response', (_req, res) => {
+        signal?.removeEventListener('abort', onAbort);
+        const answer: Answer = { status: res.statusCode ?? 0, headers: res.headers, body: res, abort: () => res.destroy() };
+        this.failure(answer, signal).then(reject, reject);
+      });
+      ws.once('error', (err) => {
+        signal?.removeEventListener('abort', onAbort);
+        reject(new HostUnreachableError(this.url, { cause: err }));
+      });
+    });
   }
 
   /** One attempt: resolves with the answer once its headers arrived. */

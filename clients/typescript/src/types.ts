@@ -122,3 +122,9 @@ export type WatchEvent =
   | { event: 'rename'; from: string; to: string; dir: boolean }
   | { event: 'overflow'; reason: 'queue' | 'kernel' | 'watches'; dropped: number }
   | { event: 'end'; reason: 'timeout' };
+
+/**
+ * The last message of a terminal (`Sandbox.terminal`): how its process ended (`status` is
+ * `Success` only for exit code 0), or `error` and `code` when the session failed.
+ */
+export type TerminalStatus = Schemas['TerminalStatus'];

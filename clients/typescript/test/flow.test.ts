@@ -184,6 +184,29 @@ describe('the server\'s flow against the real sandbox host', () => {
     assert.ok(seen.includes('create /workspace/repo/NEW.txt'), seen.join('\n'));
     assert.deepEqual(change.out.trimEnd().split('\n').sort(), [' D README.md', ' M src/add.mjs', '?? NEW.txt']);
 
+    // A person looks in through a terminal (issue 35): the guest image's login shell, its size
+    // following a resize, its exit status at the end; a refused size is the host's error.
+    const term = await sb.terminal({ rows: 30, cols: 90 });
+    let screen = '';
+    const readUntil = async (want: string) => {
+      for await (const chunk of term) {
+        screen += Buffer.from(chunk).toString('utf8');
+        if (screen.includes(want)) return;
+      }
+      assert.fail(`the terminal ended before ${want}: ${screen}`);
+    };
+    term.write('stty size; echo at-$((4*4))\r');
+    await readUntil('at-16');
+    assert.match(screen, /30 90/);
+    term.resize(50, 132);
+    term.write('cd /workspace/repo && stty size && git status --porcelain | wc -l; echo at-$((4*5))\r');
+    await readUntil('at-20');
+    assert.match(screen, /50 132/);
+    term.write('exit 3\r');
+    const termEnd = await term.exited;
+    assert.equal(termEnd.exit_code, 3, JSON.stringify(termEnd));
+    await assert.rejects(sb.terminal({ rows: 0 }), (e: Error) => /rows must be 1 to 4096/.test(e.message));
+
     // A refused name, counted.
     const curl = await run(sb, 'curl -sS --max-time 10 https://example.com/ 2>&1; echo "rc=$?"');
     assert.doesNotMatch(curl.out, /rc=0/);

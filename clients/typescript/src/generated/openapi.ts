@@ -198,6 +198,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{id}/pty": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Open a terminal in the guest (WebSocket)
+         * @description A WebSocket (send GET with `Connection: Upgrade`, `Upgrade: websocket`, `Sec-WebSocket-Version: 13` and a `Sec-WebSocket-Key`; the bearer token as on every route) to a process on a real pseudo terminal in the guest: the controlling terminal of a session of its own (job control, `stty size`, SIGWINCH on a resize, Ctrl-C through the terminal). Framed as Kubernetes' exec streams (subprotocol `v4.channel.k8s.io` or `channel.k8s.io` if offered; the same framing without one): every message is binary and its first byte is the channel. Client to host: `0` input bytes (at most 262144 bytes a message), `4` a new size as JSON `{"Width": columns, "Height": rows}`. Host to client: `1` the terminal's output, `3` the end as JSON (`TerminalStatus`), after which the host closes the WebSocket (1000 after an exit; 1008 or 1003 after a message it refuses, 1011 when the sandbox failed, 1013 when the host hands over to its next run). The session ends when its first process exits; a job it left in the background does not hold it open. Closing the WebSocket ends the session: its processes are killed. The sandbox's time limit and idle rules apply as to an exec, which the terminal counts as.
+         */
+        get: operations["ptySandbox"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes/{id}/egress": {
         parameters: {
             query?: never;
@@ -604,6 +624,22 @@ export interface components {
             event: "end";
             /** @constant */
             reason: "timeout";
+        };
+        /** @description The last message of a terminal (channel 3): how its process ended, as `POST /exec`'s last line says it, with Kubernetes' `status` word; or, when the session failed, the error and its code. */
+        TerminalStatus: {
+            /**
+             * @description `Success` only for exit code 0.
+             * @enum {string}
+             */
+            status: "Success" | "Failure";
+            exit_code?: number | null;
+            signal?: number | null;
+            timed_out?: boolean;
+            duration_ms?: number;
+            /** @description What went wrong, when the session failed. */
+            error?: string;
+            /** @description The error's code, as in the API's error bodies. */
+            code?: string;
         };
     };
     responses: {
@@ -1121,6 +1157,45 @@ export interface operations {
             409: components["responses"]["Error"];
             410: components["responses"]["Error"];
             413: components["responses"]["Error"];
+        };
+    };
+    ptySandbox: {
+        parameters: {
+            query?: {
+                /** @description A shell string run as `/bin/sh -c`; a login shell (bash if the image has it, else sh) when absent. */
+                command?: string;
+                /** @description Working directory, absolute; /workspace when absent. */
+                cwd?: string;
+                /** @description The terminal's lines at the start. */
+                rows?: number;
+                /** @description The terminal's columns at the start. */
+                cols?: number;
+            };
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Switched to the WebSocket; the messages are described above, the last one (channel 3) is a `TerminalStatus`. */
+            101: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/octet-stream": components["schemas"]["TerminalStatus"];
+                };
+            };
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            503: components["responses"]["Error"];
         };
     };
     getEgress: {
