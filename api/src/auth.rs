@@ -45,22 +45,32 @@ pub async fn require_token(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    check(
-        state.config().bind.is_loopback(),
-        state.token_digest(),
-        &req,
-    )?;
+    if is_signed_link(req.uri().path())
+        || (crate::port_link::cookie_may_route(req.uri().path())
+            && crate::port_link::from_cookie(req.headers()).is_some())
+    {
+        // A signed link to a guest's port carries its own proof (routes/ports.rs); the Host
+        // check still holds.
+        check_host(state.config().bind.is_loopback(), &req)?;
+    } else {
+        check(
+            state.config().bind.is_loopback(),
+            state.token_digest(),
+            &req,
+        )?;
+    }
     Ok(next.run(req).await)
 }
 
-/// The checks of [`require_token`], for any service that serves this API (the host, a fleet's
-/// gateway): on a loopback bind the Host header must name loopback, then the bearer token must
-/// be the one whose digest is `expected_digest`.
-pub fn check(
-    loopback_bind: bool,
-    expected_digest: &[u8; 32],
-    req: &Request,
-) -> Result<(), ApiError> {
+/// Whether `path` is a signed link to a guest's port (`/p/<link>…`), which a browser opens
+/// without the token.
+pub fn is_signed_link(path: &str) -> bool {
+    path.starts_with("/p/") || path == "/p"
+}
+
+/// On a loopback bind, the Host header must name loopback (a web page elsewhere cannot reach a
+/// loopback service through a name that resolves to it: DNS rebinding).
+pub fn check_host(loopback_bind: bool, req: &Request) -> Result<(), ApiError> {
     if loopback_bind {
         let host = req
             .headers()
@@ -71,6 +81,18 @@ pub fn check(
             return Err(ApiError::ForeignHost(host.chars().take(100).collect()));
         }
     }
+    Ok(())
+}
+
+/// The checks of [`require_token`], for any service that serves this API (the host, a fleet's
+/// gateway): on a loopback bind the Host header must name loopback, then the bearer token must
+/// be the one whose digest is `expected_digest`.
+pub fn check(
+    loopback_bind: bool,
+    expected_digest: &[u8; 32],
+    req: &Request,
+) -> Result<(), ApiError> {
+    check_host(loopback_bind, req)?;
     let given = req
         .headers()
         .get(header::AUTHORIZATION)

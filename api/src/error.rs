@@ -80,6 +80,12 @@ pub enum ApiError {
     /// A fleet's gateway could not reach the sandbox host a request needs (issue 33).
     #[error("{0}")]
     HostDown(String),
+    /// Nothing in the guest accepts connections on the port a request is for (issue 35).
+    #[error("{0}")]
+    PortClosed(String),
+    /// A signed link to a guest's port that is malformed, forged or expired (issue 35).
+    #[error("{0}")]
+    LinkRefused(String),
 }
 
 impl ApiError {
@@ -103,6 +109,8 @@ impl ApiError {
             ApiError::NoSpace(_) => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
             ApiError::HostDown(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
+            ApiError::PortClosed(_) => (StatusCode::BAD_GATEWAY, "port_closed"),
+            ApiError::LinkRefused(_) => (StatusCode::FORBIDDEN, "link_refused"),
             ApiError::CreateTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
         }
     }

@@ -17,6 +17,7 @@ mod json;
 mod lifecycle;
 mod metrics;
 mod netproc;
+pub(crate) mod port_link;
 mod registry;
 mod routes;
 pub mod run;

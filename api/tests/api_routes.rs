@@ -640,6 +640,14 @@ async fn every_route_and_its_bad_input() {
                     (404, Some("no_sandbox")),
                     "{method} {path}"
                 );
+            } else if path.starts_with("/p/") {
+                // `{link}` is no signed link.
+                let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+                assert_eq!(
+                    (s, v["code"].as_str()),
+                    (403, Some("link_refused")),
+                    "{path}"
+                );
             } else {
                 assert!(s <= 400, "{method} {path}: {s}");
             }

@@ -77,6 +77,8 @@ fn dangerous(kind: u8) -> bool {
                 | Kind::Identity
                 // It watches the fuzzer machine's directories (up to 8192 inotify watches each).
                 | Kind::Watch
+                // It connects to the fuzzer machine's ports.
+                | Kind::PortOpen
         )
     )
 }

@@ -288,6 +288,30 @@ impl Client {
         })
     }
 
+    /// Opens a connection to a TCP port on the guest's loopback, relayed over the channel:
+    /// what the caller writes reaches the port, what the port sends comes back as the
+    /// download (which ends when the port closes its side; dropping it closes the connection).
+    /// A port nothing listens on is the download's first result, an `Agent` error `refused`.
+    pub async fn port(&self, port: u16) -> Result<(PortWriter, Download), ClientError> {
+        let s = self
+            .open(
+                Kind::PortOpen,
+                to_json(&crate::message::PortRequest { port }),
+            )
+            .await?;
+        let writer = PortWriter {
+            sender: s.sender(),
+            closed: false,
+        };
+        Ok((
+            writer,
+            Download {
+                stream: s,
+                finished: false,
+            },
+        ))
+    }
+
     /// Asks the agent to sync and power the guest off. Returns once the agent acknowledged it
     /// or the channel closed.
     pub async fn shutdown(&self) -> Result<(), ClientError> {
@@ -575,6 +599,25 @@ fn finish_upload(ev: Result<Event, ClientError>) -> Result<Done, ClientError> {
     match ev? {
         Event::Done(d) => Ok(d),
         other => Err(unexpected(&other)),
+    }
+}
+
+/// The sending side of a connection to a guest's port ([`Client::port`]).
+pub struct PortWriter {
+    sender: StreamSender,
+    closed: bool,
+}
+
+impl PortWriter {
+    /// Sends bytes to the port, waiting for window (the port reading them).
+    pub async fn write(&mut self, data: &[u8]) -> Result<(), ClientError> {
+        self.sender.send_data(Kind::Data, data).await
+    }
+
+    /// Ends the sending side (the port reads EOF; what it sends still comes back).
+    pub async fn close(mut self) -> Result<(), ClientError> {
+        self.closed = true;
+        self.sender.send(Kind::Data, Vec::new()).await
     }
 }
 

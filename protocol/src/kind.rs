@@ -40,6 +40,10 @@ pub enum Kind {
     /// Host → agent: the terminal of an exec started with a `pty` has a new size (its
     /// foreground process group gets SIGWINCH). Payload: `TermSize` JSON.
     Resize = 0x0f,
+    /// Host → agent, new stream: connect to a TCP port on the guest's loopback and relay the
+    /// connection: the host's `Data` to it, its bytes back as `Output` (empty when it closed
+    /// its side). Payload: `PortRequest` JSON.
+    PortOpen = 0x10,
     /// Agent → host: the agent is up. Payload: `Ready` JSON. Sent unsolicited on stream 0 at
     /// start, and in answer to `Ping`.
     Ready = 0x81,
@@ -78,6 +82,7 @@ impl Kind {
             0x0d => Identity,
             0x0e => Watch,
             0x0f => Resize,
+            0x10 => PortOpen,
             0x81 => Ready,
             0x82 => Stdout,
             0x83 => Stderr,
@@ -109,6 +114,6 @@ mod tests {
                 known += 1;
             }
         }
-        assert_eq!(known, 22);
+        assert_eq!(known, 23);
     }
 }

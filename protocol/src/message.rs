@@ -74,6 +74,14 @@ pub struct WatchRequest {
     pub recursive: bool,
 }
 
+/// Payload of `PortOpen`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortRequest {
+    /// The TCP port on the guest's loopback (127.0.0.1).
+    pub port: u16,
+}
+
 /// Payload of `Exit`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -201,6 +209,8 @@ pub mod code {
     pub const IO: &str = "io";
     /// Too many streams open at once.
     pub const BUSY: &str = "busy";
+    /// Nothing accepts connections on the guest's port asked for.
+    pub const REFUSED: &str = "refused";
 }
 
 /// Encodes a window grant.

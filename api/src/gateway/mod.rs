@@ -12,7 +12,7 @@
 pub mod config;
 mod fleet;
 mod place;
-mod proxy;
+pub(crate) mod proxy;
 
 pub use proxy::causes;
 mod routes;

@@ -72,7 +72,7 @@ const DROPPED: [header::HeaderName; 9] = [
     header::AUTHORIZATION,
 ];
 
-fn pass_on(from: &HeaderMap, to: &mut HeaderMap) {
+pub(crate) fn pass_on(from: &HeaderMap, to: &mut HeaderMap) {
     // The headers `Connection` names are of this connection too (RFC 9110, 7.6.1).
     let named: Vec<String> = from
         .get_all(header::CONNECTION)
@@ -133,6 +133,18 @@ pub async fn forward(
     token: &str,
     req: Request<Body>,
 ) -> Result<Response<Body>, Unreachable> {
+    forward_as(client, base, Some(token), req).await
+}
+
+/// [`forward`], with the host token only when `token` is given: a signed link's request (to a
+/// guest's port) goes without it, since the host does not need it there and the gateway has not
+/// checked the link (a made-up one must not become a request that carries the token).
+pub async fn forward_as(
+    client: &Client,
+    base: &Uri,
+    token: Option<&str>,
+    req: Request<Body>,
+) -> Result<Response<Body>, Unreachable> {
     let mut req = req;
     let upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
@@ -154,9 +166,22 @@ pub async fn forward(
         .body(body)
         .map_err(|e| local(format!("a request to it could not be made ({e})")))?;
     pass_on(&parts.headers, out.headers_mut());
-    let bearer = HeaderValue::from_str(&format!("Bearer {token}"))
-        .map_err(|_| local("the host token is not a header value".into()))?;
-    out.headers_mut().insert(header::AUTHORIZATION, bearer);
+    if let Some(token) = token {
+        let bearer = HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| local("the host token is not a header value".into()))?;
+        out.headers_mut().insert(header::AUTHORIZATION, bearer);
+    }
+    // The address the client reached, for what a host says of it (a signed link's URL).
+    if let Some(host) = parts.headers.get(header::HOST) {
+        out.headers_mut().insert("x-forwarded-host", host.clone());
+    }
+    let scheme = if std::env::var_os(crate::tls::CERT_VAR).is_some_and(|v| !v.is_empty()) {
+        "https"
+    } else {
+        "http"
+    };
+    out.headers_mut()
+        .insert("x-forwarded-proto", HeaderValue::from_static(scheme));
     if upgrade.is_some() {
         out.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -188,7 +213,7 @@ pub async fn forward(
 /// Whether a request asks to switch to a WebSocket (`Connection: upgrade`, `Upgrade:
 /// websocket`), the one protocol the API switches to; any other is passed on as a plain request
 /// (which the host refuses).
-fn wants_upgrade(headers: &HeaderMap) -> bool {
+pub(crate) fn wants_upgrade(headers: &HeaderMap) -> bool {
     headers
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok())
@@ -204,7 +229,10 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
 /// Copies bytes both ways between a client's connection and its host's once both have switched
 /// protocols. When either side is done, the other has [`JOIN_GRACE`] to finish (a WebSocket's
 /// closing handshake), then both are dropped: a peer that never closes its side holds nothing.
-async fn join(client_side: hyper::upgrade::OnUpgrade, host_side: hyper::upgrade::OnUpgrade) {
+pub(crate) async fn join(
+    client_side: hyper::upgrade::OnUpgrade,
+    host_side: hyper::upgrade::OnUpgrade,
+) {
     let (client_side, host_side) = match tokio::try_join!(client_side, host_side) {
         Ok(both) => both,
         Err(e) => {

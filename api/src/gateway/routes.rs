@@ -61,7 +61,8 @@ pub fn app(gw: Gateway) -> Router {
     // method is the host's `405` with its `Allow`, not a trip to the host.
     let mut by_path: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (method, path) in crate::routes::ROUTES {
-        if path.starts_with("/v1/sandboxes/{id}") {
+        // A guest's ports take any method and path (below).
+        if path.starts_with("/v1/sandboxes/{id}") && !path.contains("/ports/") {
             by_path.entry(path).or_default().push(method);
         }
     }
@@ -79,8 +80,30 @@ pub fn app(gw: Gateway) -> Router {
         }
         router = router.route(path, on);
     }
+    for path in [
+        "/v1/sandboxes/{id}/ports/{port}",
+        "/v1/sandboxes/{id}/ports/{port}/",
+        "/v1/sandboxes/{id}/ports/{port}/{*path}",
+    ] {
+        router = router.route(
+            path,
+            axum::routing::on(crate::routes::ports::methods(), by_port),
+        );
+    }
     router
-        .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .route(
+            "/p/{link}",
+            axum::routing::on(crate::routes::ports::methods(), by_link),
+        )
+        .route(
+            "/p/{link}/",
+            axum::routing::on(crate::routes::ports::methods(), by_link),
+        )
+        .route(
+            "/p/{link}/{*path}",
+            axum::routing::on(crate::routes::ports::methods(), by_link),
+        )
+        .fallback(by_cookie)
         .layer(middleware::from_fn(crate::routes::json_405))
         .layer(middleware::from_fn_with_state(gw.clone(), declared_length))
         .layer(middleware::from_fn_with_state(gw.clone(), require_token))
@@ -92,8 +115,58 @@ async fn require_token(
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    crate::auth::check(gw.0.config.bind.is_loopback(), &gw.0.token_digest, &req)?;
+    if crate::auth::is_signed_link(req.uri().path())
+        || (crate::port_link::cookie_may_route(req.uri().path())
+            && crate::port_link::from_cookie(req.headers()).is_some())
+    {
+        // Its host checks the link's signature; the gateway only reads where it goes.
+        crate::auth::check_host(gw.0.config.bind.is_loopback(), &req)?;
+    } else {
+        crate::auth::check(gw.0.config.bind.is_loopback(), &gw.0.token_digest, &req)?;
+    }
     Ok(next.run(req).await)
+}
+
+/// A request to a guest's port, to the host the id names.
+async fn by_port(
+    State(gw): State<Gateway>,
+    axum::extract::Path(params): axum::extract::Path<Vec<(String, String)>>,
+    req: Request,
+) -> Response {
+    let id = params
+        .iter()
+        .find(|(k, _)| k == "id")
+        .map_or(String::new(), |(_, v)| v.clone());
+    route(&gw, &id, req).await
+}
+
+/// A path of no route: a guest's page under a signed link (its cookie) goes to the link's host;
+/// anything else is not found.
+async fn by_cookie(State(gw): State<Gateway>, req: Request) -> Response {
+    let link = crate::port_link::from_cookie(req.headers())
+        .filter(|_| crate::port_link::cookie_may_route(req.uri().path()));
+    match link.map(|l| crate::port_link::read_unchecked(&l)) {
+        Some(Ok(grant)) => route_as(&gw, &grant.id, req, false).await,
+        Some(Err(e)) => ApiError::LinkRefused(e.to_string()).into_response(),
+        None => ApiError::NotFound("no such route; see docs/api.md".into()).into_response(),
+    }
+}
+
+/// A signed link to a guest's port, sent to the host of the sandbox it names (unchecked here:
+/// the host that made it checks it).
+async fn by_link(
+    State(gw): State<Gateway>,
+    axum::extract::Path(params): axum::extract::Path<Vec<(String, String)>>,
+    req: Request,
+) -> Response {
+    let link = params
+        .iter()
+        .find(|(k, _)| k == "link")
+        .map_or("", |(_, v)| v.as_str());
+    match crate::port_link::read_unchecked(link) {
+        Ok(grant) => route_as(&gw, &grant.id, req, false).await,
+        Err(e) => ApiError::LinkRefused(e.to_string()).into_response(),
+    }
 }
 
 fn too_large(gw: &Gateway) -> ApiError {
@@ -134,19 +207,34 @@ async fn by_id(
 
 /// Sends a request about sandbox `id` to the host its id names.
 async fn route(gw: &Gateway, id: &str, req: Request) -> Response {
+    route_as(gw, id, req, true).await
+}
+
+/// [`route`], with the host token only when `authenticated` (a signed link's request goes to
+/// its host without it, and its failures say nothing of the fleet).
+async fn route_as(gw: &Gateway, id: &str, req: Request, authenticated: bool) -> Response {
     let Some(Some(name)) = crate::registry::host_of(id) else {
         return ApiError::NoSandbox(id.chars().take(100).collect()).into_response();
     };
     let Some(host) = gw.0.fleet.by_name(name) else {
         return ApiError::NoSandbox(id.to_string()).into_response();
     };
-    match proxy::forward(gw.0.fleet.client(), &host.url, gw.0.fleet.host_token(), req).await {
+    let token = authenticated.then(|| gw.0.fleet.host_token());
+    match proxy::forward_as(gw.0.fleet.client(), &host.url, token, req).await {
         Ok(res) => res,
         Err(e) => {
             if e.before_sending {
                 host.failed(e.why.clone());
             }
-            host_down(name, id, &e.why).into_response()
+            if authenticated {
+                host_down(name, id, &e.why).into_response()
+            } else {
+                ApiError::HostDown(
+                    "the sandbox host that holds this link's sandbox did not answer; retry later"
+                        .into(),
+                )
+                .into_response()
+            }
         }
     }
 }

@@ -4,6 +4,7 @@ mod exec;
 pub mod health;
 mod observe;
 mod pause;
+pub(crate) mod ports;
 mod pty;
 pub mod sandboxes;
 mod transfer;
@@ -42,6 +43,17 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}/watch"),
     ("POST", "/v1/sandboxes/{id}/exec"),
     ("GET", "/v1/sandboxes/{id}/pty"),
+    ("GET", "/v1/sandboxes/{id}/ports/{port}/{path}"),
+    ("POST", "/v1/sandboxes/{id}/ports/{port}/{path}"),
+    ("PUT", "/v1/sandboxes/{id}/ports/{port}/{path}"),
+    ("PATCH", "/v1/sandboxes/{id}/ports/{port}/{path}"),
+    ("DELETE", "/v1/sandboxes/{id}/ports/{port}/{path}"),
+    ("POST", "/v1/sandboxes/{id}/ports/{port}/url"),
+    ("GET", "/p/{link}/{path}"),
+    ("POST", "/p/{link}/{path}"),
+    ("PUT", "/p/{link}/{path}"),
+    ("PATCH", "/p/{link}/{path}"),
+    ("DELETE", "/p/{link}/{path}"),
     ("GET", "/v1/sandboxes/{id}/egress"),
     ("GET", "/v1/sandboxes/{id}/usage"),
     ("GET", "/metrics"),
@@ -56,9 +68,10 @@ pub fn app(state: AppState) -> Router {
         .merge(pause::router())
         .merge(exec::router())
         .merge(pty::router())
+        .merge(ports::router())
         .merge(transfer::router())
         .merge(observe::router())
-        .fallback(|| async { ApiError::NotFound("no such route; see docs/api.md".into()) })
+        .fallback(ports::by_cookie)
         .layer(middleware::from_fn(json_405))
         .layer(DefaultBodyLimit::max(
             usize::try_from(max_body).unwrap_or(usize::MAX),

@@ -244,6 +244,24 @@ export class HostUnavailableError extends SandboxHostError {
   }
 }
 
+/**
+ * `502 port_closed`: nothing in the guest accepts connections on the port a request is for (or
+ * its server did not answer as HTTP/1.1). Start the server in the sandbox first, listening on
+ * 127.0.0.1 or 0.0.0.0.
+ */
+export class PortClosedError extends SandboxHostError {
+  constructor(answer: HostAnswer) {
+    super(sentence(answer.message, "Nothing listens on that port in the sandbox"), answer);
+  }
+}
+
+/** `403 link_refused`: a signed link to a guest's port that is malformed, forged or expired. Ask for a new one. */
+export class LinkRefusedError extends SandboxHostError {
+  constructor(answer: HostAnswer) {
+    super(sentence(answer.message, 'The link to the sandbox\'s port was refused'), answer);
+  }
+}
+
 /** `507 no_space`: the guest's filesystem has no room for the archive or file. */
 export class NoSpaceError extends SandboxHostError {
   constructor(answer: HostAnswer) {
@@ -312,6 +330,8 @@ export const ERROR_CLASSES: { readonly [C in ErrorCode]: AnswerErrorClass } = {
   host_restarting: HostRestartingError,
   host_unavailable: HostUnavailableError,
   no_space: NoSpaceError,
+  port_closed: PortClosedError,
+  link_refused: LinkRefusedError,
 };
 
 /** For an answer without a known code (a proxy's page, an older host): the class its status implies. */

@@ -27,7 +27,7 @@ import { Execution } from './exec.js';
 import { KeepaliveLoop, type KeepaliveOptions } from './keepalive.js';
 import { Terminal } from './terminal.js';
 import { readBody, rethrowIfAborted, type Answer, type Transport } from './transport.js';
-import type { Created, Egress, Paused, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
+import type { Created, Egress, Paused, PortLink, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
 import { lines } from './ndjson.js';
 
 /** Options every call takes. */
@@ -277,6 +277,19 @@ export class Sandbox {
       this.#transport.websocket(this.#path('/pty'), query, 'v4.channel.k8s.io', 16 << 20, options.signal),
     );
     return new Terminal(ws);
+  }
+
+  /**
+   * `POST /v1/sandboxes/{id}/ports/{port}/url`: a signed link a person's browser opens without
+   * the token, to the server the run started on `port` in the guest (any path under it, its
+   * WebSockets included), until `expires_at` (`ttlS`, default an hour, at most 7 days) or the
+   * sandbox's end. `url` is for the address this client reached.
+   */
+  async portUrl(port: number, options: CallOptions & { ttlS?: number } = {}): Promise<PortLink> {
+    const json = options.ttlS === undefined ? {} : { ttl_s: options.ttlS };
+    return this.#guard(() =>
+      this.#transport.json<PortLink>({ method: 'POST', path: this.#path(`/ports/${port}/url`), json, idempotent: false, signal: options.signal }),
+    );
   }
 
   /**

@@ -128,3 +128,6 @@ export type WatchEvent =
  * `Success` only for exit code 0), or `error` and `code` when the session failed.
  */
 export type TerminalStatus = Schemas['TerminalStatus'];
+
+/** `POST /v1/sandboxes/{id}/ports/{port}/url`'s answer (`Sandbox.portUrl`). */
+export type PortLink = Schemas['PortLink'];

@@ -13,6 +13,7 @@
  * is not set or the image store lacks what it needs; under SANDBOX_HOST_REQUIRE_E2E=1 (CI) it
  * fails instead. It never fakes the VM.
  */
+import http from 'node:http';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { cp, mkdir, mkdtemp, readFile, readdir, rm, unlink, writeFile } from 'node:fs/promises';
@@ -206,6 +207,25 @@ describe('the server\'s flow against the real sandbox host', () => {
     const termEnd = await term.exited;
     assert.equal(termEnd.exit_code, 3, JSON.stringify(termEnd));
     await assert.rejects(sb.terminal({ rows: 0 }), (e: Error) => /rows must be 1 to 4096/.test(e.message));
+
+    // The run's dev server, for a person's browser: a signed link without the token (issue 35).
+    const served = await run(
+      sb,
+      'cd /workspace/repo && (setsid python3 -m http.server 8000 --bind 127.0.0.1 > /tmp/http.log 2>&1 &) && ' +
+        'for i in $(seq 1 100); do curl -sf -o /dev/null http://127.0.0.1:8000/ && exit 0; sleep 0.2; done; exit 1',
+    );
+    assert.equal(served.code, 0, served.out);
+    const link = await sb.portUrl(8000, { ttlS: 120 });
+    assert.ok(Date.parse(link.expires_at) > Date.now(), JSON.stringify(link));
+    const page = await new Promise<string>((resolve, reject) => {
+      http.get(`${link.url}src/add.mjs`, (res) => {
+        let text = '';
+        res.setEncoding('utf8');
+        res.on('data', (c: string) => (text += c));
+        res.on('end', () => (res.statusCode === 200 ? resolve(text) : reject(new Error(`${res.statusCode}: ${text}`))));
+      }).on('error', reject);
+    });
+    assert.match(page, /export const add/);
 
     // A refused name, counted.
     const curl = await run(sb, 'curl -sS --max-time 10 https://example.com/ 2>&1; echo "rc=$?"');

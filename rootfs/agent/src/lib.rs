@@ -17,6 +17,7 @@ mod exec;
 mod files;
 mod identity;
 mod outbox;
+mod ports;
 mod pty;
 mod reaper;
 mod server;

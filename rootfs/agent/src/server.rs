@@ -20,7 +20,7 @@ use crate::outbox::Outbox;
 use crate::reaper::Reaper;
 use crate::streams::{Entry, MAX_STREAMS, StreamCtx, Streams, Tty, kill_group};
 use crate::transfer::Upload;
-use crate::{archive, exec, files, watch};
+use crate::{archive, exec, files, ports, watch};
 
 /// Serves one connection until the host goes away. On a serial port the device stays open and
 /// EOF means "host disconnected for now", so this only returns for vsock. Streams still open
@@ -111,7 +111,8 @@ impl Server {
             | Kind::ArchiveGet
             | Kind::FilePut
             | Kind::FileGet
-            | Kind::Watch => self.open_stream(kind, f),
+            | Kind::Watch
+            | Kind::PortOpen => self.open_stream(kind, f),
             Kind::Identity => crate::identity::handle(&self.out, f.stream, &f.payload),
             Kind::Stdin | Kind::Data => self.deliver(kind, f),
             Kind::Window => self.grant(f),
@@ -174,7 +175,7 @@ impl Server {
             );
             return;
         }
-        let takes_upload = matches!(kind, Kind::ArchivePut | Kind::FilePut);
+        let takes_upload = matches!(kind, Kind::ArchivePut | Kind::FilePut | Kind::PortOpen);
         let (inbox, upload_rx) = if takes_upload || kind == Kind::Exec {
             let (tx, rx) = channel::<Vec<u8>>();
             (Some(tx), Some(rx))
@@ -184,6 +185,7 @@ impl Server {
         let allowance = Arc::new(AtomicU64::new(INITIAL_WINDOW.into()));
         let abandoned = Arc::new(AtomicBool::new(false));
         let out = self.out.for_stream(abandoned.clone());
+        let failed = out.clone();
         let entry = Entry {
             credit: Arc::new(Credit::new(INITIAL_WINDOW)),
             inbox,
@@ -211,14 +213,28 @@ impl Server {
         let payload = f.payload;
         let spawned = std::thread::Builder::new()
             .name(format!("stream-{id}"))
-            .spawn(move || match kind {
-                Kind::Exec => with_request(ctx, &payload, |ctx, req| exec::run(ctx, req, &reaper)),
-                Kind::ArchivePut => with_request(ctx, &payload, archive::put),
-                Kind::ArchiveGet => with_request(ctx, &payload, archive::get),
-                Kind::FilePut => with_request(ctx, &payload, files::put),
-                Kind::FileGet => with_request(ctx, &payload, files::get),
-                Kind::Watch => with_request(ctx, &payload, watch::run),
-                _ => unreachable!("open_stream is only called for request kinds"),
+            .spawn(move || {
+                let served =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match kind {
+                        Kind::Exec => {
+                            with_request(ctx, &payload, |ctx, req| exec::run(ctx, req, &reaper))
+                        }
+                        Kind::ArchivePut => with_request(ctx, &payload, archive::put),
+                        Kind::ArchiveGet => with_request(ctx, &payload, archive::get),
+                        Kind::FilePut => with_request(ctx, &payload, files::put),
+                        Kind::FileGet => with_request(ctx, &payload, files::get),
+                        Kind::Watch => with_request(ctx, &payload, watch::run),
+                        Kind::PortOpen => with_request(ctx, &payload, ports::relay),
+                        _ => unreachable!("open_stream is only called for request kinds"),
+                    }));
+                // A worker that panicked still ends its stream: the host is never left waiting.
+                if served.is_err() {
+                    failed.error(
+                        id,
+                        code::IO,
+                        "the agent's worker for this request failed (a bug in the agent); retry",
+                    );
+                }
             });
         if let Err(e) = spawned {
             self.streams.remove(id);
@@ -397,7 +413,6 @@ mod tests {
     use std::os::unix::fs::OpenOptionsExt;
     use std::os::unix::net::UnixStream;
     use std::path::Path;
-    use std::sync::OnceLock;
     use std::sync::atomic::AtomicUsize;
     use std::sync::mpsc::{Receiver, RecvTimeoutError};
     use std::thread::JoinHandle;
@@ -410,8 +425,7 @@ mod tests {
 
     /// The test binary's one reaper: it reaps every child of the process.
     fn reaper() -> &'static Reaper {
-        static REAPER: OnceLock<Reaper> = OnceLock::new();
-        REAPER.get_or_init(Reaper::start)
+        crate::reaper::for_tests()
     }
 
     fn frame(kind: Kind, stream: u32, payload: impl Into<Vec<u8>>) -> Vec<u8> {
@@ -875,6 +889,63 @@ mod tests {
 
         host.shutdown(Shutdown::Write).unwrap();
         server.join().unwrap();
+        frames.rest();
+    }
+
+    /// A guest's port over the channel: bytes to it and back from a real TCP connection on the
+    /// loopback, the host's end of sending a half-close the server sees, the server's close the
+    /// end of the stream; a port nothing listens on is refused in words.
+    #[test]
+    fn a_port_is_relayed_both_ways_and_a_closed_one_is_refused() {
+        use std::net::TcpListener;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // An upper-casing echo that answers once its peer is done sending, then closes.
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).unwrap();
+            c.write_all(&got.to_ascii_uppercase()).unwrap();
+        });
+        let (mut host, agent) = vsock();
+        let mut frames = Frames::read(host.try_clone().unwrap());
+        let req = serde_json::to_vec(&message::PortRequest { port }).unwrap();
+        host.write_all(&frame(Kind::PortOpen, 1, req)).unwrap();
+        host.write_all(&frame(Kind::Data, 1, *b"hello ")).unwrap();
+        host.write_all(&frame(Kind::Data, 1, *b"port")).unwrap();
+        host.write_all(&frame(Kind::Data, 1, [])).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let f = frames.until("output", |f| {
+                is(f, Kind::Output, 1) || is(f, Kind::Error, 1)
+            });
+            assert!(
+                is(&f, Kind::Output, 1),
+                "{}",
+                String::from_utf8_lossy(&f.payload)
+            );
+            if f.payload.is_empty() {
+                break;
+            }
+            got.extend_from_slice(&f.payload);
+        }
+        assert_eq!(got, b"HELLO PORT");
+        server.join().unwrap();
+
+        // Nothing listens on it now.
+        let req = serde_json::to_vec(&message::PortRequest { port }).unwrap();
+        host.write_all(&frame(Kind::PortOpen, 2, req)).unwrap();
+        let err = frames.until("an error", |f| is(f, Kind::Error, 2));
+        let err: message::ErrorMessage = serde_json::from_slice(&err.payload).unwrap();
+        assert_eq!(err.code, code::REFUSED);
+        assert!(
+            err.message.contains(&format!("port {port} in the guest")),
+            "{}",
+            err.message
+        );
+
+        host.shutdown(Shutdown::Write).unwrap();
+        agent.join().unwrap();
         frames.rest();
     }
 

@@ -218,6 +218,98 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{id}/ports/{port}/{path}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Reach a TCP port of the guest (GET)
+         * @description The request is sent to the TCP port on the guest's loopback over the agent's channel (never through the guest's network or egress) as HTTP/1.1, and the guest server's answer streamed back as it sent it; a WebSocket upgrade is joined end to end. The guest's server gets `Host: localhost:<port>` (and `Origin: http://localhost:<port>` when the request has an `Origin`), never the bearer token, the `Referer` or the connection's own headers. `502 port_closed` when nothing listens on the port. GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS are passed on (the five with a body or a result of their own are listed); TRACE and CONNECT are refused (405). Each request is one connection to the guest's port.
+         */
+        get: operations["portGet"];
+        /**
+         * Reach a TCP port of the guest (PUT)
+         * @description The request is sent to the TCP port on the guest's loopback over the agent's channel (never through the guest's network or egress) as HTTP/1.1, and the guest server's answer streamed back as it sent it; a WebSocket upgrade is joined end to end. The guest's server gets `Host: localhost:<port>` (and `Origin: http://localhost:<port>` when the request has an `Origin`), never the bearer token, the `Referer` or the connection's own headers. `502 port_closed` when nothing listens on the port. GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS are passed on (the five with a body or a result of their own are listed); TRACE and CONNECT are refused (405). Each request is one connection to the guest's port.
+         */
+        put: operations["portPut"];
+        /**
+         * Reach a TCP port of the guest (POST)
+         * @description The request is sent to the TCP port on the guest's loopback over the agent's channel (never through the guest's network or egress) as HTTP/1.1, and the guest server's answer streamed back as it sent it; a WebSocket upgrade is joined end to end. The guest's server gets `Host: localhost:<port>` (and `Origin: http://localhost:<port>` when the request has an `Origin`), never the bearer token, the `Referer` or the connection's own headers. `502 port_closed` when nothing listens on the port. GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS are passed on (the five with a body or a result of their own are listed); TRACE and CONNECT are refused (405). Each request is one connection to the guest's port.
+         */
+        post: operations["portPost"];
+        /**
+         * Reach a TCP port of the guest (DELETE)
+         * @description The request is sent to the TCP port on the guest's loopback over the agent's channel (never through the guest's network or egress) as HTTP/1.1, and the guest server's answer streamed back as it sent it; a WebSocket upgrade is joined end to end. The guest's server gets `Host: localhost:<port>` (and `Origin: http://localhost:<port>` when the request has an `Origin`), never the bearer token, the `Referer` or the connection's own headers. `502 port_closed` when nothing listens on the port. GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS are passed on (the five with a body or a result of their own are listed); TRACE and CONNECT are refused (405). Each request is one connection to the guest's port.
+         */
+        delete: operations["portDelete"];
+        options?: never;
+        head?: never;
+        /**
+         * Reach a TCP port of the guest (PATCH)
+         * @description The request is sent to the TCP port on the guest's loopback over the agent's channel (never through the guest's network or egress) as HTTP/1.1, and the guest server's answer streamed back as it sent it; a WebSocket upgrade is joined end to end. The guest's server gets `Host: localhost:<port>` (and `Origin: http://localhost:<port>` when the request has an `Origin`), never the bearer token, the `Referer` or the connection's own headers. `502 port_closed` when nothing listens on the port. GET, HEAD, POST, PUT, PATCH, DELETE and OPTIONS are passed on (the five with a body or a result of their own are listed); TRACE and CONNECT are refused (405). Each request is one connection to the guest's port.
+         */
+        patch: operations["portPatch"];
+        trace?: never;
+    };
+    "/v1/sandboxes/{id}/ports/{port}/url": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A signed, expiring link to a TCP port of the guest
+         * @description A link a browser opens without the bearer token: `/p/<link>/` and every path under it reach this port of this sandbox, with any method and WebSocket upgrades, until `expires_at` or the sandbox's end. The link is signed with a key derived from the host's token (HMAC-SHA256): only this host (or another with the same token) takes it, and nothing else of the API is reachable with it. `url` is for the address the request reached (through a fleet's gateway, the gateway's). Other methods on this path are the guest's `/url`.
+         */
+        post: operations["portUrl"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/p/{link}/{path}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * A TCP port of the guest through a signed link (no token)
+         * @description What `POST /v1/sandboxes/{id}/ports/{port}/url` hands out: as `/v1/sandboxes/{id}/ports/{port}/{path}`, without the bearer token, for any method. `403 link_refused` for a link that is malformed, not made by this host, or expired (say which); `/p/<link>` without its slash redirects (308) to `/p/<link>/`. The methods of `/v1/sandboxes/{id}/ports/{port}/{path}` are passed on; TRACE and CONNECT are refused (405).
+         */
+        get: operations["portSigned"];
+        /**
+         * A TCP port of the guest through a signed link (no token, PUT)
+         * @description What `POST /v1/sandboxes/{id}/ports/{port}/url` hands out: as `/v1/sandboxes/{id}/ports/{port}/{path}`, without the bearer token, for any method. `403 link_refused` for a link that is malformed, not made by this host, or expired (say which); `/p/<link>` without its slash redirects (308) to `/p/<link>/`. The methods of `/v1/sandboxes/{id}/ports/{port}/{path}` are passed on; TRACE and CONNECT are refused (405).
+         */
+        put: operations["portSignedPut"];
+        /**
+         * A TCP port of the guest through a signed link (no token, POST)
+         * @description What `POST /v1/sandboxes/{id}/ports/{port}/url` hands out: as `/v1/sandboxes/{id}/ports/{port}/{path}`, without the bearer token, for any method. `403 link_refused` for a link that is malformed, not made by this host, or expired (say which); `/p/<link>` without its slash redirects (308) to `/p/<link>/`. The methods of `/v1/sandboxes/{id}/ports/{port}/{path}` are passed on; TRACE and CONNECT are refused (405).
+         */
+        post: operations["portSignedPost"];
+        /**
+         * A TCP port of the guest through a signed link (no token, DELETE)
+         * @description What `POST /v1/sandboxes/{id}/ports/{port}/url` hands out: as `/v1/sandboxes/{id}/ports/{port}/{path}`, without the bearer token, for any method. `403 link_refused` for a link that is malformed, not made by this host, or expired (say which); `/p/<link>` without its slash redirects (308) to `/p/<link>/`. The methods of `/v1/sandboxes/{id}/ports/{port}/{path}` are passed on; TRACE and CONNECT are refused (405).
+         */
+        delete: operations["portSignedDelete"];
+        options?: never;
+        head?: never;
+        /**
+         * A TCP port of the guest through a signed link (no token, PATCH)
+         * @description What `POST /v1/sandboxes/{id}/ports/{port}/url` hands out: as `/v1/sandboxes/{id}/ports/{port}/{path}`, without the bearer token, for any method. `403 link_refused` for a link that is malformed, not made by this host, or expired (say which); `/p/<link>` without its slash redirects (308) to `/p/<link>/`. The methods of `/v1/sandboxes/{id}/ports/{port}/{path}` are passed on; TRACE and CONNECT are refused (405).
+         */
+        patch: operations["portSignedPatch"];
+        trace?: never;
+    };
     "/v1/sandboxes/{id}/egress": {
         parameters: {
             query?: never;
@@ -276,7 +368,7 @@ export interface components {
         Error: {
             error: string;
             /** @enum {string} */
-            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "host_restarting" | "no_capacity" | "no_space" | "internal" | "host_unavailable";
+            code: "unauthorized" | "foreign_host" | "no_sandbox" | "bad_request" | "body_too_large" | "not_found" | "path_refused" | "paused" | "conflict" | "vm_died" | "unavailable" | "host_restarting" | "no_capacity" | "no_space" | "internal" | "host_unavailable" | "port_closed" | "link_refused";
         };
         Health: {
             available: boolean;
@@ -640,6 +732,14 @@ export interface components {
             error?: string;
             /** @description The error's code, as in the API's error bodies. */
             code?: string;
+        };
+        PortLink: {
+            /** @description The link, for the address the request reached. */
+            url: string;
+            /** @description `/p/<link>/`, for another address of the same host or gateway. */
+            path: string;
+            /** Format: date-time */
+            expires_at: string;
         };
     };
     responses: {
@@ -1196,6 +1296,387 @@ export interface operations {
             409: components["responses"]["Error"];
             410: components["responses"]["Error"];
             503: components["responses"]["Error"];
+        };
+    };
+    portGet: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portPut: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portPost: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portDelete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portPatch: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portUrl: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+                /** @description The TCP port on the guest's loopback (127.0.0.1). */
+                port: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": {
+                    /**
+                     * @description Seconds the link lives (at most 7 days).
+                     * @default 3600
+                     */
+                    ttl_s?: number;
+                };
+            };
+        };
+        responses: {
+            /** @description The link */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PortLink"];
+                };
+            };
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+        };
+    };
+    portSigned: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The signed link. */
+                link: string;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portSignedPut: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The signed link. */
+                link: string;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portSignedPost: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The signed link. */
+                link: string;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portSignedDelete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The signed link. */
+                link: string;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    portSignedPatch: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The signed link. */
+                link: string;
+                /** @description The path the guest's server gets (any depth; the query string is passed on too). */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description Passed on to the guest's server as it comes. */
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            405: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            502: components["responses"]["Error"];
+            /** @description The guest server's answer, as it sent it. */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
         };
     };
     getEgress: {
