@@ -72,15 +72,22 @@ const DROPPED: [header::HeaderName; 9] = [
     header::AUTHORIZATION,
 ];
 
-pub(crate) fn pass_on(from: &HeaderMap, to: &mut HeaderMap) {
-    // The headers `Connection` names are of this connection too (RFC 9110, 7.6.1).
-    let named: Vec<String> = from
+/// The tokens of `Connection` (lower case): the headers it names, and `upgrade`.
+fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(|t| t.trim().to_ascii_lowercase())
-        .collect();
+        .collect()
+}
+
+/// Copies the end-to-end headers of `from` into `to`: not the connection's own, those
+/// `Connection` names, or the credentials and `Host`, which each hop sets itself.
+pub(crate) fn pass_on(from: &HeaderMap, to: &mut HeaderMap) {
+    // The headers `Connection` names are of this connection too (RFC 9110, 7.6.1).
+    let named = connection_tokens(from);
     for (k, v) in from {
         if !DROPPED.contains(k)
             && k.as_str() != "keep-alive"
@@ -218,12 +225,7 @@ pub(crate) fn wants_upgrade(headers: &HeaderMap) -> bool {
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("websocket"))
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        && connection_tokens(headers).iter().any(|t| t == "upgrade")
 }
 
 /// Copies bytes both ways between a client's connection and its host's once both have switched

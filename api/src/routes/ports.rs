@@ -302,49 +302,21 @@ async fn through_link(
     Ok(res)
 }
 
-/// Headers of the caller's request that the guest's server never gets: the connection's own,
-/// and the caller's credentials (the host's token must never reach a guest).
-const NOT_TO_GUEST: [header::HeaderName; 10] = [
-    header::CONNECTION,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::HOST,
-    header::AUTHORIZATION,
-    header::REFERER,
-];
-
 /// The request the guest's server gets: as the caller sent it, to `target`, for
 /// `localhost:<port>` (`Host`, and `Origin` when there is one, so that a dev server that checks
 /// them, as Vite does, takes the request as its own), without the caller's credentials.
 fn for_guest(req: Request, target: &str, port: u16, upgrade: bool) -> Result<Request, ApiError> {
     let (parts, body) = req.into_parts();
-    let named: Vec<String> = parts
-        .headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .collect();
     let mut out = Request::builder()
         .method(parts.method)
         .uri(target)
         .body(body)
         .map_err(|e| ApiError::BadRequest(format!("the request cannot be passed on: {e}")))?;
     let h = out.headers_mut();
-    for (k, v) in &parts.headers {
-        if NOT_TO_GUEST.contains(k)
-            || k.as_str() == "keep-alive"
-            || named.iter().any(|n| n == k.as_str())
-        {
-            continue;
-        }
-        h.append(k.clone(), v.clone());
-    }
+    // The end-to-end headers, less the caller's credentials (the host's token must never reach
+    // a guest) and the `Referer`, which would hold a signed link.
+    crate::gateway::proxy::pass_on(&parts.headers, h);
+    h.remove(header::REFERER);
     // The link's cookie is the host's, not the guest server's (it would learn its own link).
     let cookies: Vec<String> = h
         .get_all(header::COOKIE)
