@@ -658,12 +658,19 @@ async fn adopt_one(state: &AppState, dir: &Path, id: &str) -> Result<Adopted, Ad
             "the sandbox is paused: its VM ended at the pause, and a resume starts the next".into(),
         )
     });
+    // A KVM sandbox's VM takes snapshots over its control socket, which this run holds now: it
+    // can be forked. A QEMU VM's monitor stayed with the previous run.
+    let fork_base = pausable.as_ref().and_then(|p| {
+        let image = state.store().resolve_at(&run.image, &p.image_dir).ok()?;
+        Some(registry::ForkBase { image, mac: p.mac })
+    });
     let running = registry::Running {
         env: vec![],
         net: Some(net),
         sandbox,
         reservation,
         pausable,
+        fork_base,
     };
     let entry = Arc::new(SandboxEntry::restored(
         run, running, created_at, r.counters, paused,

@@ -138,6 +138,24 @@ pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) ->
     }
 }
 
+/// Checks `spec`'s secrets as its network process will (the egress stack's own parser), so a
+/// request the process would refuse is refused before anything is done for it (a fork holds
+/// its parent only for children that can start).
+pub fn check_secrets(spec: &EgressSpec) -> Result<(), String> {
+    for s in &spec.secrets {
+        sandbox_egress::secrets::Secret::scoped(
+            &s.env,
+            &s.value,
+            &s.hosts,
+            s.headers.as_deref(),
+            s.paths.as_deref(),
+            s.wildcard,
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 /// Starts the network process of sandbox `id` with the run's settings, for a guest whose network
 /// device has `mac` (the id's own when `None`); one that may `outlive` the service for a sandbox
 /// its next run takes on again. The patterns were validated with the create

@@ -78,6 +78,8 @@ pub struct SandboxEntry {
     /// What pausing needs, where the backend can (KVM): the snapshot's files (written by the VM
     /// process, which got them at its start) and how to start the VM again.
     pub pausable: Option<Pausable>,
+    /// What a fork of it needs: the image it runs on and its network device's address.
+    pub fork_base: Option<ForkBase>,
     /// Set while paused; pauses and resumes of one sandbox take turns on its lock.
     pub paused: tokio::sync::Mutex<bool>,
     /// Mirrors `paused` for readers that must not wait (state, sweeps, routes); set as soon as
@@ -145,6 +147,17 @@ pub struct Pausable {
     /// The image's directory (canonical): a snapshot is restored only onto the files it was
     /// taken with, so the service's next run rebuilds the spec from this very directory.
     pub image_dir: std::path::PathBuf,
+}
+
+/// What a fork's children are started with besides the parent's snapshot: the very image the
+/// parent's guest runs on (its kernel and disks, whatever the store holds under its name now),
+/// and the MAC address its guest's driver read, which every child keeps.
+#[derive(Clone)]
+pub struct ForkBase {
+    /// The image, at the directory the parent started from.
+    pub image: sandbox_vmm::Image,
+    /// The guest's MAC address.
+    pub mac: [u8; 6],
 }
 
 /// Marks a sandbox busy for as long as it lives.
@@ -234,7 +247,7 @@ impl SandboxEntry {
     pub fn ensure_alive(&self) -> Result<(), ApiError> {
         if self.is_lost() {
             return Err(ApiError::VmDied(format!(
-                "sandbox `{}` was lost when it was paused or resumed",
+                "sandbox `{}` was lost when it was paused, resumed or forked",
                 self.id
             )));
         }
@@ -375,6 +388,8 @@ pub struct Running {
     pub reservation: crate::capacity::Reservation,
     /// What pausing it needs, where the backend can.
     pub pausable: Option<Pausable>,
+    /// What forking it needs.
+    pub fork_base: Option<ForkBase>,
 }
 
 impl SandboxEntry {
@@ -418,6 +433,7 @@ impl SandboxEntry {
             in_flight: AtomicU64::new(0),
             reservation: Mutex::new(running.reservation),
             pausable: running.pausable,
+            fork_base: running.fork_base,
             paused: tokio::sync::Mutex::new(paused),
             paused_now: std::sync::atomic::AtomicBool::new(paused),
             lost: std::sync::atomic::AtomicBool::new(false),

@@ -674,6 +674,8 @@ async fn templates_on_kvm() {
     }
     let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
     assert!(s == 200 || s == 204);
+    // A fork of a running sandbox, on this backend's snapshots with shared pages.
+    forks_of_a_running_sandbox(&h, port).await;
 }
 
 /// What a clone of the guest image's template says to an Anthropic call, with its usage.
@@ -947,6 +949,9 @@ async fn guest_image_on_kvm() {
 fn install_small_disk_image(store: &std::path::Path) {
     let stock = std::fs::canonicalize(store.join("stock")).expect("the stock image");
     let dir = store.join("small");
+    if dir.join("manifest.json").exists() {
+        return;
+    }
     let tree = store.join("small-tree");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::create_dir_all(&tree).unwrap();
@@ -971,4 +976,215 @@ fn install_small_disk_image(store: &std::path::Path) {
         r#"{"name": "small", "arch": "x86_64", "kind": "disk", "kernel": "vmlinux", "initrd": "initramfs.cpio", "rootfs": "rootfs.ext4", "agent_version": "0.1.0"}"#,
     )
     .unwrap();
+}
+
+/// A fork of a running sandbox (issue 35) on the backend `h` runs, on the small disk image: a
+/// parent with a process running, a file on its disk and one only in its page cache, and a
+/// secret, forked into two children on runs of their own. Each child has the process and both
+/// files, is a machine of its own (its own random bytes, the host's clock), reaches the network
+/// through its own network process with its own placeholder and CA, and what it writes stays
+/// its own; the parent runs on. Bad forks are refused with the reason.
+async fn forks_of_a_running_sandbox(h: &common::Host, port: u16) {
+    let store = common::stock_only_store(&h.state);
+    install_small_disk_image(&store);
+    let run = |run_id: &str, key: &str| {
+        json!({"run_id": run_id, "time_limit_ms": 600000,
+            "egress": {"allow": ["allowed.test"], "secrets": [
+                {"env": "PROVIDER_KEY", "value": key, "hosts": ["api.provider.test"]}]}})
+    };
+    let mut body = run("run-parent", "sk-parent-0123456789");
+    body["review"] = json!(false);
+    body["memory_mib"] = json!(256);
+    body["vcpus"] = json!(1);
+    body["image"] = json!("small");
+    let (s, v) = h.json("POST", "/v1/sandboxes", Some(body)).await;
+    assert_eq!(s, 201, "{v}");
+    let parent = v["id"].as_str().unwrap().to_string();
+    let (out, err, last) = h
+        .exec(
+            &parent,
+            "sleep 100000 >/dev/null 2>&1 & echo $! > /workspace/pid; echo on-disk > /workspace/synced; \
+             sync; echo cached > /workspace/cached; echo $PROVIDER_KEY; sha256sum /etc/ssl/certs/sandbox-egress-ca.pem",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    let parent_says = String::from_utf8_lossy(&out).to_string();
+
+    // Refusals, each with its reason, and the parent untouched by them.
+    for (body, want) in [
+        (
+            json!({"count": 0, "children": []}),
+            "count must be between 1 and 16",
+        ),
+        (
+            json!({"count": 17, "children": []}),
+            "count must be between 1 and 16",
+        ),
+        (
+            json!({"count": 2, "children": [run("a", "sk-valid-0123456789")]}),
+            "one entry per child",
+        ),
+        (
+            json!({"count": 1, "children": [{"run_id": "a", "time_limit_ms": 1000, "memory_mib": 512}]}),
+            "unknown field `memory_mib`",
+        ),
+        (
+            json!({"count": 1, "children": [{"run_id": "", "time_limit_ms": 1000}]}),
+            "children[0]: run_id must be 1 to 200 characters",
+        ),
+        (
+            json!({"count": 1, "children": [run("a", "short")]}),
+            "children[0]: secret `PROVIDER_KEY`: the value must be printable ASCII",
+        ),
+    ] {
+        let (s, v) = h
+            .json("POST", &format!("/v1/sandboxes/{parent}/fork"), Some(body))
+            .await;
+        assert_eq!(s, 400, "{v}");
+        assert!(
+            v["error"].as_str().unwrap_or("").contains(want),
+            "{want}: {v}"
+        );
+    }
+    let (s, v) = h
+        .json(
+            "POST",
+            "/v1/sandboxes/sbx-0123456789abcdef/fork",
+            Some(json!({"count": 1, "children": [run("a", "sk-valid-0123456789")]})),
+        )
+        .await;
+    assert_eq!(s, 404, "{v}");
+
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{parent}/fork"),
+            Some(json!({"count": 2, "children": [
+                run("run-child-a", "sk-child-a-0123456789"),
+                run("run-child-b", "sk-child-b-0123456789")]})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    eprintln!("fork: {v}");
+    let children: Vec<String> = v["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(c["started_from"], "fork", "{c}");
+            assert_eq!(c["image"], "small", "{c}");
+            c["id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(children.len(), 2, "{v}");
+    assert_eq!(v["children"][1]["run_id"], "run-child-b", "{v}");
+    assert!(v["held_ms"].as_u64().is_some(), "{v}");
+
+    let mut seen = std::collections::BTreeSet::new();
+    let mut says = vec![parent_says.clone()];
+    for (i, id) in std::iter::once(&parent).chain(&children).enumerate() {
+        // The process, both files (read back from the disk itself too), and the network.
+        let (out, err, last) = h
+            .exec(
+                id,
+                &format!(
+                    "kill -0 $(cat /workspace/pid) && echo running; echo 3 > /proc/sys/vm/drop_caches; \
+                     cat /workspace/synced /workspace/cached; \
+                     printf 'GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n' | nc -w 5 allowed.test {port} | tail -1; echo; \
+                     echo $PROVIDER_KEY; sha256sum /etc/ssl/certs/sandbox-egress-ca.pem; echo {i} > /workspace/mine"
+                ),
+            )
+            .await;
+        assert_eq!(
+            last["exit_code"],
+            0,
+            "{i}: {}",
+            String::from_utf8_lossy(&err)
+        );
+        let text = String::from_utf8_lossy(&out).to_string();
+        assert!(
+            text.starts_with("running\non-disk\ncached\nhello from the host\n"),
+            "{i}: {text}"
+        );
+        if i > 0 {
+            says.push(text.lines().skip(4).collect::<Vec<_>>().join("\n") + "\n");
+        }
+        its_own_machine(h, id, i, false, &mut seen).await;
+    }
+    // Placeholders and CAs: each sandbox its own (its network process made them).
+    let mut keys = std::collections::BTreeSet::new();
+    let mut cas = std::collections::BTreeSet::new();
+    for s in &says {
+        let lines: Vec<&str> = s.lines().collect();
+        assert!(lines[0].starts_with("vantik-placeholder-"), "{s}");
+        keys.insert(lines[0].to_string());
+        cas.insert(lines[1].to_string());
+    }
+    assert_eq!((keys.len(), cas.len()), (3, 3), "{says:?}");
+    // What each wrote after the fork is its own.
+    for (i, id) in std::iter::once(&parent).chain(&children).enumerate() {
+        let (out, _, _) = h.exec(id, "cat /workspace/mine").await;
+        assert_eq!(out, format!("{i}\n").into_bytes(), "{id}");
+        let (s, v) = h.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["state"], "ready", "{v}");
+    }
+    let (_, v) = h
+        .json("GET", &format!("/v1/sandboxes/{}", children[0]), None)
+        .await;
+    assert_eq!(v["run_id"], "run-child-a", "{v}");
+    assert_eq!(
+        v["egress_settings"]["secrets"][0]["env"], "PROVIDER_KEY",
+        "{v}"
+    );
+    // A child forks too.
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{}/fork", children[0]),
+            Some(json!({"count": 1, "children": [run("run-grandchild", "sk-grandchild-0123456789")]})),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let grandchild = v["children"][0]["id"].as_str().unwrap().to_string();
+    let (out, _, _) = h
+        .exec(&grandchild, "cat /workspace/mine /workspace/cached")
+        .await;
+    assert_eq!(out, b"1\ncached\n");
+    for id in std::iter::once(&parent)
+        .chain(&children)
+        .chain([&grandchild])
+    {
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+        assert!(s == 200 || s == 204, "{s}");
+    }
+    let left: Vec<_> = std::fs::read_dir(&h.state)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".fork-"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "the forks' snapshots are removed: {left:?}"
+    );
+}
+
+/// On QEMU a running sandbox forks through QEMU's migration to a file
+/// (`forks_of_a_running_sandbox`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_qemu_a_running_sandbox_forks() {
+    if stock_image_missing() || std::env::var("SANDBOX_HOST_IN_NESTED").as_deref() == Ok("1") {
+        return;
+    }
+    let port = http_server("hello from the host").await;
+    let resolve = format!("allowed.test:{port}:127.0.0.1");
+    let h = start(&[
+        ("SANDBOX_HOST_VMM", "qemu"),
+        ("SANDBOX_HOST_TEMPLATES", "off"),
+        ("SANDBOX_HOST_EGRESS_RESOLVE", resolve.as_str()),
+        // Four 20 GiB sandbox disks at once, sparse.
+        ("SANDBOX_HOST_DISK_OVERCOMMIT", "100"),
+    ]);
+    forks_of_a_running_sandbox(&h, port).await;
 }

@@ -141,6 +141,10 @@ pub enum Request {
         /// Let the guest run again once written.
         resume: bool,
     },
+    /// Let a guest that a snapshot left paused (`resume` false) run again: a fork's parent,
+    /// held while its disk was copied. Nothing is answered; a guest that runs already is left
+    /// as it is.
+    Resume,
     /// The first line of the service's next run on the socket of [`VmConfig::adopt_fd`]; the
     /// answer is [`Event::Adopted`].
     Adopt,

@@ -60,7 +60,8 @@ pub fn pool_index(addr: Ipv4Addr) -> Option<u32> {
 /// checked against the clock), IPv6 off (the stack carries IPv4 only), the interface with `mac`
 /// up at [`GUEST_IP`] with the default route through [`GATEWAY_IP`], and `/etc/resolv.conf`
 /// naming the stack's DNS. It needs only `sh`, `date` and `ip`, which busybox and Debian both
-/// have.
+/// have. It may run again in a guest it ran in: a fork's child gets its own CA (or none) and
+/// the same address this way.
 pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64, ca_pem: Option<&str>) -> String {
     let mac = mac
         .iter()
@@ -80,7 +81,9 @@ for f in /proc/sys/net/ipv6/conf/all/disable_ipv6 /proc/sys/net/ipv6/conf/defaul
 done
 ip link set dev lo up
 ip link set dev "$dev" mtu {MTU} up
+ip addr del {GUEST_IP}/{PREFIX_LEN} dev "$dev" 2>/dev/null || true
 ip addr add {GUEST_IP}/{PREFIX_LEN} dev "$dev"
+ip route del default 2>/dev/null || true
 ip route add default via {GATEWAY_IP} dev "$dev"
 mkdir -p /etc
 rm -f /etc/resolv.conf
@@ -89,12 +92,17 @@ printf 'nameserver {GATEWAY_IP}\noptions attempts:2 timeout:2\n' > /etc/resolv.c
 [ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' > /etc/hosts
 {ca}"#,
         ca = match ca_pem {
-            // The sandbox's CA, for the system bundle and for tools with their own stores.
+            // The sandbox's CA, for the system bundle (the image's own, kept aside the first
+            // time, plus this CA: a fork's child replaces its parent's) and for tools with
+            // their own stores.
             Some(pem) => format!(
-                "mkdir -p /etc/ssl/certs\ncat > {CA_FILE} <<'SANDBOX_EGRESS_CA'\n{}\nSANDBOX_EGRESS_CA\ncat {CA_FILE} >> {CA_BUNDLE}\n",
+                "mkdir -p /etc/ssl/certs\ncat > {CA_FILE} <<'SANDBOX_EGRESS_CA'\n{}\nSANDBOX_EGRESS_CA\n[ -e {CA_BUNDLE_SYSTEM} ] || {{ cat {CA_BUNDLE} 2>/dev/null || true; }} > {CA_BUNDLE_SYSTEM}\ncat {CA_BUNDLE_SYSTEM} {CA_FILE} > {CA_BUNDLE}\n",
                 pem.trim()
             ),
-            None => String::new(),
+            // None, or no longer one (a fork's child whose run intercepts nothing).
+            None => format!(
+                "if [ -e {CA_BUNDLE_SYSTEM} ]; then cat {CA_BUNDLE_SYSTEM} > {CA_BUNDLE}; rm -f {CA_FILE}; fi\n"
+            ),
         }
     )
 }
@@ -103,6 +111,8 @@ printf 'nameserver {GATEWAY_IP}\noptions attempts:2 timeout:2\n' > /etc/resolv.c
 pub const CA_FILE: &str = "/etc/ssl/certs/sandbox-egress-ca.pem";
 /// The guest's system bundle, which gets the CA appended.
 pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// The image's bundle as it was before the first CA was appended.
+pub const CA_BUNDLE_SYSTEM: &str = "/etc/ssl/certs/ca-certificates.crt.system";
 
 /// The variables that point TLS clients with their own trust stores at the bundle (Node.js adds
 /// `NODE_EXTRA_CA_CERTS` to its built-in roots).

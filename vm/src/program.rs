@@ -340,6 +340,7 @@ fn serve_requests(
                 let result = snapshot(m, &mut reader, resume);
                 say(w, &Event::Snapshot { id, result }, None)
             }
+            Ok(Some(Request::Resume)) => m.resume(),
             // The service went (its socket ended, or was reset with our words unread); a line it
             // garbled still stops the VM below.
             Ok(None) if adoption.is_some() && m.exit().is_none() => {

@@ -170,6 +170,17 @@ pub trait Vm: Send + Sync {
         let _ = resume;
         Err(Unsupported::Snapshots.into())
     }
+    /// Pauses the guest and writes its snapshot to `to` (a fork's files, not the spec's), and
+    /// leaves it paused until [`Vm::resume`]: what must agree with the memory (the sandbox
+    /// disk) is copied meanwhile. Every call is answered by a `resume`, whatever the result.
+    async fn snapshot_held(&self, to: &SnapshotFiles) -> Result<SnapshotDone, VmError> {
+        let _ = to;
+        Err(Unsupported::Snapshots.into())
+    }
+    /// Lets a guest that [`Vm::snapshot_held`] left paused run again.
+    async fn resume(&self) -> Result<(), VmError> {
+        Err(Unsupported::Snapshots.into())
+    }
     /// From the backend's `start` to the guest's first instruction (the machine built and its
     /// vCPUs running): the VMM's own start-up cost, where the backend knows it (not QEMU).
     fn vmm_start(&self) -> Option<Duration> {

@@ -206,9 +206,9 @@ pub enum VmSnapshotError {
     /// The VM was started without the files a snapshot is written to.
     #[error("this VM was started without snapshot files")]
     NoFiles,
-    /// A QEMU VM's memory file is written once, from its start.
-    #[error("this VM has been snapshotted already; a QEMU VM is snapshotted once")]
-    Taken,
+    /// A command on QEMU's monitor failed earlier, so it is not used again.
+    #[error("QEMU's monitor failed in an earlier snapshot of this VM, so it takes no other")]
+    MonitorLost,
     /// A blocking task around the snapshot's files did not finish.
     #[error("{what}: {source}")]
     Task {

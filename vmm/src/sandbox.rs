@@ -91,8 +91,9 @@ pub struct Sandbox {
     /// From asking the backend to start to the agent's `Ready`.
     pub boot_time: Duration,
     watchdog: tokio::task::AbortHandle,
-    /// Set while a snapshot holds the guest: the watchdog does not count that time.
-    snapshotting: Arc<std::sync::atomic::AtomicBool>,
+    /// Counts the snapshots' holds of the guest and their ends (odd while one holds it): the
+    /// watchdog does not count that time, nor a ping that a hold overlapped.
+    snapshotting: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Sandbox {
@@ -101,13 +102,33 @@ impl Sandbox {
     /// it waits for its stop.
     pub async fn snapshot(&self, resume: bool) -> Result<crate::SnapshotDone, VmError> {
         use std::sync::atomic::Ordering;
-        self.snapshotting.store(true, Ordering::SeqCst);
+        self.snapshotting.fetch_add(1, Ordering::SeqCst);
         let r = self.vm.snapshot(resume).await;
         if resume || r.is_err() {
-            self.snapshotting.store(false, Ordering::SeqCst);
+            self.snapshotting.fetch_add(1, Ordering::SeqCst);
         } else {
             self.watchdog.abort();
         }
+        r
+    }
+
+    /// Pauses the guest and writes its snapshot to `to`, leaving it paused for
+    /// [`Sandbox::resume`] ([`Vm::snapshot_held`]): a fork's copy. The watchdog does not count
+    /// the time the guest is held.
+    pub async fn snapshot_held(
+        &self,
+        to: &crate::SnapshotFiles,
+    ) -> Result<crate::SnapshotDone, VmError> {
+        use std::sync::atomic::Ordering;
+        self.snapshotting.fetch_add(1, Ordering::SeqCst);
+        self.vm.snapshot_held(to).await
+    }
+
+    /// Lets a guest held by [`Sandbox::snapshot_held`] run again, and the watchdog count again.
+    pub async fn resume(&self) -> Result<(), VmError> {
+        use std::sync::atomic::Ordering;
+        let r = self.vm.resume().await;
+        self.snapshotting.fetch_add(1, Ordering::SeqCst);
         r
     }
 
@@ -120,7 +141,7 @@ impl Sandbox {
         boot_time: Duration,
         liveness: Liveness,
     ) -> Sandbox {
-        let snapshotting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let snapshotting = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let watchdog = tokio::spawn(watch(
             id,
             vm.clone(),
@@ -163,7 +184,7 @@ impl Sandbox {
             },
             boot_time: Duration::ZERO,
             watchdog: tokio::spawn(async {}).abort_handle(),
-            snapshotting: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            snapshotting: Arc::new(std::sync::atomic::AtomicU64::new(1)),
         }
     }
 
@@ -298,7 +319,7 @@ async fn watch(
     vm: Arc<dyn Vm>,
     client: Client,
     liveness: Liveness,
-    snapshotting: Arc<std::sync::atomic::AtomicBool>,
+    snapshotting: Arc<std::sync::atomic::AtomicU64>,
 ) {
     use std::sync::atomic::Ordering;
     let reason = loop {
@@ -306,15 +327,17 @@ async fn watch(
             _ = vm.wait() => return,
             _ = tokio::time::sleep(liveness.interval) => {}
         }
-        if snapshotting.load(Ordering::SeqCst) {
+        let holds = snapshotting.load(Ordering::SeqCst);
+        if holds % 2 == 1 {
             continue;
         }
         let pinged = tokio::select! {
             _ = vm.wait() => return,
             r = tokio::time::timeout(liveness.timeout, client.ping()) => r,
         };
-        // A snapshot that began while the ping waited held the guest: not its fault.
-        if snapshotting.load(Ordering::SeqCst) {
+        // A snapshot that began (or came and went) while the ping waited held the guest: not
+        // its fault.
+        if snapshotting.load(Ordering::SeqCst) != holds {
             continue;
         }
         match pinged {

@@ -17,9 +17,11 @@ use crate::metrics::Disposal;
 use crate::registry::{self, SandboxEntry};
 use crate::state::AppState;
 
+mod fork;
 mod pause;
 mod template;
 
+pub use fork::{Child, MAX_CHILDREN, fork};
 pub use pause::{PauseOutcome, ResumeOutcome, pause, resume};
 
 /// The image a run gets when it names none.
@@ -160,6 +162,17 @@ pub struct Created {
     pub restored: bool,
 }
 
+/// Where a new sandbox's VM comes from.
+enum Origin<'a> {
+    /// Its shape's template, or a boot.
+    Shape,
+    /// A snapshot of a running sandbox, for which room was made already.
+    Fork {
+        snapshot: &'a crate::templates::Template,
+        reservation: crate::capacity::Reservation,
+    },
+}
+
 /// Makes the sandbox `plan` describes, on the host's backend: admitted, started (from a
 /// template of its shape when there is one; a template that fails is discarded and the sandbox
 /// boots cold), registered and watched. On failure nothing of it is left.
@@ -168,6 +181,11 @@ pub async fn create(
     backend: Arc<dyn Backend>,
     plan: Plan,
 ) -> Result<Created, ApiError> {
+    create_from(state, backend, plan, Origin::Shape).await
+}
+
+/// Whether the service takes new sandboxes now: not while it stops, hands over or drains.
+fn taking_new(state: &AppState) -> Result<(), ApiError> {
     match state.ending() {
         crate::state::Ending::Serving => {}
         crate::state::Ending::Disposing => {
@@ -193,24 +211,32 @@ pub async fn create(
                 .into(),
         ));
     }
+    Ok(())
+}
+
+/// [`create`], of a VM from `origin`.
+async fn create_from(
+    state: &AppState,
+    backend: Arc<dyn Backend>,
+    plan: Plan,
+    origin: Origin<'_>,
+) -> Result<Created, ApiError> {
+    taking_new(state)?;
     let mut spec = plan.vm_spec(state);
     // A sandbox outlives a crash or a hand-over of the service where its backend lets the next
     // run take it on again (`adopt.rs`), and where the jail makes cgroups: what the next run does
     // not take on (a crash before its record, a record refused) ends with its cgroup, which
     // nothing else would end.
     spec.outlive = backend.can_outlive() && sandbox_jail::global().status().cgroup.is_some();
-    // Admission: the sandbox's share of the host's budgets, held until it is gone.
-    let reservation = state
-        .capacity()
-        .reserve(
-            u64::from(plan.run.memory_mib),
-            state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
-            spec.scratch_disk_mib.unwrap_or(0),
-        )
-        .map_err(|why| {
-            state.metrics().refused_for_capacity();
-            ApiError::NoCapacity(why)
-        })?;
+    // Admission: the sandbox's share of the host's budgets, held until it is gone (a fork's
+    // children were admitted before their parent was held).
+    let (reservation, fork) = match origin {
+        Origin::Shape => (admit(state, &plan.run, &spec)?, None),
+        Origin::Fork {
+            snapshot,
+            reservation,
+        } => (reservation, Some(snapshot)),
+    };
     let shape = plan.shape(&spec);
     // Where the backend can pause a VM, every sandbox's VM gets at start the two files its
     // snapshot goes to (created empty here; the VM process opens nothing itself).
@@ -233,7 +259,12 @@ pub async fn create(
     };
     spec.snapshot_to = pausable_files.as_ref().map(|f| f[0].clone());
     let base_spec = spec.clone();
-    let booted = start_from_template_or_boot(state, backend.as_ref(), &plan, spec, &shape).await;
+    let booted = match fork {
+        None => start_from_template_or_boot(state, backend.as_ref(), &plan, spec, &shape).await,
+        Some(snapshot) => start(state, backend.as_ref(), &plan, spec, Some(snapshot))
+            .await
+            .map(|b| (b, true, true)),
+    };
     let ((sandbox, started), restored, had_template) = match booted {
         Ok(b) => b,
         Err(e) => {
@@ -255,7 +286,7 @@ pub async fn create(
         // The first sandbox of its shape: the next ones are restored.
         template::ensure(state, backend.clone(), plan.image.clone(), shape);
     }
-    state.metrics().started(restored);
+    state.metrics().started(restored && fork.is_none());
     state.metrics().boot(sandbox.boot_time);
     let entry = register(
         state,
@@ -267,6 +298,10 @@ pub async fn create(
             sandbox,
             reservation,
             pausable,
+            fork_base: Some(registry::ForkBase {
+                image: plan.image.clone(),
+                mac: started.mac,
+            }),
         },
     );
     // A create that was under way when the service began to dispose of every sandbox: that
@@ -286,6 +321,25 @@ pub async fn create(
     let (dir, e) = (state.config().state_dir.clone(), entry.clone());
     let _ = tokio::task::spawn_blocking(move || crate::adopt::save_or_log(&dir, &e)).await;
     Ok(Created { entry, restored })
+}
+
+/// The share of the host's budgets a sandbox of `run` with `spec` holds until it is gone.
+fn admit(
+    state: &AppState,
+    run: &registry::Run,
+    spec: &VmSpec,
+) -> Result<crate::capacity::Reservation, ApiError> {
+    state
+        .capacity()
+        .reserve(
+            u64::from(run.memory_mib),
+            state.config().egress_memory_mib + crate::netproc::ALLOWANCE_MIB,
+            spec.scratch_disk_mib.unwrap_or(0),
+        )
+        .map_err(|why| {
+            state.metrics().refused_for_capacity();
+            ApiError::NoCapacity(why)
+        })
 }
 
 /// The VM of `plan` started from its shape's template, if there is one and it works, else

@@ -1,6 +1,7 @@
 //! The HTTP routes of `/v1` and `/metrics`, one router per resource, merged behind the token.
 
 mod exec;
+mod fork;
 pub mod health;
 mod observe;
 mod pause;
@@ -36,6 +37,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/sandboxes/{id}/keepalive"),
     ("POST", "/v1/sandboxes/{id}/pause"),
     ("POST", "/v1/sandboxes/{id}/resume"),
+    ("POST", "/v1/sandboxes/{id}/fork"),
     ("PUT", "/v1/sandboxes/{id}/archive"),
     ("GET", "/v1/sandboxes/{id}/archive"),
     ("PUT", "/v1/sandboxes/{id}/files"),
@@ -66,6 +68,7 @@ pub fn app(state: AppState) -> Router {
         .merge(health::router())
         .merge(sandboxes::router())
         .merge(pause::router())
+        .merge(fork::router())
         .merge(exec::router())
         .merge(pty::router())
         .merge(ports::router())

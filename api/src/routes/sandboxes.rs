@@ -65,14 +65,7 @@ fn bad(msg: impl Into<String>) -> ApiError {
 }
 
 fn validate(r: &CreateRequest) -> Result<(), ApiError> {
-    if r.run_id.trim().is_empty() || r.run_id.chars().count() > 200 {
-        return Err(bad("run_id must be 1 to 200 characters"));
-    }
-    if r.time_limit_ms == 0 || r.time_limit_ms > 7 * 24 * 3600 * 1000 {
-        return Err(bad(
-            "time_limit_ms must be between 1 and 604800000 (7 days)",
-        ));
-    }
+    validate_run(&r.run_id, r.time_limit_ms, &r.env, &r.egress)?;
     if !(128..=65_536).contains(&r.memory_mib) {
         return Err(bad(format!(
             "memory_mib must be between 128 and 65536, not {}",
@@ -85,25 +78,42 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
             r.vcpus
         )));
     }
-    for k in r.env.keys().chain(r.egress.secrets.iter().map(|s| &s.env)) {
+    if let Some(e) = r.arch.as_deref().and_then(unknown_arch) {
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// The checks of a run's own fields, a create's or a fork's child's.
+pub(super) fn validate_run(
+    run_id: &str,
+    time_limit_ms: u64,
+    env: &BTreeMap<String, String>,
+    egress: &EgressSpec,
+) -> Result<(), ApiError> {
+    if run_id.trim().is_empty() || run_id.chars().count() > 200 {
+        return Err(bad("run_id must be 1 to 200 characters"));
+    }
+    if time_limit_ms == 0 || time_limit_ms > 7 * 24 * 3600 * 1000 {
+        return Err(bad(
+            "time_limit_ms must be between 1 and 604800000 (7 days)",
+        ));
+    }
+    for k in env.keys().chain(egress.secrets.iter().map(|s| &s.env)) {
         if !valid_env_name(k) {
             return Err(bad(format!(
                 "`{k}` is not a valid environment variable name"
             )));
         }
     }
-    if let Some(e) = r.arch.as_deref().and_then(unknown_arch) {
-        return Err(e);
-    }
-    if r.env.values().any(|v| v.contains('\0')) {
+    if env.values().any(|v| v.contains('\0')) {
         return Err(bad("env values cannot contain NUL"));
     }
-    for h in r
-        .egress
+    for h in egress
         .allow
         .iter()
-        .chain(&r.egress.meter)
-        .chain(r.egress.secrets.iter().flat_map(|s| &s.hosts))
+        .chain(&egress.meter)
+        .chain(egress.secrets.iter().flat_map(|s| &s.hosts))
     {
         if !valid_host_pattern(h) {
             return Err(bad(format!(
@@ -111,8 +121,7 @@ fn validate(r: &CreateRequest) -> Result<(), ApiError> {
             )));
         }
     }
-    if let Some(s) = r
-        .egress
+    if let Some(s) = egress
         .secrets
         .iter()
         .find(|s| s.hosts.is_empty() || s.value.is_empty())
@@ -188,6 +197,14 @@ async fn create(
     )?;
     let lifecycle::Created { entry, restored } = lifecycle::create(&state, backend, plan).await?;
     let started_from = if restored { "template" } else { "boot" };
+    Ok((
+        StatusCode::CREATED,
+        Json(created(&state, &entry, started_from)),
+    ))
+}
+
+/// A new sandbox as a create (or a fork, for each child) answers it; logged.
+pub(super) fn created(state: &AppState, entry: &SandboxEntry, started_from: &str) -> Value {
     let boot_ms = entry.sandbox().boot_time.as_millis() as u64;
     tracing::info!(
         id = %entry.id,
@@ -198,21 +215,18 @@ async fn create(
         started_from,
         "Created sandbox"
     );
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({
-            "id": entry.id,
-            "run_id": entry.run_id,
-            "image": entry.image,
-            "stock_image": entry.stock_image,
-            "harness_version_match": entry.harness_version_match,
-            "disk_limit_mib": entry.disk_limit_mib,
-            "expires_at": rfc3339(entry.expires_at),
-            "boot_ms": boot_ms,
-            "started_from": started_from,
-            "host": state.config().name,
-        })),
-    ))
+    json!({
+        "id": entry.id,
+        "run_id": entry.run_id,
+        "image": entry.image,
+        "stock_image": entry.stock_image,
+        "harness_version_match": entry.harness_version_match,
+        "disk_limit_mib": entry.disk_limit_mib,
+        "expires_at": rfc3339(entry.expires_at),
+        "boot_ms": boot_ms,
+        "started_from": started_from,
+        "host": state.config().name,
+    })
 }
 
 /// The summary of a sandbox shown by list and get.

@@ -69,9 +69,12 @@ impl Machine {
         }
     }
 
-    /// Lets a paused machine run again.
+    /// Lets a paused machine run again; one that runs is left as it is.
     pub fn resume(&self) {
         let mut p = lock(&self.shared.pause);
+        if !self.shared.pausing.load(Ordering::SeqCst) {
+            return;
+        }
         self.shared.pausing.store(false, Ordering::SeqCst);
         p.epoch += 1;
         p.stopped.clear();

@@ -233,28 +233,34 @@ impl Vm for KvmVm {
         let Some(files) = self.snapshot_to.clone() else {
             return Err(VmSnapshotError::NoFiles.into());
         };
-        let m = self.machine.clone();
-        let memory_mib = self.memory_mib;
-        let state_file = |what| move |source| VmSnapshotError::StateFile { what, source };
-        tokio::task::spawn_blocking(move || -> Result<_, VmSnapshotError> {
-            let (state, memory) = (&files.0, &files.1);
-            sandbox_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)?;
-            state
-                .set_len(0)
-                .and_then(|()| std::io::Seek::seek(&mut &*state, std::io::SeekFrom::Start(0)))
-                .map_err(state_file("emptying"))?;
-            let done = m.pause_and_snapshot(&mut &*state, memory, resume)?;
-            state.sync_data().map_err(state_file("syncing"))?;
-            Ok(done)
-        })
-        .await
-        .map_err(|source| VmSnapshotError::Task {
-            what: "the snapshot task failed",
-            source,
-        })?
-        .map_err(VmError::from)
+        self.snapshot_into(files, resume).await
     }
 
+    async fn snapshot_held(
+        &self,
+        to: &crate::backend::SnapshotFiles,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
+        let open = |p: &std::path::Path| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(p)
+                .map_err(|source| VmSnapshotError::File {
+                    what: "opening",
+                    path: p.to_path_buf(),
+                    source,
+                })
+        };
+        let files = Arc::new((open(&to.state)?, open(&to.memory)?));
+        self.snapshot_into(files, false).await
+    }
+
+    async fn resume(&self) -> Result<(), VmError> {
+        self.machine.resume();
+        Ok(())
+    }
     async fn diagnostics(&self) -> String {
         self.machine.vcpu_report()
     }
@@ -275,5 +281,35 @@ impl Vm for KvmVm {
 impl Drop for KvmVm {
     fn drop(&mut self) {
         remove_state_dir(&self.state_dir);
+    }
+}
+
+impl KvmVm {
+    /// Pauses, writes the snapshot into `files` (state, memory), and resumes if `resume`.
+    async fn snapshot_into(
+        &self,
+        files: Arc<(std::fs::File, std::fs::File)>,
+        resume: bool,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
+        let m = self.machine.clone();
+        let memory_mib = self.memory_mib;
+        let state_file = |what| move |source| VmSnapshotError::StateFile { what, source };
+        tokio::task::spawn_blocking(move || -> Result<_, VmSnapshotError> {
+            let (state, memory) = (&files.0, &files.1);
+            sandbox_control::files::size_memory_file(memory, u64::from(memory_mib) << 20)?;
+            state
+                .set_len(0)
+                .and_then(|()| std::io::Seek::seek(&mut &*state, std::io::SeekFrom::Start(0)))
+                .map_err(state_file("emptying"))?;
+            let done = m.pause_and_snapshot(&mut &*state, memory, resume)?;
+            state.sync_data().map_err(state_file("syncing"))?;
+            Ok(done)
+        })
+        .await
+        .map_err(|source| VmSnapshotError::Task {
+            what: "the snapshot task failed",
+            source,
+        })?
+        .map_err(VmError::from)
     }
 }

@@ -644,73 +644,16 @@ impl ProcessVm {
         }
     }
 
-    /// Once the process is gone: a memory file it was handed, and kept a descriptor of past
-    /// its pause, cut back to the guest's size (a compromised process could write past its end,
-    /// up to its file size limit).
-    fn trim_snapshot(&self) {
-        let (Some(files), true) = (
-            &self.snapshot_to,
-            self.snapshots.load(std::sync::atomic::Ordering::SeqCst) > 0,
-        ) else {
-            return;
-        };
-        let want = sandbox_control::files::memory_file_len(u64::from(self.memory_mib) << 20);
-        let Ok(f) = std::fs::OpenOptions::new().write(true).open(&files.memory) else {
-            return;
-        };
-        if f.metadata().is_ok_and(|m| m.len() > want) {
-            tracing::warn!(
-                file = %files.memory.display(),
-                "a VM process wrote past its snapshot's memory file; cut back to the guest's size"
-            );
-            let _ = f.set_len(want);
-        }
-    }
-}
-
-#[async_trait]
-impl Vm for ProcessVm {
-    fn exit(&self) -> Option<VmExit> {
-        self.process.exit()
-    }
-
-    async fn wait(&self) -> VmExit {
-        self.process.wait().await
-    }
-
-    async fn stop(&self, _grace: Duration) -> VmExit {
-        // As in-process: no grace is needed (disks are written through); the machine stops
-        // its vCPUs at once and the process reports and ends.
-        let control = &self.control;
-        let exit = self
-            .process
-            .stop(STOP_TIMEOUT, |p| {
-                if !control.ask(&Request::Stop) {
-                    p.signal(libc::SIGKILL);
-                }
-            })
-            .await;
-        self.trim_snapshot();
-        exit
-    }
-
-    async fn kill(&self, reason: String) -> VmExit {
-        let exit = self.process.kill(reason).await;
-        self.trim_snapshot();
-        exit
-    }
-
-    fn console_tail(&self, n: usize) -> Vec<String> {
-        self.process.console_tail(n).into_iter().map(told).collect()
-    }
-
-    async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+    /// Pauses the guest and writes its snapshot to `files`; the guest runs on after if
+    /// `resume`, else stays paused until [`Vm::resume`] or its stop.
+    async fn snapshot_into(
+        &self,
+        files: &crate::backend::SnapshotFiles,
+        resume: bool,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
         if let Some(e) = self.exit() {
             return Err(VmSnapshotError::Ended(e.reason).into());
         }
-        let Some(files) = &self.snapshot_to else {
-            return Err(VmSnapshotError::NoFiles.into());
-        };
         let id = self
             .snapshots
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -774,6 +717,89 @@ impl Vm for ProcessVm {
         }
     }
 
+    /// Once the process is gone: a memory file it was handed, and kept a descriptor of past
+    /// its pause, cut back to the guest's size (a compromised process could write past its end,
+    /// up to its file size limit).
+    fn trim_snapshot(&self) {
+        let (Some(files), true) = (
+            &self.snapshot_to,
+            self.snapshots.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        ) else {
+            return;
+        };
+        let want = sandbox_control::files::memory_file_len(u64::from(self.memory_mib) << 20);
+        let Ok(f) = std::fs::OpenOptions::new().write(true).open(&files.memory) else {
+            return;
+        };
+        if f.metadata().is_ok_and(|m| m.len() > want) {
+            tracing::warn!(
+                file = %files.memory.display(),
+                "a VM process wrote past its snapshot's memory file; cut back to the guest's size"
+            );
+            let _ = f.set_len(want);
+        }
+    }
+}
+
+#[async_trait]
+impl Vm for ProcessVm {
+    fn exit(&self) -> Option<VmExit> {
+        self.process.exit()
+    }
+
+    async fn wait(&self) -> VmExit {
+        self.process.wait().await
+    }
+
+    async fn stop(&self, _grace: Duration) -> VmExit {
+        // As in-process: no grace is needed (disks are written through); the machine stops
+        // its vCPUs at once and the process reports and ends.
+        let control = &self.control;
+        let exit = self
+            .process
+            .stop(STOP_TIMEOUT, |p| {
+                if !control.ask(&Request::Stop) {
+                    p.signal(libc::SIGKILL);
+                }
+            })
+            .await;
+        self.trim_snapshot();
+        exit
+    }
+
+    async fn kill(&self, reason: String) -> VmExit {
+        let exit = self.process.kill(reason).await;
+        self.trim_snapshot();
+        exit
+    }
+
+    fn console_tail(&self, n: usize) -> Vec<String> {
+        self.process.console_tail(n).into_iter().map(told).collect()
+    }
+
+    async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+        let Some(files) = &self.snapshot_to else {
+            return Err(VmSnapshotError::NoFiles.into());
+        };
+        self.snapshot_into(files, resume).await
+    }
+
+    async fn snapshot_held(
+        &self,
+        to: &crate::backend::SnapshotFiles,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
+        self.snapshot_into(to, false).await
+    }
+
+    async fn resume(&self) -> Result<(), VmError> {
+        if let Some(e) = self.exit() {
+            return Err(VmSnapshotError::Ended(e.reason).into());
+        }
+        if !self.control.ask(&Request::Resume) {
+            return Err(VmSnapshotError::ControlClosed.into());
+        }
+        Ok(())
+    }
     async fn diagnostics(&self) -> String {
         // Asked of the process, answered within a moment or not at all (it may be the reason
         // the VM is being given up on).

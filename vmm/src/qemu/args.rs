@@ -87,7 +87,8 @@ pub struct Wiring {
 }
 
 /// The fd set a snapshot's memory file is added to (by QMP's `add-fd`, when the snapshot is
-/// taken): the snapshot is a migration to `file:/dev/fdset/N`.
+/// taken): the snapshot is a migration to `file:/dev/fdset/N`. Emptied after each one, so the
+/// next snapshot's file is the only one in it.
 pub const SNAPSHOT_FDSET: u32 = 1000;
 /// The fd set of [`Wiring::restore_fd`].
 pub const RESTORE_FDSET: u32 = 1001;
@@ -240,14 +241,17 @@ fn disk_args(spec: &VmSpec, wiring: &Wiring) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
     for (i, (disk, fds)) in spec.disks.iter().zip(&wiring.disk_fds).enumerate() {
         // The disk is a QEMU fd set of inherited descriptors; format=raw always: a
-        // guest-written image must never be probed for a format.
+        // guest-written image must never be probed for a format. No image locking: each VM
+        // has its own sandbox disk from the service, and QEMU's locks between its own two
+        // descriptors of one disk refuse the `cont` that lets a fork's parent run on after its
+        // migration ("Failed to get write lock").
         for fd in fds {
             a.extend(["-add-fd".into(), format!("fd={fd},set={}", i + 1).into()]);
         }
         a.extend([
             "-drive".into(),
             format!(
-                "file=/dev/fdset/{},if=none,id=disk{i},format=raw,readonly={}",
+                "file=/dev/fdset/{},file.locking=off,if=none,id=disk{i},format=raw,readonly={}",
                 i + 1,
                 if disk.read_only { "on" } else { "off" }
             )
@@ -415,7 +419,7 @@ mod tests {
         assert!(s.contains("-kernel /vm/kernel -initrd /vm/initrd -append console=ttyS0 reboot=t"));
         assert!(s.contains("sandbox.memory_mib=4096 sandbox.channel=serial:sandbox.agent extra=1"));
         assert!(s.contains("-chardev socket,id=agent,fd=3 -device virtio-serial-device -device virtserialport,chardev=agent,name=sandbox.agent"));
-        assert!(s.contains("-add-fd fd=6,set=1 -drive file=/dev/fdset/1,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
+        assert!(s.contains("-add-fd fd=6,set=1 -drive file=/dev/fdset/1,file.locking=off,if=none,id=disk0,format=raw,readonly=on -device virtio-blk-device,drive=disk0,serial=disk0"));
         assert!(s.contains(
             "-chardev socket,id=marker,fd=4 -device isa-debugcon,iobase=0x440,chardev=marker"
         ));

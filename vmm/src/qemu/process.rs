@@ -26,8 +26,8 @@ pub struct QemuVm {
     process: Supervised,
     /// From spawning QEMU to the guest's boot marker, once it came.
     marker: Arc<std::sync::OnceLock<Duration>>,
-    /// A VM that may be snapshotted: its monitor (taken by the one snapshot it may have), what
-    /// its snapshot is of, and where its state file goes.
+    /// Its monitor, what its snapshots are of, and where the spec's snapshot goes: every VM
+    /// started here may be snapshotted (a pause's files, or a fork's).
     snapshot: Option<SnapshotTarget>,
     /// Where its agent's socket listens, for a VM that may outlive the service.
     agent_path: Option<PathBuf>,
@@ -41,10 +41,20 @@ pub const AGENT_SOCKET: &str = "agent.sock";
 
 /// What [`Vm::snapshot`] of a QEMU VM needs.
 struct SnapshotTarget {
-    monitor: tokio::sync::Mutex<Option<std::os::unix::net::UnixStream>>,
+    monitor: tokio::sync::Mutex<Monitor>,
     header: super::snapshot::Header,
-    state: PathBuf,
-    memory: PathBuf,
+    /// The spec's `snapshot_to`: where [`Vm::snapshot`] writes.
+    to: Option<crate::backend::SnapshotFiles>,
+}
+
+/// QEMU's monitor: its socket until the first snapshot, then the session on it, kept for the
+/// next one and for the `cont` of a held guest.
+enum Monitor {
+    Socket(std::os::unix::net::UnixStream),
+    Open(crate::qmp::Qmp),
+    /// A command on it failed: what it answers from now on cannot be trusted to belong to
+    /// the next question.
+    Broken,
 }
 
 /// Memory QEMU itself may use beyond the guest's, in its cgroup: TCG keeps a translation cache
@@ -176,15 +186,11 @@ pub async fn spawn(
             .map_err(|e| VmError::io("connecting the network socket", e))?;
         tokio::spawn(crate::netpump::run(s, link, exit_rx.clone()));
     }
-    let snapshot = match (ends.monitor, &spec.snapshot_to) {
-        (Some(m), Some(to)) => Some(SnapshotTarget {
-            monitor: tokio::sync::Mutex::new(Some(m)),
-            header: super::snapshot::Header::of(arch, accel, spec),
-            state: to.state.clone(),
-            memory: to.memory.clone(),
-        }),
-        _ => None,
-    };
+    let snapshot = ends.monitor.map(|m| SnapshotTarget {
+        monitor: tokio::sync::Mutex::new(Monitor::Socket(m)),
+        header: super::snapshot::Header::of(arch, accel, spec),
+        to: spec.snapshot_to.clone(),
+    });
     if spec.restore_from.is_some() {
         greet_restored(&ends.agent)?;
     }
@@ -220,12 +226,11 @@ fn descriptors(spec: &VmSpec, accel: super::Accel) -> Result<(Descriptors, HostE
         restore_fd: None,
         kvm_fd: None,
         disk_fds: vec![],
-        // A snapshot: the guest's memory, a header per page, and the devices' state.
-        fsize: if spec.snapshot_to.is_some() {
-            (u64::from(spec.memory_mib) << 20) + (u64::from(spec.memory_mib) << 10) * 3 + (64 << 20)
-        } else {
-            0
-        },
+        // A snapshot (every VM may have one: a pause's or a fork's): the guest's memory, a
+        // header per page, and the devices' state.
+        fsize: (u64::from(spec.memory_mib) << 20)
+            + (u64::from(spec.memory_mib) << 10) * 3
+            + (64 << 20),
     };
     // The boot marker: an I/O port on x86_64, a virtio-serial port on aarch64 (see args).
     let (marker, marker_vm) = socket_pair("boot marker")?;
@@ -246,15 +251,12 @@ fn descriptors(spec: &VmSpec, accel: super::Accel) -> Result<(Descriptors, HostE
         };
         d.net_fd = Some(d.push(vm));
     }
-    // A VM that may be snapshotted gets its monitor (its snapshot's memory file comes over it
-    // with the snapshot, by `add-fd`: until then QEMU holds no file it could write one to); a
-    // VM restored from one gets that file to read.
-    let mut monitor = None;
-    if spec.snapshot_to.is_some() {
-        let (host, vm) = socket_pair("monitor")?;
-        d.qmp_fd = Some(d.push(vm));
-        monitor = Some(host);
-    }
+    // Every VM gets its monitor, so that any can be snapshotted (a pause, a fork): a snapshot's
+    // memory file comes over it with the snapshot, by `add-fd`, so until then QEMU holds no
+    // file it could write one to. A VM restored from one gets that file to read.
+    let (host, vm) = socket_pair("monitor")?;
+    d.qmp_fd = Some(d.push(vm));
+    let monitor = Some(host);
     if let Some(from) = &spec.restore_from {
         let f = std::fs::File::open(&from.memory)
             .map_err(|e| VmError::io(format!("opening {}", from.memory.display()), e))?;
@@ -560,30 +562,79 @@ impl Vm for QemuVm {
     }
 
     async fn snapshot(&self, resume: bool) -> Result<crate::backend::SnapshotDone, VmError> {
+        let Some(to) = self.snapshot.as_ref().and_then(|t| t.to.clone()) else {
+            return Err(Unsupported::NoSnapshotFile.into());
+        };
+        self.snapshot_into(&to, resume).await
+    }
+
+    async fn snapshot_held(
+        &self,
+        to: &crate::backend::SnapshotFiles,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
+        self.snapshot_into(to, false).await
+    }
+
+    async fn resume(&self) -> Result<(), VmError> {
         let Some(target) = &self.snapshot else {
             return Err(Unsupported::NoSnapshotFile.into());
         };
-        // One snapshot per VM: its memory file is written once, from its start.
-        let Some(monitor) = target.monitor.lock().await.take() else {
-            return Err(VmSnapshotError::Taken.into());
+        let mut monitor = target.monitor.lock().await;
+        let Monitor::Open(qmp) = &mut *monitor else {
+            return Err(VmSnapshotError::MonitorLost.into());
         };
-        let monitor = tokio::net::UnixStream::from_std(monitor)
-            .map_err(|e| VmError::io("connecting QEMU's monitor", e))?;
-        let taking = async {
-            let mut qmp = crate::qmp::Qmp::connect(monitor, Duration::from_secs(10))
+        let cont = super::snapshot::cont(qmp);
+        let r = tokio::select! {
+            r = cont => r,
+            exit = self.wait() => Err(VmSnapshotError::EndedDuring(exit.reason).into()),
+        };
+        if r.is_err() {
+            *monitor = Monitor::Broken;
+        }
+        r
+    }
+}
+
+impl QemuVm {
+    /// Migrates the guest into `to` (QEMU's migration to a file, over the monitor, with the
+    /// memory file handed over by `add-fd` into a set of its own), writes the state file, and
+    /// lets the guest run on if `resume`.
+    async fn snapshot_into(
+        &self,
+        to: &crate::backend::SnapshotFiles,
+        resume: bool,
+    ) -> Result<crate::backend::SnapshotDone, VmError> {
+        let Some(target) = &self.snapshot else {
+            return Err(Unsupported::NoSnapshotFile.into());
+        };
+        let mut monitor = target.monitor.lock().await;
+        if let Monitor::Socket(_) = &*monitor {
+            let Monitor::Socket(socket) = std::mem::replace(&mut *monitor, Monitor::Broken) else {
+                unreachable!("matched above");
+            };
+            let socket = tokio::net::UnixStream::from_std(socket)
+                .map_err(|e| VmError::io("connecting QEMU's monitor", e))?;
+            let qmp = crate::qmp::Qmp::connect(socket, Duration::from_secs(10))
                 .await
                 .map_err(VmSnapshotError::Monitor)?;
+            *monitor = Monitor::Open(qmp);
+        }
+        let Monitor::Open(qmp) = &mut *monitor else {
+            return Err(VmSnapshotError::MonitorLost.into());
+        };
+        let fdset = super::args::SNAPSHOT_FDSET;
+        let taking = async {
             // The memory file, handed over now: QEMU's migration writes it as `/dev/fdset/N`.
             let memory = std::fs::OpenOptions::new()
                 .write(true)
                 .truncate(true)
-                .open(&target.memory)
-                .map_err(|e| VmError::io(format!("opening {}", target.memory.display()), e))?;
+                .open(&to.memory)
+                .map_err(|e| VmError::io(format!("opening {}", to.memory.display()), e))?;
             {
                 use std::os::fd::AsRawFd;
                 qmp.execute_with_fd(
                     "add-fd",
-                    serde_json::json!({ "fdset-id": super::args::SNAPSHOT_FDSET }),
+                    serde_json::json!({ "fdset-id": fdset }),
                     memory.as_raw_fd(),
                     Duration::from_secs(10),
                 )
@@ -591,11 +642,26 @@ impl Vm for QemuVm {
                 .map_err(VmSnapshotError::HandOver)?;
             }
             drop(memory);
-            super::snapshot::take(&mut qmp, &target.header, &target.state, resume).await
+            let taken = super::snapshot::take(qmp, &target.header, &to.state, resume).await;
+            // QEMU's copy of the file goes with its set: the next snapshot's is alone in it.
+            if taken.is_ok() {
+                qmp.execute(
+                    "remove-fd",
+                    serde_json::json!({ "fdset-id": fdset }),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(VmSnapshotError::Command)?;
+            }
+            taken
         };
-        tokio::select! {
+        let r = tokio::select! {
             r = taking => r,
             exit = self.wait() => Err(VmSnapshotError::EndedDuring(exit.reason).into()),
+        };
+        if r.is_err() {
+            *monitor = Monitor::Broken;
         }
+        r
     }
 }

@@ -82,6 +82,15 @@ impl Header {
     }
 }
 
+/// Lets a guest that a migration left stopped run again (QEMU takes its disks back first: a
+/// completed migration handed them to the destination).
+pub async fn cont(qmp: &mut Qmp) -> Result<(), VmError> {
+    qmp.execute("cont", serde_json::Value::Null, COMMAND_TIMEOUT)
+        .await
+        .map_err(VmSnapshotError::Command)?;
+    Ok(())
+}
+
 /// Migrates the running guest into the memory file (set [`SNAPSHOT_FDSET`]), writes the
 /// state file, and lets the guest run on if `resume`.
 pub async fn take(
@@ -129,9 +138,7 @@ pub async fn take(
     std::fs::write(state, text)
         .map_err(|e| VmError::io(format!("writing {}", state.display()), e))?;
     if resume {
-        qmp.execute("cont", serde_json::Value::Null, COMMAND_TIMEOUT)
-            .await
-            .map_err(fail)?;
+        cont(qmp).await?;
     }
     let number = |k: &str| {
         info.get("ram")
