@@ -64,7 +64,11 @@ async fn the_guest_reaches_an_allowed_name_and_nothing_else() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let out = sh(c, &sandbox_egress::net::guest_setup_script(mac, now, None)).await;
+    let out = sh(
+        c,
+        &sandbox_egress::net::guest_setup_script(mac, Some(now), None),
+    )
+    .await;
     assert_eq!(out.status.and_then(|s| s.exit_code), Some(0), "{out:?}");
 
     let fetch = format!(

@@ -185,16 +185,20 @@ pub async fn start(
     })
 }
 
-/// Gives the guest its clock, address, route and resolver through the agent (as root), with
-/// [`sandbox_egress::net::guest_setup_script`].
+/// Gives the guest its address, route, resolver and CA through the agent (as root), with
+/// [`sandbox_egress::net::guest_setup_script`]; and its clock, for a guest that booted (`set_clock`:
+/// a restored one had its clock set to the nanosecond with its identity).
 pub async fn configure_guest(
     client: &Client,
     mac: [u8; 6],
     ca_pem: Option<&str>,
+    set_clock: bool,
 ) -> Result<(), String> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let now = set_clock.then(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    });
     let script = sandbox_egress::net::guest_setup_script(mac, now, ca_pem);
     let req = ExecRequest {
         argv: Some(vec!["/bin/sh".into(), "-c".into(), script]),

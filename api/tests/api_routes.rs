@@ -828,6 +828,44 @@ async fn a_watch_streams_the_file_events_of_a_guest() {
         ("still", &json!(0))
     );
 
+    // A guest that outruns the watch: the kernel's queue (16 events here, set before the
+    // watch's inotify is made) overflows while one process makes 3000 files, and the stream
+    // says so in a line of its own; the watch goes on after it.
+    let (_, _, last) = h
+        .exec(
+            &id,
+            "mkdir -p /workspace/flood && echo 16 > /proc/sys/fs/inotify/max_queued_events",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    let res = client
+        .request(watch("path=/workspace/flood&recursive=true"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    let mut text = String::new();
+    lines_until(&mut body, &mut text, "\"event\":\"ready\"", patience).await;
+    let (_, _, last) = h
+        .exec(
+            &id,
+            "cd /workspace/flood && seq 1 3000 | xargs touch && touch /workspace/flood/after",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    lines_until(&mut body, &mut text, "\"event\":\"overflow\"", patience).await;
+    let overflow: Value = text
+        .lines()
+        .find(|l| l.contains("\"overflow\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .unwrap();
+    assert_eq!(overflow["reason"], "kernel", "{overflow}");
+    assert!(overflow["dropped"].as_u64().unwrap_or(0) >= 1, "{overflow}");
+    let (_, _, last) = h.exec(&id, "touch /workspace/flood/later").await;
+    assert_eq!(last["exit_code"], 0, "{last}");
+    lines_until(&mut body, &mut text, "/workspace/flood/later", patience).await;
+    drop(body);
+
     // What cannot be watched, in words.
     for (q, status, words) in [
         ("path=/nowhere", 404, "/nowhere does not exist"),
@@ -1055,4 +1093,61 @@ async fn a_terminal_in_a_guest_has_a_size_job_control_and_an_exit_status() {
         (String::from_utf8_lossy(&out).trim(), &last["exit_code"]),
         ("still", &json!(0))
     );
+}
+
+/// A fork through this address (a host's, or a gateway's in front of it, issue 35): the child
+/// has what the parent had in memory (a file in its tmpfs `/workspace`, a running process), is
+/// listed and answered where its parent is, and what it writes stays its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_sandbox_forks_through_this_address() {
+    if stock_image_missing() {
+        return;
+    }
+    let h = start(&[]);
+    let id = h.create(json!({})).await;
+    let (_, err, last) = h
+        .exec(
+            &id,
+            "sleep 100000 >/dev/null 2>&1 & echo $! > /workspace/pid; echo before > /workspace/f",
+        )
+        .await;
+    assert_eq!(last["exit_code"], 0, "{}", String::from_utf8_lossy(&err));
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/fork"),
+            Some(
+                json!({"count": 1, "children": [{"run_id": "run-child", "time_limit_ms": 600000}]}),
+            ),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(v["id"], id.as_str(), "{v}");
+    let child = v["children"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(v["children"][0]["started_from"], "fork", "{v}");
+    let (out, _, _) = h
+        .exec(
+            &child,
+            "cat /workspace/f; kill -0 $(cat /workspace/pid) && echo running; echo child > /workspace/f",
+        )
+        .await;
+    assert_eq!(String::from_utf8_lossy(&out), "before\nrunning\n");
+    let (out, _, _) = h.exec(&id, "cat /workspace/f").await;
+    assert_eq!(out, b"before\n", "the parent's file is its own");
+    let (s, v) = h.json("GET", &format!("/v1/sandboxes/{child}"), None).await;
+    assert_eq!((s, v["run_id"].as_str()), (200, Some("run-child")), "{v}");
+    for sb in [&child, &id] {
+        let (s, _) = h.json("DELETE", &format!("/v1/sandboxes/{sb}"), None).await;
+        assert!(s == 200 || s == 204, "{s}");
+    }
+    let (s, v) = h
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/fork"),
+            Some(
+                json!({"count": 1, "children": [{"run_id": "run-child", "time_limit_ms": 600000}]}),
+            ),
+        )
+        .await;
+    assert_eq!((s, v["code"].as_str()), (404, Some("no_sandbox")), "{v}");
 }

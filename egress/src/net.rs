@@ -56,13 +56,17 @@ pub fn pool_index(addr: Ipv4Addr) -> Option<u32> {
 }
 
 /// The shell script (run as root in the guest, by the agent) that gives the guest its network:
-/// the clock from the host first (QEMU's microvm has no real-time clock, and TLS certificates are
+/// the clock from the host first (when `now_unix_secs` is given) (QEMU's microvm has no real-time clock, and TLS certificates are
 /// checked against the clock), IPv6 off (the stack carries IPv4 only), the interface with `mac`
 /// up at [`GUEST_IP`] with the default route through [`GATEWAY_IP`], and `/etc/resolv.conf`
 /// naming the stack's DNS. It needs only `sh`, `date` and `ip`, which busybox and Debian both
 /// have. It may run again in a guest it ran in: a fork's child gets its own CA (or none) and
 /// the same address this way.
-pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64, ca_pem: Option<&str>) -> String {
+pub fn guest_setup_script(
+    mac: [u8; 6],
+    now_unix_secs: Option<u64>,
+    ca_pem: Option<&str>,
+) -> String {
     let mac = mac
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -70,8 +74,7 @@ pub fn guest_setup_script(mac: [u8; 6], now_unix_secs: u64, ca_pem: Option<&str>
         .join(":");
     format!(
         r#"set -e
-date -u -s "@{now_unix_secs}" >/dev/null
-dev=
+{clock}dev=
 for d in /sys/class/net/*; do
   [ "$(cat "$d/address" 2>/dev/null)" = "{mac}" ] && dev="${{d##*/}}"
 done
@@ -91,6 +94,11 @@ printf 'nameserver {GATEWAY_IP}\noptions attempts:2 timeout:2\n' > /etc/resolv.c
 [ -e /etc/nsswitch.conf ] || printf 'hosts: files dns\n' > /etc/nsswitch.conf
 [ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' > /etc/hosts
 {ca}"#,
+        // Whole seconds only (busybox's `date`): a guest restored from a snapshot had its
+        // clock set to the nanosecond by the agent (`Identity`), which this would set back.
+        clock = now_unix_secs.map_or(String::new(), |t| format!(
+            "date -u -s \"@{t}\" >/dev/null\n"
+        )),
         ca = match ca_pem {
             // The sandbox's CA, for the system bundle (the image's own, kept aside the first
             // time, plus this CA: a fork's child replaces its parent's) and for tools with

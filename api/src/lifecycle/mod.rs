@@ -448,7 +448,12 @@ async fn start(
     };
     let configured = match tokio::time::timeout(
         NET_SETUP_TIMEOUT,
-        crate::egress::configure_guest(&sandbox.client, mac, started.ca_pem.as_deref()),
+        crate::egress::configure_guest(
+            &sandbox.client,
+            mac,
+            started.ca_pem.as_deref(),
+            template.is_none(),
+        ),
     )
     .await
     {

@@ -27,7 +27,7 @@ import { Execution } from './exec.js';
 import { KeepaliveLoop, type KeepaliveOptions } from './keepalive.js';
 import { Terminal } from './terminal.js';
 import { readBody, rethrowIfAborted, type Answer, type Transport } from './transport.js';
-import type { Created, Egress, Paused, PortLink, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
+import type { Created, Egress, ForkChild, Forked, Paused, PortLink, Resumed, SandboxDetail, Usage, WatchEvent } from './types.js';
 import { lines } from './ndjson.js';
 
 /** Options every call takes. */
@@ -366,6 +366,27 @@ export class Sandbox {
     );
     this.#paused = true;
     return r;
+  }
+
+  /**
+   * `POST /v1/sandboxes/{id}/fork`: one new sandbox per entry of `children`, each with this one's
+   * memory, processes, files and disk and a run of its own (its run id, time limit, env and
+   * egress: new placeholders, a new CA, counters from zero). This sandbox is held only while it
+   * is copied, then runs on. All children start or none. Never retried (a second request would
+   * fork again). Resolves with the children's handles, in order, and the fork's timings.
+   */
+  async fork(children: ForkChild[], options: CallOptions = {}): Promise<{ children: Sandbox[]; heldMs: number; forkMs: number }> {
+    const r = await this.#guard(() =>
+      this.#transport.json<Forked>(
+        { method: 'POST', path: this.#path('/fork'), json: { count: children.length, children }, idempotent: false, signal: options.signal },
+        [201],
+      ),
+    );
+    return {
+      children: r.children.map((c) => new Sandbox(this.#transport, c.id, { runId: c.run_id, expiresAt: c.expires_at, created: c })),
+      heldMs: r.held_ms,
+      forkMs: r.fork_ms,
+    };
   }
 
   /** `POST /v1/sandboxes/{id}/resume`. Retried on a refused connection: resuming a running sandbox answers 200. */

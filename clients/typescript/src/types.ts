@@ -26,6 +26,12 @@ export type Secret = Schemas['Secret'];
 /** The answer to a create (`201`). */
 export type Created = Schemas['Created'];
 
+/** One child of a fork: its run (run id, time limit, env, egress); its machine is its parent's. */
+export type ForkChild = Schemas['ForkChild'];
+
+/** The answer to a fork (`201`): each child as a create answers it, and how long it took. */
+export type Forked = Schemas['Forked'];
+
 /**
  * One sandbox as `GET /v1/sandboxes` lists it.
  *

@@ -227,6 +227,24 @@ describe('the server\'s flow against the real sandbox host', () => {
     });
     assert.match(page, /export const add/);
 
+    // Two approaches from here (issue 35): a fork whose child has the repository, the running
+    // http.server (its port answers in the child) and a random generator of its own.
+    const forked = await sb.fork([{ run_id: 'run-flow-b', time_limit_ms: 600_000, env: { APPROACH: 'b' } }]);
+    assert.equal(forked.children.length, 1);
+    const child = forked.children[0]!;
+    opened.push(child);
+    assert.equal(child.created?.started_from, 'fork');
+    const inChild = await run(child, 'cd /workspace/repo && git status --porcelain | wc -l && curl -sf http://127.0.0.1:8000/src/add.mjs | head -1 && echo "$APPROACH" && head -c 16 /dev/urandom | od -An -tx1');
+    const inParent = await run(sb, 'head -c 16 /dev/urandom | od -An -tx1; echo "${APPROACH:-none}"');
+    assert.equal(inChild.code, 0, inChild.out);
+    const [changed, first, approach, random] = inChild.out.trim().split('\n');
+    assert.equal(changed?.trim(), '3', inChild.out);
+    assert.match(first ?? '', /export const add/);
+    assert.equal(approach, 'b');
+    assert.notEqual(random, inParent.out.trim().split('\n')[0], 'the child reads its own random bytes');
+    assert.equal(inParent.out.trim().split('\n')[1], 'none', 'the child\'s env is its own');
+    assert.equal(await child.dispose(), true);
+
     // A refused name, counted.
     const curl = await run(sb, 'curl -sS --max-time 10 https://example.com/ 2>&1; echo "rc=$?"');
     assert.doesNotMatch(curl.out, /rc=0/);

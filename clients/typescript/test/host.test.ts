@@ -129,6 +129,26 @@ describe('host and sandbox calls', () => {
     assert.equal(await host.client().sandbox('sbx-1').dispose(), false, 'gone already');
   });
 
+  it('fork: count from the children, each child a handle with its create answer', async () => {
+    let asked: unknown;
+    host.on('POST /v1/sandboxes/sbx-1/fork', async (req, res) => {
+      asked = JSON.parse((await readAll(req)).toString());
+      const child = (id: string, run: string) => ({
+        id, run_id: run, image: 'vantik-guest:latest', stock_image: false, harness_version_match: null,
+        disk_limit_mib: 20480, expires_at: '2026-12-07T13:00:00.000Z', boot_ms: 300, started_from: 'fork', host: null,
+      });
+      sendJson(res, 201, { id: 'sbx-1', held_ms: 250, fork_ms: 900, children: [child('sbx-2', 'run-a'), child('sbx-3', 'run-b')] });
+    });
+    const forked = await host.client().sandbox('sbx-1').fork([
+      { run_id: 'run-a', time_limit_ms: 60_000 },
+      { run_id: 'run-b', time_limit_ms: 60_000, env: { X: '1' } },
+    ]);
+    assert.deepEqual(asked, { count: 2, children: [{ run_id: 'run-a', time_limit_ms: 60_000 }, { run_id: 'run-b', time_limit_ms: 60_000, env: { X: '1' } }] });
+    assert.deepEqual(forked.children.map((c) => [c.id, c.runId, c.created?.started_from]), [['sbx-2', 'run-a', 'fork'], ['sbx-3', 'run-b', 'fork']]);
+    assert.equal(forked.heldMs, 250);
+    assert.equal(forked.forkMs, 900);
+  });
+
   it('disposeEnded: a restarted server disposes of the sandboxes of ended runs and keeps the live ones', async () => {
     const live = new Map([
       ['sbx-a', 'run-ended-1'],

@@ -125,6 +125,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{id}/fork": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Fork: new sandboxes from a copy of this running one (memory, processes, files, disk), each on a run of its own
+         * @description The parent's guest is held while its memory is written and its disk copied, then runs on. Each child is restored from that copy as a machine of its own (random state reseeded, clock set) with its own network process, secrets, CA and time limit. All children start or none. 400 for a bad request (each child's fields are checked as a create's), 404 for an unknown sandbox, 409 paused or for a sandbox that cannot be forked, 410 when the parent's VM is gone, 503 no_capacity when the host has no room for the children.
+         */
+        post: operations["forkSandbox"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes/{id}/archive": {
         parameters: {
             query?: never;
@@ -522,10 +542,10 @@ export interface components {
             expires_at: string;
             boot_ms: number;
             /**
-             * @description template: restored from the snapshot of its shape (either backend); boot: booted
+             * @description template: restored from the snapshot of its shape (either backend); boot: booted; fork: a child of POST /v1/sandboxes/{id}/fork
              * @enum {string}
              */
-            started_from: "template" | "boot";
+            started_from: "template" | "boot" | "fork";
             /** @description The name of the sandbox host that holds it (its SANDBOX_HOST_NAME, which also ends the id), or null on a host without a name. Through a gateway (issue 33) always a name. */
             host?: string | null;
         };
@@ -740,6 +760,46 @@ export interface components {
             path: string;
             /** Format: date-time */
             expires_at: string;
+        };
+        /** @description A child's run: the fields of a create that belong to a run. Its machine (memory, vCPUs, image, disk) is its parent's, so a create's other fields are refused (400). Nothing of the parent's run crosses over: its egress, secrets (with new placeholders and a new CA) and environment are these. */
+        ForkChild: {
+            run_id: string;
+            time_limit_ms: number;
+            env?: {
+                [key: string]: string;
+            };
+            egress?: {
+                /** @description Host names or *.domain wildcards, each optionally with :port (without one: 443 and 80). */
+                allow?: components["schemas"]["HostPattern"][];
+                secrets?: components["schemas"]["Secret"][];
+                meter?: components["schemas"]["HostPattern"][];
+                /**
+                 * @description all: intercept every allowed TLS connection and check each request's Host against its name (closes domain fronting); the guest sees the sandbox CA for every host.
+                 * @enum {string}
+                 */
+                intercept?: "all";
+                /**
+                 * @description Refuse (403, x-sandbox-egress-refused: unmeterable) any POST to a meter or secret host whose usage the meter cannot read: an unknown API path, a body it cannot read for certain, a body over SANDBOX_HOST_METER_BODY_MAX_MIB, a background Responses call.
+                 * @default false
+                 */
+                meter_strict?: boolean;
+            };
+        };
+        ForkRequest: {
+            /** @description How many children: one per entry of children */
+            count: number;
+            /** @description Each child's run, as many as count */
+            children: components["schemas"]["ForkChild"][];
+        };
+        Forked: {
+            /** @description The parent */
+            id: string;
+            /** @description How long the parent's guest was held while its memory was written and its disk copied; it runs on after */
+            held_ms: number;
+            /** @description From the request to the last child's ready agent */
+            fork_ms: number;
+            /** @description In the order of the request's children */
+            children: components["schemas"]["Created"][];
         };
     };
     responses: {
@@ -1040,6 +1100,41 @@ export interface operations {
             404: components["responses"]["Error"];
             409: components["responses"]["Error"];
             410: components["responses"]["Error"];
+            503: components["responses"]["Error"];
+        };
+    };
+    forkSandbox: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description Sandbox id (sbx-…) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ForkRequest"];
+            };
+        };
+        responses: {
+            /** @description Forked */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Forked"];
+                };
+            };
+            400: components["responses"]["Error"];
+            401: components["responses"]["Error"];
+            403: components["responses"]["Error"];
+            404: components["responses"]["Error"];
+            409: components["responses"]["Error"];
+            410: components["responses"]["Error"];
+            500: components["responses"]["Error"];
             503: components["responses"]["Error"];
         };
     };
