@@ -115,7 +115,13 @@ async fn parent(backend: &dyn Backend, image: &sandbox_vmm::Image) -> sandbox_vm
         .await
         .expect("the parent boots");
     assert!(run(&parent, WORK).await, "the parent's work");
+    progress(&format!("{tag}: the parent booted and did its work"));
     parent
+}
+
+/// A line now and then: the nested host's watchdog takes a long silence for a wedge.
+fn progress(what: &str) {
+    println!("  .. {what}");
 }
 
 /// Forks `parent` into `files`: held, written, let go on; how long it was held.
@@ -164,6 +170,10 @@ async fn time(
             }
             None => f.failures += 1,
         }
+        progress(&format!(
+            "{tag}: fork {i} in {:?} (held {held:?})",
+            t0.elapsed()
+        ));
         let _ = std::fs::remove_dir_all(tmp.join(format!("{tag}-fork{i}")));
         let t0 = Instant::now();
         match ready(backend, spec_for(image, &format!("{tag}-b{i}"))).await {
@@ -176,6 +186,10 @@ async fn time(
             }
             None => f.failures += 1,
         }
+        progress(&format!(
+            "{tag}: boot {i} and its work in {:?}",
+            t0.elapsed()
+        ));
     }
     parent.stop().await;
     f
@@ -200,6 +214,7 @@ async fn memory(
             if let Some(sb) = ready(backend, restore(image, &format!("{tag}-m{i}"), &files)).await {
                 vms.push(sb);
             }
+            progress(&format!("{tag}: child {i} of the fork"));
         }
     } else {
         for i in 0..10 {
@@ -208,6 +223,7 @@ async fn memory(
             {
                 vms.push(sb);
             }
+            progress(&format!("{tag}: booted sandbox {i} and its work"));
         }
     }
     // Let the guests settle (the kernel's deferred work after a start).

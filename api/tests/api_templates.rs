@@ -1055,16 +1055,32 @@ async fn forks_of_a_running_sandbox(h: &common::Host, port: u16) {
         .await;
     assert_eq!(s, 404, "{v}");
 
-    let (s, v) = h
-        .json(
+    // Forked while an exec streams its output in the parent: the exec goes on in the parent to
+    // its end, and the children's agents, which still hold its stream, answer their new host.
+    let ticking = h.exec(
+        &parent,
+        "for i in $(seq 1 40); do echo tick $i; sleep 0.1; done",
+    );
+    let forking = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        h.json(
             "POST",
             &format!("/v1/sandboxes/{parent}/fork"),
             Some(json!({"count": 2, "children": [
                 run("run-child-a", "sk-child-a-0123456789"),
                 run("run-child-b", "sk-child-b-0123456789")]})),
         )
-        .await;
+        .await
+    };
+    let ((out, _, last), (s, v)) = tokio::join!(ticking, forking);
     assert_eq!(s, 201, "{v}");
+    assert_eq!(last["exit_code"], 0, "{last}");
+    let ticks = String::from_utf8_lossy(&out).to_string();
+    assert!(
+        ticks.starts_with("tick 1\n") && ticks.ends_with("tick 40\n"),
+        "{ticks}"
+    );
+    assert_eq!(ticks.lines().count(), 40, "{ticks}");
     eprintln!("fork: {v}");
     let children: Vec<String> = v["children"]
         .as_array()

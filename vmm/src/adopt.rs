@@ -165,7 +165,7 @@ pub fn same_token(a: &str, b: &str) -> bool {
 /// Where a host that takes an agent on again starts numbering its streams: at a random point
 /// from 2^20 on, far from the ones an earlier host used (numbered from 1), which the agent may
 /// still hold if it never saw that host go.
-fn first_stream() -> u32 {
+pub(crate) fn first_stream() -> u32 {
     use std::io::Read;
     let mut b = [0u8; 4];
     let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
@@ -177,7 +177,7 @@ fn first_stream() -> u32 {
 /// a port's unsent bytes for the next connection), the tail of a frame among it. At most
 /// [`MAX_SKIPPED`] bytes; the caller bounds the time. What came after the `Ready` in the same
 /// read is returned, for the reader that goes on.
-async fn skip_to_ready(
+pub(crate) async fn skip_to_ready(
     read: &mut (impl tokio::io::AsyncRead + Unpin),
 ) -> Result<Vec<u8>, AdoptVmError> {
     use tokio::io::AsyncReadExt;

@@ -14,8 +14,10 @@ use tokio::net::UnixStream;
 
 /// The longest line QEMU may send (its answers here are a few hundred bytes).
 const MAX_LINE: usize = 64 * 1024;
-/// The most lines (events) read while waiting for one answer.
-const MAX_LINES_PER_ANSWER: usize = 256;
+/// The most bytes of other lines (events) read while waiting for one answer: a long-lived VM's
+/// monitor gathers the events its guest causes between two snapshots (a fork's parent's, for
+/// hours), and they are read, and dropped, before the next answer.
+const MAX_EVENT_BYTES: usize = 16 << 20;
 
 /// Why a QMP exchange failed.
 #[derive(Debug, Error)]
@@ -42,6 +44,8 @@ pub enum QmpError {
 /// A QMP session in command mode.
 pub struct Qmp {
     stream: BufReader<UnixStream>,
+    /// Bytes of lines read so far.
+    read: usize,
 }
 
 impl Qmp {
@@ -49,6 +53,7 @@ impl Qmp {
     pub async fn connect(stream: UnixStream, within: Duration) -> Result<Qmp, QmpError> {
         let mut qmp = Qmp {
             stream: BufReader::new(stream),
+            read: 0,
         };
         let greeting = tokio::time::timeout(within, qmp.line())
             .await
@@ -115,7 +120,8 @@ impl Qmp {
                 };
             }
             self.stream.get_mut().write_all(&bytes[sent..]).await?;
-            for _ in 0..MAX_LINES_PER_ANSWER {
+            let start = self.read;
+            while self.read - start <= MAX_EVENT_BYTES {
                 let v = self.line().await?;
                 if let Some(r) = v.get("return") {
                     return Ok(r.clone());
@@ -135,7 +141,7 @@ impl Qmp {
                 // An event ({"event": ...}): not the answer.
             }
             Err(QmpError::Protocol(format!(
-                "more than {MAX_LINES_PER_ANSWER} lines without answering {command}"
+                "more than {MAX_EVENT_BYTES} bytes without answering {command}"
             )))
         };
         tokio::time::timeout(within, exchange)
@@ -165,6 +171,7 @@ impl Qmp {
             }
             line.extend_from_slice(&buf[..take]);
             self.stream.consume(take);
+            self.read = self.read.saturating_add(take);
             if done {
                 return serde_json::from_slice(&line)
                     .map_err(|e| QmpError::Protocol(format!("a line that is not JSON ({e})")));

@@ -241,9 +241,19 @@ pub async fn boot_watched(
     })?;
     let remaining = timeout.saturating_sub(t0.elapsed());
     let vm: Arc<dyn Vm> = Arc::from(started.vm);
-    let client = Client::new(started.channel.read, started.channel.write);
+    let (client, joined) = if restored {
+        join_restored(started.channel, remaining).await
+    } else {
+        (
+            Client::new(started.channel.read, started.channel.write),
+            Ok(()),
+        )
+    };
     let result = tokio::select! {
-        r = client.wait_ready(remaining) => r,
+        r = async {
+            joined?;
+            client.wait_ready(remaining).await
+        } => r,
         exit = vm.wait() => {
             let e = BootError::Vm {
                 vm: id,
@@ -288,6 +298,41 @@ pub async fn boot_watched(
                 },
             })
         }
+    }
+}
+
+/// The client of a restored guest's channel. The guest's agent may still hold the streams of
+/// the host its snapshot was taken under (a fork's parent, with an exec under way), and on
+/// QEMU the channel may begin with the tail of a frame it was sending then: what comes before
+/// the agent's first `Ready` is skipped (its answer to the backend's greeting on QEMU, or the
+/// one it sends a new vsock connection on KVM), a second ping's `Ready` is what the client
+/// waits for, and its streams are numbered from far above the old host's.
+async fn join_restored(
+    channel: crate::backend::Channel,
+    within: Duration,
+) -> (Client, Result<(), ClientError>) {
+    let (mut read, mut write) = (channel.read, channel.write);
+    let ping = sandbox_protocol::Frame::new(sandbox_protocol::Kind::Ping, 0, Vec::new()).encode();
+    let joined = async {
+        let rest = tokio::time::timeout(within, crate::adopt::skip_to_ready(&mut read))
+            .await
+            .map_err(|_| ClientError::Timeout(within))?
+            .map_err(|e| ClientError::Closed(e.to_string()))?;
+        tokio::io::AsyncWriteExt::write_all(&mut write, &ping)
+            .await
+            .map_err(|e| ClientError::Closed(format!("greeting the restored agent: {e}")))?;
+        Ok::<_, ClientError>(rest)
+    }
+    .await;
+    match joined {
+        Ok(rest) => {
+            let read = tokio::io::AsyncReadExt::chain(std::io::Cursor::new(rest), read);
+            (
+                Client::numbered_from(Box::new(read), write, crate::adopt::first_stream()),
+                Ok(()),
+            )
+        }
+        Err(e) => (Client::new(read, write), Err(e)),
     }
 }
 

@@ -93,41 +93,74 @@ pub async fn fork(
     for plan in &plans {
         reservations.push(super::admit(state, &plan.run, &plan.vm_spec(state))?);
     }
-    // The parent's turn: no pause, resume or disposal of it while it is held.
+    // The parent's turn: no pause, resume or disposal of it while it is held. A request on it
+    // meanwhile: never idle while it forks.
     let turn = parent.paused.lock().await;
     if *turn {
         return Err(ApiError::Paused(parent.id.clone()));
     }
-    parent.ensure_alive()?;
+    let _busy = parent.enter()?;
+    // A delete that had the turn first took it out of the registry.
+    state.registry().get(&parent.id)?;
+    let disk = parent_disk(state, parent);
+    if plans[0].vm_spec(state).scratch_disk_mib.is_some() && disk.is_none() {
+        return Err(ApiError::Internal(format!(
+            "sandbox `{}` has lost its disk (its VM's sandbox-disk.ext4 is missing); it cannot be \
+             forked",
+            parent.id
+        )));
+    }
     let dir = state.config().state_dir.join(format!(
         "{}.fork-{}",
         parent.id,
         registry::new_id(None).trim_start_matches("sbx-")
     ));
-    let need = u64::from(parent.memory_mib) + MARGIN_MIB;
+    // Its memory (twice on a backend whose children map the copy: the copy of the copy), and
+    // its disk's used space once for the copy and once per child.
+    let copies = if backend.can_pause() { 2 } else { 1 };
+    let disk_used_mib = disk.as_deref().map_or(0, allocated_mib);
+    let need = u64::from(parent.memory_mib) * copies
+        + disk_used_mib * (1 + plans.len() as u64)
+        + MARGIN_MIB;
     if let Some(free) = crate::capacity::statvfs_free_mib(&state.config().state_dir)
         && free < need
     {
         return Err(ApiError::NoCapacity(format!(
-            "forking sandbox `{}` writes up to {} MiB of its memory under {}, where {free} MiB \
-             are free (it needs {need} MiB and its disk's used space); free space there or \
-             delete sandboxes, then fork again (it runs on meanwhile)",
+            "forking sandbox `{}` writes up to {need} MiB under {} (its memory of {} MiB, and \
+             its disk's {disk_used_mib} MiB for the copy and each child), where {free} MiB are \
+             free; free space there or delete sandboxes, then fork again (it runs on meanwhile)",
             parent.id,
+            state.config().state_dir.display(),
             parent.memory_mib,
-            state.config().state_dir.display()
         )));
     }
     let snapshot = crate::templates::Template {
         files: sandbox_vmm::SnapshotFiles {
-            disk: parent_disk(state, parent).map(|_| dir.join("sandbox-disk.ext4")),
+            disk: disk.as_ref().map(|_| dir.join("sandbox-disk.ext4")),
             ..super::snapshot_paths(&dir)
         },
         mac: base.mac,
         dir: dir.clone(),
     };
     // Dropped (its directory removed) once every child has its own copy and maps or read it.
-    let held_ms = hold_and_copy(state, parent, &snapshot).await?;
+    let held_ms = hold_and_copy(parent, disk, &snapshot).await?;
     drop(turn);
+    // The parent's VM process was handed the memory file (and may keep it, if its guest took
+    // it over). Where children map the copy (KVM), they get one that process never had, so
+    // nothing it writes later reaches them.
+    if backend.can_pause() {
+        let memory = snapshot.files.memory.clone();
+        tokio::task::spawn_blocking(move || own_copy(&memory))
+            .await
+            .unwrap_or_else(|e| Err(format!("the copy's task failed: {e}")))
+            .map_err(|e| {
+                ApiError::Internal(format!(
+                    "the memory of sandbox `{}` could not be copied for its fork (it runs on): \
+                     {e}",
+                    parent.id
+                ))
+            })?;
+    }
     let snapshot = Arc::new(snapshot);
     let started = join_all(
         plans
@@ -151,6 +184,15 @@ pub async fn fork(
             }),
     )
     .await;
+    // Where each child read it into its own memory (QEMU), its blocks go back now, even while
+    // the parent's QEMU keeps it open. A file children map (KVM) is only unlinked: emptied,
+    // their pages it still backs would be gone.
+    if !backend.can_pause() {
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&snapshot.files.memory)
+            .and_then(|f| f.set_len(0));
+    }
     drop(snapshot);
     let mut made = Vec::new();
     let mut failed = None;
@@ -190,6 +232,28 @@ pub async fn fork(
     })
 }
 
+/// The space `path` takes on its file system, MiB.
+fn allocated_mib(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512 >> 20)
+}
+
+/// Replaces the file at `path` with a copy of it (holes kept), and empties the file it was:
+/// whoever still holds that one writes into nothing anyone reads.
+fn own_copy(path: &std::path::Path) -> Result<(), String> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".own");
+    let copy = std::path::PathBuf::from(name);
+    let _ = std::fs::remove_file(&copy);
+    sandbox_vmm::scratch::copy_sparse(path, &copy).map_err(|e| e.to_string())?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_len(0))
+        .and_then(|()| std::fs::rename(&copy, path))
+        .map_err(|e| format!("replacing {}: {e}", path.display()))
+}
+
 /// The parent's sandbox disk, where its image gives it one.
 fn parent_disk(state: &AppState, parent: &SandboxEntry) -> Option<std::path::PathBuf> {
     let vm_dir = match &parent.pausable {
@@ -204,8 +268,8 @@ fn parent_disk(state: &AppState, parent: &SandboxEntry) -> Option<std::path::Pat
 /// copied beside them, then lets it run on; how long it was held. A parent that cannot be let
 /// go on is lost (answered 410 until the sweep disposes of it).
 async fn hold_and_copy(
-    state: &AppState,
     parent: &Arc<SandboxEntry>,
+    disk: Option<std::path::PathBuf>,
     snapshot: &crate::templates::Template,
 ) -> Result<u64, ApiError> {
     let dir = &snapshot.dir;
@@ -222,7 +286,7 @@ async fn hold_and_copy(
     let t0 = Instant::now();
     let held = sandbox.snapshot_held(&snapshot.files).await;
     // Held: the guest does not touch its disk while it is copied.
-    let copied = match (&held, parent_disk(state, parent), &snapshot.files.disk) {
+    let copied = match (&held, disk, &snapshot.files.disk) {
         (Ok(_), Some(from), Some(to)) => {
             let to = to.clone();
             tokio::task::spawn_blocking(move || {
@@ -237,9 +301,13 @@ async fn hold_and_copy(
     let held_ms = t0.elapsed().as_millis() as u64;
     if let Err(e) = resumed {
         parent.set_lost();
-        tracing::error!(id = %parent.id, error = %e, "a forked sandbox could not run on after its copy; it is lost");
+        let why = match &held {
+            Ok(_) => e.to_string(),
+            Err(first) => format!("{e}, after its copy failed: {first}"),
+        };
+        tracing::error!(id = %parent.id, error = %why, "a forked sandbox could not run on after its copy; it is lost");
         return Err(ApiError::VmDied(format!(
-            "sandbox `{}` could not run on after its fork's copy and is lost: {e}",
+            "sandbox `{}` could not run on after its fork's copy and is lost: {why}",
             parent.id
         )));
     }

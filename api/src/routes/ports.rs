@@ -78,9 +78,22 @@ fn port_of(s: &str) -> Result<u16, ApiError> {
     }
 }
 
-/// The path and query the guest's server gets: what follows the port (or the link).
-fn guest_target(req: &Request, path: &str) -> String {
-    let mut t = format!("/{path}");
+/// Segments of the API's path before the guest's: `/v1/sandboxes/{id}/ports/{port}/`.
+const TOKEN_PREFIX: usize = 5;
+/// And before a link's: `/p/{link}/`.
+const LINK_PREFIX: usize = 2;
+
+/// The path and query the guest's server gets: what follows the first `skip` segments of the
+/// request's path (the port's, or the link's), as the client sent it: still percent-encoded,
+/// so `%2F` and `%3F` reach the guest's server as the client wrote them.
+fn guest_target(req: &Request, skip: usize) -> String {
+    let rest = req
+        .uri()
+        .path()
+        .splitn(skip + 2, '/')
+        .nth(skip + 1)
+        .unwrap_or("");
+    let mut t = format!("/{rest}");
     if let Some(q) = req.uri().query() {
         t.push('?');
         t.push_str(q);
@@ -101,7 +114,7 @@ async fn with_token_root(
 ) -> Result<Response, ApiError> {
     let (id, port) = params(p)?;
     let entry = state.registry().get(&id)?;
-    let target = guest_target(&req, "");
+    let target = guest_target(&req, TOKEN_PREFIX);
     to_port(entry, port_of(&port)?, target, req).await
 }
 
@@ -110,9 +123,9 @@ async fn with_token(
     p: Result<Path<(String, String, String)>, PathRejection>,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let (id, port, path) = params(p)?;
+    let (id, port, _) = params(p)?;
     let entry = state.registry().get(&id)?;
-    let target = guest_target(&req, &path);
+    let target = guest_target(&req, TOKEN_PREFIX);
     to_port(entry, port_of(&port)?, target, req).await
 }
 
@@ -134,7 +147,7 @@ async fn url_or_path(
     let entry = state.registry().get(&id)?;
     let port = port_of(&port)?;
     if req.method() != axum::http::Method::POST {
-        let target = guest_target(&req, "url");
+        let target = guest_target(&req, TOKEN_PREFIX);
         return to_port(entry, port, target, req).await;
     }
     let (parts, body) = req.into_parts();
@@ -173,15 +186,25 @@ async fn url_or_path(
 
 /// The origin a link is made for: the one the caller reached (through a fleet's gateway, the
 /// gateway's, which it says in `X-Forwarded-Host` and `X-Forwarded-Proto`).
-fn origin(headers: &HeaderMap, tls: bool) -> String {
+fn origin<'a>(headers: &'a HeaderMap, tls: bool) -> String {
     let get = |h: &str| {
         headers
             .get(h)
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty() && !v.contains(['/', ' ', '\\', '@']))
     };
+    // A host and an optional port, nothing else: what a link's URL may start with.
+    let authority = |v: &'a str| {
+        let a = v.parse::<axum::http::uri::Authority>().ok()?;
+        let rebuilt = match a.port_u16() {
+            Some(p) => format!("{}:{p}", a.host()),
+            None => a.host().to_string(),
+        };
+        (rebuilt == v).then_some(v)
+    };
     let host = get("x-forwarded-host")
-        .or_else(|| get(header::HOST.as_str()))
+        .and_then(authority)
+        .or_else(|| get(header::HOST.as_str()).and_then(authority))
         .unwrap_or("localhost");
     let scheme = match get("x-forwarded-proto") {
         Some("https") => "https",
@@ -222,8 +245,8 @@ async fn signed(
     p: Result<Path<(String, String)>, PathRejection>,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let (link, path) = params(p)?;
-    let target = guest_target(&req, &path);
+    let (link, _) = params(p)?;
+    let target = guest_target(&req, LINK_PREFIX);
     through_link(&state, &link, target, req, true).await
 }
 
@@ -233,7 +256,7 @@ async fn signed_index(
     req: Request,
 ) -> Result<Response, ApiError> {
     let link = params(p)?;
-    let target = guest_target(&req, "");
+    let target = guest_target(&req, LINK_PREFIX);
     through_link(&state, &link, target, req, true).await
 }
 
@@ -568,5 +591,42 @@ mod tests {
         assert_eq!(origin(&h, false), "https://gw.example.com");
         h.insert("x-forwarded-host", HeaderValue::from_static("evil.com/x"));
         assert_eq!(origin(&h, false), "https://127.0.0.1:3004");
+        for bad in ["evil.com?x", "evil.com#x", "a:b:c", "evil.com:port"] {
+            h.insert("x-forwarded-host", HeaderValue::from_static(bad));
+            assert_eq!(origin(&h, false), "https://127.0.0.1:3004", "{bad}");
+        }
+        h.insert("x-forwarded-host", HeaderValue::from_static("[::1]:8443"));
+        assert_eq!(origin(&h, false), "https://[::1]:8443");
+    }
+
+    #[test]
+    fn the_guest_gets_the_path_as_the_client_wrote_it() {
+        let target = |uri: &str, skip: usize| {
+            let req = axum::http::Request::builder()
+                .uri(uri)
+                .body(axum::body::Body::empty())
+                .unwrap();
+            guest_target(&req, skip)
+        };
+        for (uri, skip, want) in [
+            (
+                "/v1/sandboxes/sbx-1/ports/8080/a%2Fb%3Fc?x=1",
+                TOKEN_PREFIX,
+                "/a%2Fb%3Fc?x=1",
+            ),
+            ("/v1/sandboxes/sbx-1/ports/8080/", TOKEN_PREFIX, "/"),
+            ("/v1/sandboxes/sbx-1/ports/8080", TOKEN_PREFIX, "/"),
+            ("/v1/sandboxes/sbx-1/ports/8080/url", TOKEN_PREFIX, "/url"),
+            (
+                "/v1/sandboxes/sbx-1/ports/8080/src/../x",
+                TOKEN_PREFIX,
+                "/src/../x",
+            ),
+            ("/p/LINK/src/main.ts?t=1", LINK_PREFIX, "/src/main.ts?t=1"),
+            ("/p/LINK/%2e%2e/x", LINK_PREFIX, "/%2e%2e/x"),
+            ("/p/LINK/", LINK_PREFIX, "/"),
+        ] {
+            assert_eq!(target(uri, skip), want, "{uri}");
+        }
     }
 }

@@ -583,12 +583,15 @@ impl Vm for QemuVm {
         let Monitor::Open(qmp) = &mut *monitor else {
             return Err(VmSnapshotError::MonitorLost.into());
         };
-        let cont = super::snapshot::cont(qmp);
+        let going = async {
+            super::snapshot::cont(qmp).await?;
+            remove_fdset(qmp).await
+        };
         let r = tokio::select! {
-            r = cont => r,
+            r = going => r,
             exit = self.wait() => Err(VmSnapshotError::EndedDuring(exit.reason).into()),
         };
-        if r.is_err() {
+        if r.as_ref().is_err_and(breaks_monitor) {
             *monitor = Monitor::Broken;
         }
         r
@@ -643,15 +646,11 @@ impl QemuVm {
             }
             drop(memory);
             let taken = super::snapshot::take(qmp, &target.header, &to.state, resume).await;
-            // QEMU's copy of the file goes with its set: the next snapshot's is alone in it.
-            if taken.is_ok() {
-                qmp.execute(
-                    "remove-fd",
-                    serde_json::json!({ "fdset-id": fdset }),
-                    Duration::from_secs(10),
-                )
-                .await
-                .map_err(VmSnapshotError::Command)?;
+            // A guest left running (a failed migration resumes it too) lets go of the file
+            // now; a held one at its resume (QEMU closes a set's descriptors only while the
+            // guest runs).
+            if resume || taken.is_err() {
+                remove_fdset(qmp).await?;
             }
             taken
         };
@@ -659,9 +658,41 @@ impl QemuVm {
             r = taking => r,
             exit = self.wait() => Err(VmSnapshotError::EndedDuring(exit.reason).into()),
         };
-        if r.is_err() {
+        if r.as_ref().is_err_and(breaks_monitor) {
             *monitor = Monitor::Broken;
         }
         r
+    }
+}
+
+/// Empties the snapshots' fd set: the next snapshot's file is alone in it.
+async fn remove_fdset(qmp: &mut crate::qmp::Qmp) -> Result<(), VmError> {
+    match qmp
+        .execute(
+            "remove-fd",
+            serde_json::json!({ "fdset-id": super::args::SNAPSHOT_FDSET }),
+            Duration::from_secs(10),
+        )
+        .await
+    {
+        // Empty already (a migration that failed before QEMU took the file).
+        Ok(_) | Err(crate::qmp::QmpError::Refused { .. }) => Ok(()),
+        Err(e) => Err(VmSnapshotError::Command(e).into()),
+    }
+}
+
+/// Whether `e` leaves the monitor's session unusable: its socket failed, a command went
+/// unanswered (a late answer would be taken for the next one's), or QEMU broke the protocol.
+/// QEMU's refusals and a failed migration leave it as it was.
+fn breaks_monitor(e: &VmError) -> bool {
+    use crate::qmp::QmpError;
+    match e {
+        VmError::Snapshot(
+            VmSnapshotError::Monitor(q)
+            | VmSnapshotError::HandOver(q)
+            | VmSnapshotError::Command(q),
+        ) => !matches!(q, QmpError::Refused { .. }),
+        VmError::Snapshot(VmSnapshotError::MigrationTimeout(_)) => true,
+        _ => false,
     }
 }
