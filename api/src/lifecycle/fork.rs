@@ -235,7 +235,7 @@ pub async fn fork(
 /// The space `path` takes on its file system, MiB.
 fn allocated_mib(path: &std::path::Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512 >> 20)
+    std::fs::metadata(path).map_or(0, |m| (m.blocks() * 512) >> 20)
 }
 
 /// Replaces the file at `path` with a copy of it (holes kept), and empties the file it was:
