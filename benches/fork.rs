@@ -30,8 +30,9 @@ use sandbox_vmm::{Backend, ImageStore, SnapshotFiles, VmSpec, config};
 
 const MEMORY_MIB: u32 = 512;
 /// The parent's work: 64 MiB in its memory, and a process that runs on.
-const WORK: &str =
-    "dd if=/dev/urandom of=/tmp/data bs=1M count=64 2>/dev/null; (sleep 100000 &); true";
+/// (One random MiB written 64 times: pages of data, not zeros, for little of the emulated
+/// processor's time.)
+const WORK: &str = "head -c 1048576 /dev/urandom > /tmp/r && for i in $(seq 64); do cat /tmp/r; done > /tmp/data && rm /tmp/r; (sleep 100000 &); true";
 
 fn spec_for(image: &sandbox_vmm::Image, name: &str) -> VmSpec {
     image.vm_spec(
