@@ -32,7 +32,7 @@ const MEMORY_MIB: u32 = 512;
 /// The parent's work: 64 MiB in its memory, and a process that runs on.
 /// (One random MiB written 64 times: pages of data, not zeros, for little of the emulated
 /// processor's time.)
-const WORK: &str = "head -c 1048576 /dev/urandom > /tmp/r && for i in $(seq 64); do cat /tmp/r; done > /tmp/data && rm /tmp/r; (sleep 100000 &); true";
+const WORK: &str = "head -c 1048576 /dev/urandom > /tmp/r && for i in $(seq 64); do cat /tmp/r; done > /tmp/data && rm /tmp/r; (sleep 100000 >/dev/null 2>&1 &); true";
 
 fn spec_for(image: &sandbox_vmm::Image, name: &str) -> VmSpec {
     image.vm_spec(
@@ -69,6 +69,7 @@ async fn ready(backend: &dyn Backend, spec: VmSpec) -> Option<sandbox_vmm::Sandb
 async fn run(sb: &sandbox_vmm::Sandbox, cmd: &str) -> bool {
     let req = ExecRequest {
         argv: Some(vec!["/bin/sh".into(), "-c".into(), cmd.into()]),
+        timeout_ms: Some(300_000),
         ..Default::default()
     };
     let Ok(mut e) = sb.client.exec(&req).await else {
