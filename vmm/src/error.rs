@@ -206,6 +206,12 @@ pub enum VmSnapshotError {
     /// The VM was started without the files a snapshot is written to.
     #[error("this VM was started without snapshot files")]
     NoFiles,
+    /// A snapshot left the guest stopped, and nothing let it run since.
+    #[error(
+        "this VM's guest stands stopped after its last snapshot: it is snapshotted again only \
+         once it runs again"
+    )]
+    Stopped,
     /// A command on QEMU's monitor failed earlier, so it is not used again.
     #[error("QEMU's monitor failed in an earlier snapshot of this VM, so it takes no other")]
     MonitorLost,

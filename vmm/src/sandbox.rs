@@ -102,6 +102,7 @@ impl Sandbox {
     /// it waits for its stop.
     pub async fn snapshot(&self, resume: bool) -> Result<crate::SnapshotDone, VmError> {
         use std::sync::atomic::Ordering;
+        self.not_stopped()?;
         self.snapshotting.fetch_add(1, Ordering::SeqCst);
         let r = self.vm.snapshot(resume).await;
         if resume || r.is_err() {
@@ -120,8 +121,18 @@ impl Sandbox {
         to: &crate::SnapshotFiles,
     ) -> Result<crate::SnapshotDone, VmError> {
         use std::sync::atomic::Ordering;
+        self.not_stopped()?;
         self.snapshotting.fetch_add(1, Ordering::SeqCst);
         self.vm.snapshot_held(to).await
+    }
+
+    /// Refuses a snapshot of a guest an earlier one left stopped, before any file is touched
+    /// (the next would empty the memory file the last one wrote).
+    fn not_stopped(&self) -> Result<(), VmError> {
+        if self.snapshotting.load(std::sync::atomic::Ordering::SeqCst) % 2 == 1 {
+            return Err(crate::error::VmSnapshotError::Stopped.into());
+        }
+        Ok(())
     }
 
     /// Lets a guest held by [`Sandbox::snapshot_held`] run again, and the watchdog count again.

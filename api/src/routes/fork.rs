@@ -49,8 +49,11 @@ struct ChildRequest {
 async fn fork(
     State(state): State<AppState>,
     SandboxId(id): SandboxId,
-    ApiJson(req): ApiJson<ForkRequest>,
+    body: Result<ApiJson<ForkRequest>, ApiError>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    // An unknown sandbox is the answer before anything about the body, as on every route.
+    let parent = state.registry().get(&id)?;
+    let ApiJson(req) = body?;
     let max = lifecycle::MAX_CHILDREN as u64;
     if req.count == 0 || req.count > max {
         return Err(ApiError::BadRequest(format!(
@@ -73,7 +76,6 @@ async fn fork(
                 e => e,
             })?;
     }
-    let parent = state.registry().get(&id)?;
     let children = req
         .children
         .into_iter()
