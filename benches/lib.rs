@@ -100,3 +100,30 @@ pub fn run_nested_with(runs: usize, env: &[(&str, &str)]) -> i32 {
         .expect("nested run");
     st.code().unwrap_or(1)
 }
+
+/// Proportional set size of a process, KiB (shared pages split among their users), from its
+/// `smaps_rollup`; 0 where it cannot be read.
+pub fn pss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A sandbox of `spec` on `backend` with its agent ready, within 300 s; `None` (the failure
+/// printed) when it does not start.
+pub async fn ready(
+    backend: &dyn sandbox_vmm::Backend,
+    spec: sandbox_vmm::VmSpec,
+) -> Option<sandbox_vmm::Sandbox> {
+    let name = spec.id.clone();
+    match sandbox_vmm::boot(backend, spec, Duration::from_secs(300)).await {
+        Ok(sb) => Some(sb),
+        Err(e) => {
+            println!("start failure ({name} on {}): {e}", backend.name());
+            None
+        }
+    }
+}

@@ -27,7 +27,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use sandbox_benches::{header, in_nested, row, run_nested, stats};
+use sandbox_benches::{header, in_nested, pss_kib, ready, row, run_nested, stats};
 use sandbox_vmm::kvm::KvmBackend;
 use sandbox_vmm::qemu::{QemuBackend, args};
 use sandbox_vmm::{Backend, ImageStore, SnapshotFiles, VmSpec, config};
@@ -42,27 +42,6 @@ fn spec_for(image: &sandbox_vmm::Image, name: &str) -> VmSpec {
         0,
         config::state_dir().join(format!("{name}-{}", std::process::id())),
     )
-}
-
-/// Proportional set size of a process, KiB (shared pages split among their users).
-fn pss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("Pss:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-async fn ready(backend: &dyn Backend, spec: VmSpec) -> Option<sandbox_vmm::Sandbox> {
-    let name = spec.id.clone();
-    match sandbox_vmm::boot(backend, spec, Duration::from_secs(300)).await {
-        Ok(sb) => Some(sb),
-        Err(e) => {
-            println!("start failure ({name} on {}): {e}", backend.name());
-            None
-        }
-    }
 }
 
 /// One QEMU started outside the backend, with a QMP socket.

@@ -118,18 +118,7 @@ pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) ->
         intercept_all: spec.intercept == Some(InterceptMode::All),
         meter_strict: spec.meter_strict,
         meter_body_max: config.meter_body_max as u64,
-        secrets: spec
-            .secrets
-            .iter()
-            .map(|s| SecretConfig {
-                env: s.env.clone(),
-                value: s.value.clone(),
-                hosts: s.hosts.clone(),
-                headers: s.headers.clone(),
-                paths: s.paths.clone(),
-                wildcard: s.wildcard,
-            })
-            .collect(),
+        secrets: secret_configs(spec),
         memory_bytes: config.egress_memory_mib << 20,
         resolve: config.egress_resolve.to_value(),
         upstream_ca_pem: config.egress_ca_pem.clone(),
@@ -142,18 +131,29 @@ pub fn net_config(id: &str, spec: &EgressSpec, config: &Config, mac: [u8; 6]) ->
 /// request the process would refuse is refused before anything is done for it (a fork holds
 /// its parent only for children that can start).
 pub fn check_secrets(spec: &EgressSpec) -> Result<(), String> {
-    for s in &spec.secrets {
-        sandbox_egress::secrets::Secret::scoped(
-            &s.env,
-            &s.value,
-            &s.hosts,
-            s.headers.as_deref(),
-            s.paths.as_deref(),
-            s.wildcard,
-        )
-        .map_err(|e| e.to_string())?;
+    let mut secrets = secret_configs(spec);
+    let checked = sandbox_net::secrets(&secrets)
+        .map(drop)
+        .map_err(|e| e.to_string());
+    for s in &mut secrets {
+        zeroize::Zeroize::zeroize(&mut s.value);
     }
-    Ok(())
+    checked
+}
+
+/// The run's secrets as its network process gets them.
+fn secret_configs(spec: &EgressSpec) -> Vec<SecretConfig> {
+    spec.secrets
+        .iter()
+        .map(|s| SecretConfig {
+            env: s.env.clone(),
+            value: s.value.clone(),
+            hosts: s.hosts.clone(),
+            headers: s.headers.clone(),
+            paths: s.paths.clone(),
+            wildcard: s.wildcard,
+        })
+        .collect()
 }
 
 /// Starts the network process of sandbox `id` with the run's settings, for a guest whose network

@@ -37,4 +37,4 @@ impl FrameLink for GuestLink {
         self.0.set_waker(wake);
     }
 }
-pub use start::{Running, StartError, start, upstream_client};
+pub use start::{Running, StartError, secrets, start, upstream_client};

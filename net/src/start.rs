@@ -48,6 +48,26 @@ pub struct Running {
     pub env: Vec<(String, String)>,
 }
 
+/// The secrets of a sandbox's settings, each checked by the egress stack's parser: what the
+/// network process runs with, and what the service checks a request against before it does
+/// anything for it.
+pub fn secrets(
+    cfg: &[sandbox_control::net::SecretConfig],
+) -> Result<Vec<Secret>, sandbox_egress::secrets::SecretsError> {
+    cfg.iter()
+        .map(|s| {
+            Secret::scoped(
+                &s.env,
+                &s.value,
+                &s.hosts,
+                s.headers.as_deref(),
+                s.paths.as_deref(),
+                s.wildcard,
+            )
+        })
+        .collect()
+}
+
 /// The TLS client of intercepted connections to their upstreams, trusting `ca_pem` (the
 /// operator's bundle) or the system's roots. Loading the roots takes tens of milliseconds: a
 /// process that starts many sandboxes makes it once.
@@ -119,21 +139,7 @@ pub fn start(
     egress.limits.memory = usize::try_from(cfg.memory_bytes).unwrap_or(usize::MAX);
     let (mut ca_pem, mut env) = (None, Vec::new());
     if !intercept.is_empty() {
-        let secrets = cfg
-            .secrets
-            .iter()
-            .map(|s| {
-                Secret::scoped(
-                    &s.env,
-                    &s.value,
-                    &s.hosts,
-                    s.headers.as_deref(),
-                    s.paths.as_deref(),
-                    s.wildcard,
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| bad(&e))?;
+        let secrets = secrets(&cfg.secrets).map_err(|e| bad(&e))?;
         let policy = MeterPolicy {
             strict: cfg.meter_strict,
             body_max: usize::try_from(cfg.meter_body_max).unwrap_or(usize::MAX),
